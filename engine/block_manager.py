@@ -1,0 +1,185 @@
+"""KV block allocation with reference counts and prefix caching. Plain Python: no torch.
+
+Blocks are ids into the engine's KV pool. A block is *in use* while its ref count is > 0. A
+block whose tokens are complete gets a chained hash (parent hash, its tokens, extra keys such
+as the model identity), so a later prompt with the same prefix can share it. Free blocks that
+still hold a hashed prefix stay in the cache and are evicted least-recently-freed first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from typing import NewType
+
+BlockHash = NewType("BlockHash", bytes)
+
+
+def hash_block(parent: BlockHash | None, tokens: Seq[int], extra: bytes = b"") -> BlockHash:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"\0" * 16)
+    h.update(array("q", tokens).tobytes())
+    h.update(extra)
+    return BlockHash(h.digest())
+
+
+def block_hashes(token_ids: Seq[int], block_size: int, extra: bytes = b"") -> list[BlockHash]:
+    """Chained hashes of every *full* block of ``token_ids``."""
+    hashes: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], extra)
+        hashes.append(parent)
+    return hashes
+
+
+class OutOfBlocksError(RuntimeError):
+    """Raised when an allocation is attempted without checking `can_allocate` first."""
+
+
+class BlockManager:
+    """Owns the ref counts, the hash index and the free list of ``num_blocks`` KV blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 hash_extra: bytes = b""):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_extra = hash_extra
+        self._ref = [0] * num_blocks
+        self._hash_of: list[BlockHash | None] = [None] * num_blocks
+        self._cached: dict[BlockHash, int] = {}
+        # Free blocks in eviction order: first = evicted first. Values unused.
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # Per-sequence hashes of full blocks already registered, by request id.
+        self._seq_hashes: dict[str, list[BlockHash]] = {}
+        self.prefix_queries = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free)
+
+    def _matched_blocks(self, token_ids: Seq[int]) -> list[int]:
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        for h in block_hashes(token_ids, self.block_size, self.hash_extra):
+            block = self._cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def num_cached_tokens(self, token_ids: Seq[int]) -> int:
+        """How many leading tokens of ``token_ids`` are in the prefix cache (block aligned)."""
+        return len(self._matched_blocks(token_ids)) * self.block_size
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    # ------------------------------------------------------------------ allocation
+
+    def allocate_prompt(self, request_id: str, token_ids: Seq[int], num_tokens: int,
+                        *, max_cached: int) -> tuple[list[int], int] | None:
+        """Blocks for the first ``num_tokens`` tokens, reusing cached prefix blocks.
+
+        At most ``max_cached`` tokens are taken from the cache (callers keep at least one token
+        to compute so they get logits). Returns (block_table, num_cached_tokens), or None when
+        there are not enough free blocks (nothing is changed then).
+        """
+        hits = self._matched_blocks(token_ids)[: max(0, max_cached) // self.block_size]
+        need_total = self.blocks_needed(num_tokens)
+        # Hit blocks that are free right now leave the free list when we take them.
+        free_hits = sum(1 for b in hits if self._ref[b] == 0)
+        if need_total - len(hits) + free_hits > len(self._free):
+            return None
+        for b in hits:
+            self._take(b)
+        table = hits + [self._pop_free() for _ in range(need_total - len(hits))]
+        num_cached = len(hits) * self.block_size
+        self._seq_hashes[request_id] = [h for h, _ in zip(
+            block_hashes(token_ids[:num_cached], self.block_size, self.hash_extra), hits,
+            strict=True)]
+        self.prefix_queries += 1
+        self.prefix_query_tokens += len(token_ids)
+        self.prefix_hit_tokens += num_cached
+        return table, num_cached
+
+    def append_slots(self, block_table: list[int], num_tokens: int) -> bool:
+        """Grow ``block_table`` to hold ``num_tokens`` tokens. False (and no change) if full."""
+        need = self.blocks_needed(num_tokens) - len(block_table)
+        if need <= 0:
+            return True
+        if need > len(self._free):
+            return False
+        block_table.extend(self._pop_free() for _ in range(need))
+        return True
+
+    def register_full_blocks(self, request_id: str, token_ids: Seq[int], num_computed: int,
+                             block_table: Seq[int]) -> None:
+        """Record hashes of blocks whose KV is now complete, so later prompts can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._seq_hashes.setdefault(request_id, [])
+        num_full = num_computed // self.block_size
+        while len(hashes) < num_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            h = hash_block(parent, token_ids[i * self.block_size : (i + 1) * self.block_size],
+                           self.hash_extra)
+            hashes.append(h)
+            block = block_table[i]
+            if h not in self._cached and self._hash_of[block] is None:
+                self._cached[h] = block
+                self._hash_of[block] = h
+
+    def free(self, request_id: str, block_table: Seq[int]) -> None:
+        """Drop one reference to each block; blocks reaching zero become free (tail first)."""
+        self._seq_hashes.pop(request_id, None)
+        for b in reversed(block_table):
+            self._ref[b] -= 1
+            assert self._ref[b] >= 0, f"block {b} freed twice"
+            if self._ref[b] == 0:
+                if self._hash_of[b] is None:
+                    self._free[b] = None
+                    self._free.move_to_end(b, last=False)  # nothing cached: reuse first
+                else:
+                    self._free[b] = None
+
+    def reset_prefix_cache(self) -> None:
+        for h, b in list(self._cached.items()):
+            if self._ref[b] == 0:
+                del self._cached[h]
+                self._hash_of[b] = None
+
+    # ------------------------------------------------------------------ internals
+
+    def _take(self, block: int) -> None:
+        if self._ref[block] == 0:
+            del self._free[block]
+        self._ref[block] += 1
+
+    def _pop_free(self) -> int:
+        if not self._free:
+            raise OutOfBlocksError("no free KV blocks")
+        block, _ = self._free.popitem(last=False)
+        h = self._hash_of[block]
+        if h is not None:  # evict the cached prefix this block held
+            self._hash_of[block] = None
+            if self._cached.get(h) == block:
+                del self._cached[h]
+        self._ref[block] = 1
+        return block
