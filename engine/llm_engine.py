@@ -266,7 +266,7 @@ class LLMEngine:
                 text: str = "", logprob: TokenLogprob | None = None,
                 error: str | None = None) -> TokenEvent:
         detok = self._detok.pop(seq.request_id, None)
-        if detok is not None and reason is not FinishReason.STOP:
+        if detok is not None:
             text += detok.flush()
         self.scheduler.finish(seq, reason)
         seq.timings.finished = time.monotonic()

@@ -65,6 +65,17 @@ def is_complete(model_dir: Path) -> bool:
 # --------------------------------------------------------------------------- public API
 
 
+def import_transformers_offline() -> Any:
+    """Import transformers with hub access switched off (call before any transformers use)."""
+    # huggingface_hub reads HF_HUB_OFFLINE when first imported; setting it before that makes
+    # any accidental hub lookup fail at once instead of waiting on network timeouts.
+    # local_files_only=True on every call is the guarantee; this is the backstop.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    return transformers
+
+
 def pull_default_model(
     cache_dir: str | os.PathLike[str] | None = None, *, progress: bool = True
 ) -> Path:
@@ -206,7 +217,9 @@ def model_id(model_dir: str | os.PathLike[str]) -> str:
 # --------------------------------------------------------------------------- cache handling
 
 
-def _cached_gguf(gguf_path: Path, cache_dir: str | os.PathLike[str] | None, *, progress: bool) -> Path:
+def _cached_gguf(
+    gguf_path: Path, cache_dir: str | os.PathLike[str] | None, *, progress: bool
+) -> Path:
     st = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
     final = models_dir(cache_dir) / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
@@ -286,17 +299,6 @@ def _extract_member(archive: Path, member: str, dest: Path) -> Path:
 # --------------------------------------------------------------------------- conversion
 
 
-def import_transformers_offline() -> Any:
-    """Import transformers with hub access switched off (call before any transformers use)."""
-    # huggingface_hub reads HF_HUB_OFFLINE when first imported; setting it before that makes
-    # any accidental hub lookup fail at once instead of waiting on network timeouts.
-    # local_files_only=True on every call is the guarantee; this is the backstop.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import transformers
-
-    return transformers
-
-
 @contextlib.contextmanager
 def _transformers_progress(transformers: Any, enabled: bool) -> Iterator[None]:
     # transformers keeps its progress-bar switch in process-wide state: restore it on exit.
@@ -352,7 +354,9 @@ def _save_tokenizer(tokenizer: Any, out: Path, config: Any) -> None:
     config_path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
 
 
-def _verify_conversion(transformers: Any, torch: Any, model: Any, tokenizer: Any, out: Path) -> None:
+def _verify_conversion(
+    transformers: Any, torch: Any, model: Any, tokenizer: Any, out: Path
+) -> None:
     try:
         reloaded_tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(

@@ -1,0 +1,1 @@
+"""Benchmarks for pdserve. `bench.loadgen` drives any OpenAI-compatible endpoint."""

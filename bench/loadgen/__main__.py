@@ -1,0 +1,3 @@
+from bench.loadgen.cli import main
+
+raise SystemExit(main())

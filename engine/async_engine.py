@@ -1,0 +1,249 @@
+"""asyncio front of the engine. The engine runs on its own thread; the event loop never
+computes.
+
+Every call into the LLMEngine is a command executed on the engine thread between steps, so
+the engine stays single-threaded. Token events are handed back to the loop once per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import structlog
+
+from engine.llm_engine import EngineStats, LLMEngine, RemoteAllocation
+from engine.types import GenerateRequest, KVLayout, PdserveError, TokenEvent, TokenLogprob
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+
+class EngineClosedError(PdserveError):
+    code = "engine_closed"
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A finished prefill-only request: first token plus the blocks holding its KV.
+
+    The blocks stay reserved until `AsyncEngine.release(request_id)`.
+    """
+
+    first: TokenEvent
+    block_ids: tuple[int, ...]
+
+
+class AsyncEngine:
+    """Owns an LLMEngine and the thread that drives it. Use `async with` or start/close."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
+        self._commands = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.last_stats: EngineStats = engine.stats()
+        self.step_listeners: list[Callable[[EngineStats], None]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    async def close(self) -> None:
+        """Abort whatever is still running and stop the engine thread."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    async def __aenter__(self) -> AsyncEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.engine.layout
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            self._drain_commands()
+            if self._stopping:
+                events = [e for rid in list(self._streams) if (e := eng.abort(rid))]
+                self._deliver(events)
+                self._drain_commands()
+                return
+            if not eng.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                events = eng.step()
+            except Exception as exc:  # a step failing must not hang every stream
+                log.exception("engine step failed")
+                events = eng.fail_all(f"engine step failed: {exc}")
+            self._deliver(events)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        stats = self.engine.stats()
+        self.last_stats = stats
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, events, stats)
+            except RuntimeError:  # loop closed while we were computing
+                pass
+
+    def _dispatch(self, events: list[TokenEvent], stats: EngineStats) -> None:
+        for ev in events:
+            q = self._streams.get(ev.request_id)
+            if q is not None:
+                q.put_nowait(ev)
+        for listener in self.step_listeners:
+            listener(stats)
+
+    # ------------------------------------------------------------------ commands
+
+    def _submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        if self._thread is None or self._stopping:
+            raise EngineClosedError("engine is not running")
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return fut
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine thread between steps and return its result."""
+        return await asyncio.wrap_future(self._submit(fn))
+
+    def _abort_soon(self, request_id: str) -> None:
+        if self._thread is not None and not self._stopping:
+            self._submit(lambda: self.engine.abort(request_id))
+
+    async def _stream(self, request_id: str, q: asyncio.Queue[TokenEvent]) -> AsyncIterator[
+            TokenEvent]:
+        finished = False
+        try:
+            while True:
+                ev = await q.get()
+                finished = ev.finished
+                yield ev
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # consumer went away (cancelled, closed, disconnected)
+                self._abort_soon(request_id)
+
+    # ------------------------------------------------------------------ public API
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        """Prefill locally and decode; yields events until one with a finish_reason.
+
+        Closing or cancelling the iterator aborts the request and frees its blocks.
+        """
+        q: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._streams[req.request_id] = q
+        try:
+            await self.call(lambda: self.engine.add_request(req))
+        except BaseException:
+            self._streams.pop(req.request_id, None)
+            raise
+        async for ev in self._stream(req.request_id, q):
+            yield ev
+
+    async def prefill(self, req: GenerateRequest) -> PrefillResult:
+        """Compute ``req``'s prompt KV and first token; the blocks stay held until release."""
+        q: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._streams[req.request_id] = q
+        try:
+            await self.call(lambda: self.engine.add_request(req, prefill_only=True))
+            ev = await q.get()
+        except BaseException:
+            self._streams.pop(req.request_id, None)
+            self._abort_soon(req.request_id)  # also releases held blocks
+            raise
+        self._streams.pop(req.request_id, None)
+        if ev.finish_reason is not None and ev.token_id is None:
+            raise PdserveError(ev.error or f"prefill ended: {ev.finish_reason}")
+        blocks = await self.call(lambda: self.engine.held_blocks(req.request_id))
+        return PrefillResult(ev, blocks)
+
+    async def release(self, request_id: str) -> None:
+        await self.call(lambda: self.engine.release(request_id))
+
+    async def allocate_remote(self, req: GenerateRequest) -> RemoteAllocation:
+        self._streams[req.request_id] = asyncio.Queue()
+        try:
+            return await self.call(lambda: self.engine.allocate_remote(req))
+        except BaseException:
+            self._streams.pop(req.request_id, None)
+            raise
+
+    async def admit_remote(self, request_id: str, first_token: int,
+                           logprob: TokenLogprob | None = None) -> AsyncIterator[TokenEvent]:
+        """Start decoding an allocated request whose KV has been written; yields its events,
+        beginning with the first token."""
+        q = self._streams.get(request_id)
+        if q is None:
+            raise PdserveError(f"request {request_id!r} was not allocated here")
+
+        loop = asyncio.get_running_loop()
+
+        def admit() -> None:
+            ev = self.engine.admit_remote(request_id, first_token, logprob)
+            # Queued on the loop before any later step's events, so the first token leads.
+            loop.call_soon_threadsafe(q.put_nowait, ev)
+
+        try:
+            await self.call(admit)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            self._abort_soon(request_id)
+            raise
+        async for ev in self._stream(request_id, q):
+            yield ev
+
+    async def abort(self, request_id: str) -> None:
+        """End a request (any state) and free its blocks, then return."""
+        ev = await self.call(lambda: self.engine.abort(request_id))
+        q = self._streams.get(request_id)
+        if ev is not None and q is not None:
+            q.put_nowait(ev)
+
+    async def num_cached_tokens(self, token_ids: list[int] | tuple[int, ...]) -> int:
+        return await self.call(lambda: self.engine.num_cached_tokens(token_ids))
+
+    async def stats(self) -> EngineStats:
+        return await self.call(self.engine.stats)

@@ -1,0 +1,95 @@
+"""Stream a completion from a pdserve router over gRPC.
+
+    python examples/grpc_client.py --router 127.0.0.1:PORT "Once upon a time"
+
+Text goes to stdout as it arrives; the finish reason, usage and (with --timings) the stage
+timings go to stderr. Exits 1 with the error's stable code when the request fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from engine.types import LatencyClass, PdserveError, SamplingParams
+from pdserve import grpc_util
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+
+async def generate(
+    target: str,
+    prompt: str,
+    sampling: SamplingParams,
+    latency_class: LatencyClass,
+    *,
+    request_id: str = "",
+    timings: bool = False,
+) -> router_pb2.GenerateResponse:
+    """Stream `prompt`'s completion to stdout; returns the last response."""
+    request = router_pb2.GenerateRequest(
+        request_id=request_id,
+        text=prompt,
+        sampling=grpc_util.sampling_to_proto(sampling),
+        latency_class=grpc_util.latency_to_proto(latency_class),
+        return_timings=timings,
+    )
+    metadata = grpc_util.request_id_metadata(request_id) if request_id else ()
+    last = router_pb2.GenerateResponse()
+    async with grpc_util.insecure_channel(target) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        with grpc_util.translate_rpc_errors():
+            async for response in stub.Generate(request, metadata=metadata):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                last = response
+    sys.stdout.write("\n")
+    return last
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("prompt")
+    parser.add_argument("--router", required=True, help="HOST:PORT of the router's gRPC server")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--latency-class", default="standard", help="interactive|standard|batch")
+    parser.add_argument("--request-id", default="", help="sent as the request id and x-request-id")
+    parser.add_argument("--timings", action="store_true", help="print stage timings to stderr")
+    args = parser.parse_args()
+
+    try:
+        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        last = asyncio.run(
+            generate(
+                args.router,
+                args.prompt,
+                sampling,
+                LatencyClass.parse(args.latency_class),
+                request_id=args.request_id,
+                timings=args.timings,
+            )
+        )
+    except (PdserveError, TimeoutError) as exc:
+        code = getattr(exc, "code", "timeout")
+        print(f"error [{code}]: {exc}", file=sys.stderr)
+        return 1
+
+    reason = common_pb2.FinishReason.Name(last.finish_reason)
+    usage = last.usage
+    print(
+        f"[{last.request_id}] {reason} prompt={usage.prompt_tokens} "
+        f"completion={usage.completion_tokens} cached={usage.cached_tokens} "
+        f"route={common_pb2.PrefillRoute.Name(last.route)}",
+        file=sys.stderr,
+    )
+    if last.error:
+        print(f"error: {last.error}", file=sys.stderr)
+    if args.timings and last.HasField("timings"):
+        for name, ms in grpc_util.timings_ms(last.timings).items():
+            print(f"  {name:>22} {ms:9.2f} ms", file=sys.stderr)
+    return 1 if last.error else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""KV block transfer between prefill and decode pools over UCX (see kvxfer.protocol)."""
+
+from kvxfer.pool import PoolBytes, pool_shape
+from kvxfer.protocol import Code
+from kvxfer.receiver import Expectation, KVReceiver
+from kvxfer.runs import expand_runs, merge_pairs, merge_runs
+from kvxfer.sender import DescriptorResolver, KVSender, SendResult
+
+__all__ = [
+    "Code",
+    "DescriptorResolver",
+    "Expectation",
+    "KVReceiver",
+    "KVSender",
+    "PoolBytes",
+    "SendResult",
+    "expand_runs",
+    "merge_pairs",
+    "merge_runs",
+    "pool_shape",
+]

@@ -1,0 +1,62 @@
+"""Zero-copy byte views of a KV block pool, in host or CUDA memory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from engine.types import KVLayout
+
+
+def pool_shape(layout: KVLayout) -> tuple[int, ...]:
+    return (
+        layout.num_blocks,
+        layout.num_layers,
+        2,
+        layout.block_size,
+        layout.num_kv_heads,
+        layout.head_dim,
+    )
+
+
+def check_blocks(block_ids: Iterable[int], num_blocks: int, what: str) -> None:
+    """Raise ValueError naming the first id outside ``[0, num_blocks)``."""
+    for block in block_ids:
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < num_blocks:
+            raise ValueError(f"{what} block id {block!r} is outside the pool [0, {num_blocks})")
+
+
+class PoolBytes:
+    """The pool as one flat byte range; `run()` hands out buffers that alias the pool.
+
+    UCX reads from and writes into these buffers directly, so a finished recv has already
+    filled the pool: there is no staging copy. Host tensors are exposed as numpy arrays
+    (buffer protocol); CUDA tensors as themselves (``__cuda_array_interface__``), which keeps
+    this module free of any CUDA call on a machine without a GPU.
+    """
+
+    def __init__(self, pool: torch.Tensor, layout: KVLayout) -> None:
+        expected = pool_shape(layout)
+        if tuple(pool.shape) != expected:
+            raise ValueError(f"pool shape {tuple(pool.shape)} does not match layout {expected}")
+        if str(pool.dtype).removeprefix("torch.") != layout.dtype:
+            raise ValueError(f"pool dtype {pool.dtype} does not match layout dtype {layout.dtype}")
+        if not pool.is_contiguous():
+            raise ValueError("pool must be one contiguous tensor")
+        self.layout = layout
+        self.tensor = pool
+        self._bytes = pool.view(-1).view(torch.uint8)
+        self._block_nbytes = layout.block_nbytes
+
+    @property
+    def is_cuda(self) -> bool:
+        return self._bytes.is_cuda
+
+    def run(self, start: int, count: int) -> Any:
+        """Buffer aliasing blocks ``[start, start + count)``."""
+        if start < 0 or count < 1 or start + count > self.layout.num_blocks:
+            raise ValueError(f"block run ({start}, {count}) is outside the pool")
+        view = self._bytes[start * self._block_nbytes : (start + count) * self._block_nbytes]
+        return view if view.is_cuda else view.numpy()

@@ -1,0 +1,124 @@
+"""Wire protocol between KVSender and KVReceiver over one UCX endpoint.
+
+Every message is a UCX tag message; tags are hashed by ucxx with the endpoint's own tag, so
+they never collide across endpoints sharing a worker.
+
+Control frames are JSON objects (never pickle), sent as two tag messages on the same tag: an
+8-byte little-endian length, then the UTF-8 JSON. UCX keeps messages on one endpoint and tag in
+order, so the pair stays together as long as only one coroutine writes a tag at a time.
+
+- ``CTRL_TAG``            sender -> receiver requests: ``ping`` and ``write``. Several
+                          transfers share it, so the sender serializes frames with a lock.
+- ``reply_tag(seq)``      receiver -> sender replies for request `seq` (unique per endpoint):
+                          ``pong``, ``accept``/``reject``, then ``done``/``failed``.
+- ``data_tag(seq, i)``    the raw bytes of the i-th block run of transfer `seq`.
+
+A write goes: sender ``write`` -> receiver validates, posts one recv per destination run
+straight into its pool, replies ``accept`` (or ``reject`` with a code and message, before any
+data moved) -> sender sends each source run -> receiver replies ``done`` once every byte
+landed. Each transfer has its own tags, so transfers over one endpoint run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import struct
+from typing import Any
+
+import ucxx.exceptions
+
+from engine.types import KVTransferError
+
+CTRL_TAG = 0
+MAX_FRAME_BYTES = 16 << 20
+_SEQ_MOD = 1 << 28  # keeps tags below 2**61, where Python's int hash is the identity
+_LEN = struct.Struct("<Q")
+
+UCXError = ucxx.exceptions.UCXError
+
+
+class Code(enum.StrEnum):
+    """Stable `KVTransferError.code` values; the `REJECT_*` ones travel on the wire."""
+
+    STALE_DESCRIPTOR = "kv_stale_descriptor"
+    DESCRIPTOR_NOT_FOUND = "kv_descriptor_not_found"
+    DESCRIPTOR_LOOKUP_FAILED = "kv_descriptor_lookup_failed"
+    UNKNOWN_TRANSFER = "kv_unknown_transfer"
+    DUPLICATE_TRANSFER = "kv_duplicate_transfer"
+    BLOCK_OUT_OF_RANGE = "kv_block_out_of_range"
+    BLOCK_MISMATCH = "kv_block_mismatch"
+    LAYOUT_MISMATCH = "kv_layout_mismatch"
+    PROTOCOL_ERROR = "kv_protocol_error"
+    INVALID_ARGUMENT = "kv_invalid_argument"
+    CONNECT_FAILED = "kv_connect_failed"
+    PEER_GONE = "kv_peer_gone"
+    TIMEOUT = "kv_timeout"
+    CANCELLED = "kv_cancelled"
+    FENCE_FAILED = "kv_fence_failed"
+    CLOSED = "kv_closed"
+
+
+def error(code: Code, message: str) -> KVTransferError:
+    return KVTransferError(message, code=code.value)
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a valid frame; the endpoint should be dropped."""
+
+
+def next_seq(seq: int) -> int:
+    return seq % (_SEQ_MOD - 1) + 1  # 1 .. 2**28 - 1; 0 would collide with CTRL_TAG
+
+
+def reply_tag(seq: int) -> int:
+    return seq << 32
+
+
+def data_tag(seq: int, index: int) -> int:
+    return (seq << 32) | (index + 1)
+
+
+def encode(message: dict[str, Any]) -> tuple[bytes, bytes]:
+    payload = json.dumps(message, separators=(",", ":")).encode()
+    return _LEN.pack(len(payload)), payload
+
+
+async def send_frame(ep: Any, tag: int, message: dict[str, Any], timeout_s: float) -> None:
+    header, payload = encode(message)
+    async with asyncio.timeout(timeout_s):
+        await ep.send(header, tag=tag)
+        await ep.send(payload, tag=tag)
+
+
+async def recv_frame(
+    ep: Any, tag: int, timeout_s: float | None, *, idle_ok: bool = False
+) -> dict[str, Any]:
+    """Receive one frame. With `idle_ok` the wait for its first byte is unbounded (a server
+    waiting for the next request); the rest of the frame must still arrive within
+    `timeout_s`.
+    """
+    header = bytearray(_LEN.size)
+    if idle_ok:
+        await ep.recv(header, tag=tag)
+        async with asyncio.timeout(timeout_s):
+            return await _recv_payload(ep, tag, header)
+    async with asyncio.timeout(timeout_s):
+        await ep.recv(header, tag=tag)
+        return await _recv_payload(ep, tag, header)
+
+
+async def _recv_payload(ep: Any, tag: int, header: bytearray) -> dict[str, Any]:
+    (length,) = _LEN.unpack(header)
+    if not 0 < length <= MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame length {length} is outside (0, {MAX_FRAME_BYTES}]")
+    payload = bytearray(length)
+    await ep.recv(payload, tag=tag)
+    try:
+        message = json.loads(payload)
+    except ValueError as exc:
+        raise ProtocolError(f"frame is not JSON: {exc}") from None
+    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+        raise ProtocolError("frame must be a JSON object with a string 'op'")
+    return message

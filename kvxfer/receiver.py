@@ -1,0 +1,461 @@
+"""Decode side of a KV transfer: accept writes from prefill workers straight into the pool.
+
+Lifecycle of one transfer, keyed by `transfer_id`:
+
+    expect() -> PENDING --writer's request accepted--> ACTIVE --all bytes landed--> DONE
+                   |                                      |
+                   +-- timeout / cancel() ----------------+--> FAILED (after the fence)
+
+The fence: a transfer is only reported finished (its `Expectation` resolves or raises, or
+`cancel()` returns) once no byte can land in its blocks any more. For an ACTIVE transfer
+that means every recv posted into the pool has completed or been cancelled by UCX. We first
+give in-flight recvs `fence_grace_s` to complete; if they do not, the endpoint they were
+posted on is aborted (failing any other transfer from that same peer) and we wait for UCX to
+report them cancelled. Only if UCX does not report back within `fence_timeout_s` do we give
+up: the error then has code ``kv_fence_failed`` and the blocks must never be reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import enum
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Self
+
+import structlog
+import torch
+import ucxx
+
+from control.descriptors import DescriptorFormatError, layout_from_dict
+from engine.types import KVLayout, KVTransferError
+from kvxfer.pool import PoolBytes, check_blocks
+from kvxfer.protocol import (
+    CTRL_TAG,
+    Code,
+    ProtocolError,
+    UCXError,
+    data_tag,
+    error,
+    recv_frame,
+    reply_tag,
+    send_frame,
+)
+from kvxfer.runs import expand_runs
+
+log = structlog.get_logger(__name__)
+
+_ABORT_PERIOD_NS = 1_000_000_000  # bound on ucxx's blocking endpoint close
+_FINISHED_MEMORY = 4096  # finished transfer ids remembered, for clearer late-writer errors
+
+
+class _State(enum.Enum):
+    PENDING = "pending"
+    ACTIVE = "active"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Expectation:
+    """Awaitable for one expected transfer: returns once every byte landed, else raises
+    KVTransferError. Either way, no byte lands in the blocks after it finished. Awaiting it
+    again returns the same outcome; cancelling the awaiting task does not cancel the transfer
+    (use `KVReceiver.cancel`).
+    """
+
+    def __init__(self, transfer_id: str, dst_block_ids: tuple[int, ...], fut: asyncio.Future[None]):
+        self.transfer_id = transfer_id
+        self.dst_block_ids = dst_block_ids
+        self._future = fut
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return asyncio.shield(self._future).__await__()
+
+
+@dataclass(eq=False)
+class _Connection:
+    ep: Any  # ucxx Endpoint
+    peer: str
+
+    def abort(self, reason: str) -> None:
+        if not self.ep.closed:
+            log.warning("kv_endpoint_aborted", peer=self.peer, reason=reason)
+        with contextlib.suppress(UCXError):
+            self.ep.abort(period=_ABORT_PERIOD_NS)
+
+    async def reply(self, seq: int, message: dict[str, Any], timeout_s: float) -> bool:
+        """Best effort: False if the peer is gone or too slow to take a small frame."""
+        try:
+            await send_frame(self.ep, reply_tag(seq), message, timeout_s)
+            return True
+        except (UCXError, TimeoutError) as exc:
+            log.warning("kv_reply_failed", peer=self.peer, op=message["op"], error=repr(exc))
+            return False
+
+
+@dataclass(eq=False)
+class _Transfer:
+    transfer_id: str
+    dst_block_ids: tuple[int, ...]
+    deadline: float  # loop.time()
+    future: asyncio.Future[None]
+    timer: asyncio.TimerHandle | None = None
+    state: _State = _State.PENDING
+    recvs: list[asyncio.Task[Any]] = field(default_factory=list)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)  # cancel() while ACTIVE
+    stop_reason: KVTransferError | None = None
+    fenced: asyncio.Event = field(default_factory=asyncio.Event)
+    fence_ok: bool = True
+
+
+class KVReceiver:
+    """Accepts KV block writes into `pool` (a tensor laid out as `layout`) over UCX.
+
+    `descriptor_id` names this pool incarnation (``"{worker_id}:{epoch}"``); writers that
+    address another one are rejected. The UCX listener accepts on every interface; `host` is
+    the address advertised in `address`. Use as ``async with KVReceiver(...) as rx:``.
+    """
+
+    def __init__(
+        self,
+        pool: torch.Tensor,
+        layout: KVLayout,
+        descriptor_id: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        frame_timeout_s: float = 5.0,
+        fence_grace_s: float = 0.25,
+        fence_timeout_s: float = 10.0,
+    ) -> None:
+        self._pool = PoolBytes(pool, layout)
+        self.layout = layout
+        self.descriptor_id = descriptor_id
+        self._host = host
+        self._port = port
+        self._frame_timeout_s = frame_timeout_s
+        self._fence_grace_s = fence_grace_s
+        self._fence_timeout_s = fence_timeout_s
+        self._listener: Any = None
+        self._closing = False
+        self._transfers: dict[str, _Transfer] = {}
+        self._finished: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._conns: set[_Connection] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self._listener is None:
+            self._listener = ucxx.create_listener(self._serve, port=self._port)
+            log.info("kv_receiver_listening", address=self.address, descriptor=self.descriptor_id)
+
+    @property
+    def address(self) -> str:
+        """``"host:port"`` for KVDescriptor.ucx_address."""
+        if self._listener is None:
+            raise RuntimeError("KVReceiver is not started")
+        return f"{self._host}:{self._listener.port}"
+
+    async def close(self) -> None:
+        """Fail every open transfer (fenced), drop all endpoints and stop listening."""
+        self._closing = True
+        if self._listener is not None:
+            self._listener.close()
+        for transfer_id in list(self._transfers):
+            with contextlib.suppress(KVTransferError):
+                await self.cancel(transfer_id, reason="receiver closed")
+        for conn in list(self._conns):
+            conn.abort("receiver closed")
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=self._fence_timeout_s)
+
+    # ------------------------------------------------------------------ decode-side API
+
+    def expect(
+        self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float
+    ) -> Expectation:
+        """Allow one writer to fill `dst_block_ids` within `timeout_s`.
+
+        The writer must send exactly these blocks (in any order). Raises KVTransferError with
+        code ``kv_invalid_argument`` for an empty, duplicated or out-of-range id list or a
+        transfer id already in use.
+        """
+        if self._closing:
+            raise error(Code.CLOSED, "receiver is closed")
+        blocks = tuple(dst_block_ids)
+        try:
+            if not transfer_id:
+                raise ValueError("transfer_id must not be empty")
+            if not blocks:
+                raise ValueError("dst_block_ids must not be empty")
+            check_blocks(blocks, self.layout.num_blocks, "destination")
+            if len(set(blocks)) != len(blocks):
+                raise ValueError("dst_block_ids contains duplicates")
+            if transfer_id in self._transfers:
+                raise ValueError(f"transfer {transfer_id!r} is already expected")
+            if timeout_s <= 0:
+                raise ValueError("timeout_s must be > 0")
+        except ValueError as exc:
+            raise error(Code.INVALID_ARGUMENT, str(exc)) from None
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        # The decode service may cancel and never await: don't warn about unretrieved errors.
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        transfer = _Transfer(transfer_id, blocks, loop.time() + timeout_s, fut)
+        transfer.timer = loop.call_later(timeout_s, self._pending_expired, transfer)
+        self._transfers[transfer_id] = transfer
+        return Expectation(transfer_id, blocks, fut)
+
+    async def cancel(self, transfer_id: str, *, reason: str = "cancelled") -> None:
+        """Abort a transfer; returns once no byte can land in its blocks any more.
+
+        Only after this returns may the caller free the blocks. A no-op for unknown or
+        finished transfers (they are already fenced). Raises KVTransferError with code
+        ``kv_fence_failed`` if UCX never confirmed the cancellation: keep those blocks out
+        of use.
+        """
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None:
+            return
+        err = error(Code.CANCELLED, f"transfer {transfer_id!r} {reason}")
+        if transfer.state is _State.PENDING:
+            self._finish(transfer, err)
+        elif transfer.state is _State.ACTIVE and transfer.stop_reason is None:
+            transfer.stop_reason = err
+            transfer.stop.set()
+        limit = self._fence_grace_s + self._fence_timeout_s + 1.0
+        try:
+            async with asyncio.timeout(limit):
+                await transfer.fenced.wait()
+        except TimeoutError:
+            transfer.fence_ok = False
+        if not transfer.fence_ok:
+            raise error(
+                Code.FENCE_FAILED,
+                f"transfer {transfer_id!r}: UCX did not confirm that its receives ended; "
+                "its blocks must not be reused",
+            )
+
+    # ------------------------------------------------------------------ serving writers
+
+    async def _serve(self, ep: Any) -> None:
+        """One connected sender: read requests until the endpoint goes away."""
+        conn = _Connection(ep, peer=f"ep-{ep.uid:#x}")
+        self._conns.add(conn)
+        try:
+            while not self._closing:
+                try:
+                    msg = await recv_frame(ep, CTRL_TAG, self._frame_timeout_s, idle_ok=True)
+                except (ProtocolError, TimeoutError) as exc:
+                    log.warning("kv_bad_frame", peer=conn.peer, error=str(exc) or "timeout")
+                    break
+                except UCXError:
+                    break  # the sender closed or died
+                op, seq = msg.get("op"), msg.get("seq")
+                if not isinstance(seq, int) or seq <= 0:
+                    log.warning("kv_bad_frame", peer=conn.peer, error=f"bad seq {seq!r}")
+                    break
+                if op == "ping":
+                    pong = {"op": "pong", "descriptor_id": self.descriptor_id}
+                    await conn.reply(seq, pong, self._frame_timeout_s)
+                elif op == "write":
+                    await self._on_write(conn, seq, msg)
+                else:
+                    reject = {
+                        "op": "reject",
+                        "code": Code.PROTOCOL_ERROR,
+                        "message": f"bad op {op!r}",
+                    }
+                    await conn.reply(seq, reject, self._frame_timeout_s)
+        finally:
+            self._conns.discard(conn)
+            conn.abort("connection closed")
+
+    async def _on_write(self, conn: _Connection, seq: int, msg: dict[str, Any]) -> None:
+        transfer_id = msg.get("transfer_id")
+        try:
+            transfer, runs = self._admit(msg)
+        except KVTransferError as err:
+            log.warning(
+                "kv_write_rejected", transfer_id=transfer_id, code=err.code, reason=err.message
+            )
+            reject = {"op": "reject", "code": err.code, "message": err.message}
+            await conn.reply(seq, reject, self._frame_timeout_s)
+            return
+        # Accepted: from here on the writer may move bytes into the blocks.
+        transfer.state = _State.ACTIVE
+        if transfer.timer is not None:
+            transfer.timer.cancel()
+        for index, (start, count) in enumerate(runs):
+            buf = self._pool.run(start, count)
+            transfer.recvs.append(asyncio.create_task(conn.ep.recv(buf, tag=data_tag(seq, index))))
+        task = asyncio.create_task(self._run_transfer(conn, seq, transfer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _admit(self, msg: dict[str, Any]) -> tuple[_Transfer, list[tuple[int, int]]]:
+        """Validate a write request; raises KVTransferError (sent back as a reject).
+
+        A request naming an expected transfer but the wrong blocks or layout also fails that
+        transfer: the writer for it is broken and will not send the right data.
+        """
+        descriptor_id = msg.get("descriptor_id")
+        if descriptor_id != self.descriptor_id:
+            raise error(
+                Code.STALE_DESCRIPTOR,
+                f"descriptor {descriptor_id!r} does not name this KV pool (now "
+                f"{self.descriptor_id!r}); the decode worker restarted or the descriptor is "
+                "forged. Look the descriptor up again.",
+            )
+        transfer_id = msg.get("transfer_id")
+        if not isinstance(transfer_id, str):
+            raise error(Code.PROTOCOL_ERROR, "write request has no transfer_id")
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None:
+            state = self._finished.get(transfer_id)
+            detail = f"already {state}" if state else "not expected (never or no longer)"
+            raise error(Code.UNKNOWN_TRANSFER, f"transfer {transfer_id!r} is {detail}")
+        if transfer.state is not _State.PENDING:
+            raise error(Code.DUPLICATE_TRANSFER, f"transfer {transfer_id!r} already has a writer")
+        try:
+            runs = self._check_request(msg, transfer)
+        except KVTransferError as err:
+            self._finish(transfer, err)
+            raise
+        return transfer, runs
+
+    def _check_request(self, msg: dict[str, Any], transfer: _Transfer) -> list[tuple[int, int]]:
+        try:
+            layout = layout_from_dict(msg.get("layout"))
+        except DescriptorFormatError as exc:
+            raise error(Code.PROTOCOL_ERROR, f"bad layout: {exc}") from None
+        if not layout.compatible_with(self.layout):
+            raise error(
+                Code.LAYOUT_MISMATCH,
+                f"sender layout {layout} is not compatible with receiver layout {self.layout}",
+            )
+        raw_runs = msg.get("runs")
+        if not isinstance(raw_runs, list) or not all(
+            isinstance(r, list)
+            and len(r) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+            for r in raw_runs
+        ):
+            raise error(Code.PROTOCOL_ERROR, "runs must be a list of [start, count] integer pairs")
+        runs = [(start, count) for start, count in raw_runs]
+        if any(count < 1 for _, count in runs):
+            raise error(Code.PROTOCOL_ERROR, "every run must hold at least one block")
+        blocks = expand_runs(runs)
+        try:
+            check_blocks(blocks, self.layout.num_blocks, "destination")
+        except ValueError as exc:
+            raise error(Code.BLOCK_OUT_OF_RANGE, str(exc)) from None
+        if sorted(blocks) != sorted(transfer.dst_block_ids):
+            raise error(
+                Code.BLOCK_MISMATCH,
+                f"transfer {transfer.transfer_id!r} expects blocks "
+                f"{sorted(transfer.dst_block_ids)}, the writer sent {sorted(blocks)}",
+            )
+        return runs
+
+    async def _run_transfer(self, conn: _Connection, seq: int, transfer: _Transfer) -> None:
+        accept = {"op": "accept"}
+        if not await conn.reply(seq, accept, self._frame_timeout_s):
+            err = error(Code.PEER_GONE, f"writer of {transfer.transfer_id!r} went away")
+        else:
+            err = await self._wait_recvs(transfer)
+        if err is not None:
+            await self._fence(conn, transfer)
+        self._finish(transfer, err)
+        reply = {"op": "done"} if err is None else {"op": "failed", "code": err.code}
+        if err is not None:
+            reply["message"] = err.message
+        await conn.reply(seq, reply, self._frame_timeout_s)
+
+    async def _wait_recvs(self, transfer: _Transfer) -> KVTransferError | None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.create_task(transfer.stop.wait())
+        pending: set[asyncio.Future[Any]] = set(transfer.recvs)
+        try:
+            while pending:
+                remaining = transfer.deadline - loop.time()
+                if remaining <= 0:
+                    return error(
+                        Code.TIMEOUT,
+                        f"transfer {transfer.transfer_id!r} did not complete in time",
+                    )
+                done, pending = await asyncio.wait(
+                    pending | {stop}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                )
+                if stop in done:
+                    assert transfer.stop_reason is not None
+                    return transfer.stop_reason
+                pending.discard(stop)
+                for task in done:
+                    if (exc := task.exception()) is not None:
+                        return error(
+                            Code.PEER_GONE,
+                            f"transfer {transfer.transfer_id!r}: receive failed: {exc!r}",
+                        )
+            return None
+        finally:
+            stop.cancel()
+
+    async def _fence(self, conn: _Connection, transfer: _Transfer) -> None:
+        pending = {t for t in transfer.recvs if not t.done()}
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=self._fence_grace_s)
+        if pending:
+            conn.abort(f"fencing transfer {transfer.transfer_id!r}")
+            _, pending = await asyncio.wait(pending, timeout=self._fence_timeout_s)
+        for task in transfer.recvs:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: failures here are expected after an abort
+        if pending:
+            transfer.fence_ok = False
+            log.error("kv_fence_failed", transfer_id=transfer.transfer_id, pending=len(pending))
+
+    def _pending_expired(self, transfer: _Transfer) -> None:
+        if transfer.state is _State.PENDING:
+            msg = f"transfer {transfer.transfer_id!r}: no writer arrived in time"
+            self._finish(transfer, error(Code.TIMEOUT, msg))
+
+    def _finish(self, transfer: _Transfer, err: KVTransferError | None) -> None:
+        """Record the outcome. Callers guarantee the fence already holds."""
+        if transfer.state in (_State.DONE, _State.FAILED):
+            return
+        transfer.state = _State.DONE if err is None else _State.FAILED
+        if transfer.timer is not None:
+            transfer.timer.cancel()
+        self._transfers.pop(transfer.transfer_id, None)
+        self._finished[transfer.transfer_id] = "done" if err is None else "failed"
+        while len(self._finished) > _FINISHED_MEMORY:
+            self._finished.popitem(last=False)
+        if err is not None and not transfer.fence_ok:
+            err.code = Code.FENCE_FAILED.value
+        if not transfer.future.done():
+            if err is None:
+                transfer.future.set_result(None)
+            else:
+                transfer.future.set_exception(err)
+        transfer.fenced.set()
+        log.debug("kv_transfer_finished", transfer_id=transfer.transfer_id, error=err and err.code)

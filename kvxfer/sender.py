@@ -1,0 +1,400 @@
+"""Prefill side of a KV transfer: write blocks of the local pool into a remote pool."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self
+
+import structlog
+import torch
+import ucxx
+
+from control.descriptors import KVDescriptor, layout_to_dict, split_address
+from engine.types import KVLayout, KVTransferError
+from kvxfer.pool import PoolBytes, check_blocks
+from kvxfer.protocol import (
+    CTRL_TAG,
+    Code,
+    ProtocolError,
+    UCXError,
+    data_tag,
+    error,
+    next_seq,
+    recv_frame,
+    reply_tag,
+    send_frame,
+)
+from kvxfer.runs import merge_pairs
+
+log = structlog.get_logger(__name__)
+
+DescriptorResolver = Callable[[str], Awaitable[KVDescriptor | None]]
+"""Looks a descriptor id up, e.g. `WorkerRegistry.get_descriptor`; None if it does not exist."""
+
+_ABORT_PERIOD_NS = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class SendResult:
+    transfer_id: str
+    nbytes: int
+    num_runs: int
+    elapsed_s: float
+
+
+class _Peer:
+    """One open endpoint to a KVReceiver, shared by every transfer to it."""
+
+    def __init__(self, address: str, ep: Any) -> None:
+        self.address = address
+        self.ep = ep
+        self.ctrl_lock = asyncio.Lock()  # a request frame is two tag messages: keep them paired
+        self._seq = 0
+
+    @property
+    def alive(self) -> bool:
+        return not self.ep.closed
+
+    def next_seq(self) -> int:
+        self._seq = next_seq(self._seq)
+        return self._seq
+
+    def abort(self) -> None:
+        with contextlib.suppress(UCXError):
+            self.ep.abort(period=_ABORT_PERIOD_NS)
+
+
+class _Retry(Exception):
+    """A reused endpoint turned out dead before the receiver saw our request."""
+
+
+class KVSender:
+    """Writes KV blocks from local pools laid out as `layout` into remote KVReceivers.
+
+    Keeps one endpoint per receiver address and reuses it; transfers to the same receiver
+    run concurrently over it. Descriptors come from `resolve_descriptor` and are cached until
+    a receiver rejects one as stale. Use as ``async with KVSender(...) as tx:``.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        resolve_descriptor: DescriptorResolver,
+        *,
+        connect_timeout_s: float = 5.0,
+        fence_timeout_s: float = 10.0,
+        max_cached_descriptors: int = 4096,
+    ) -> None:
+        self.layout = layout
+        self._resolve = resolve_descriptor
+        self._connect_timeout_s = connect_timeout_s
+        self._fence_timeout_s = fence_timeout_s
+        self._max_cached = max_cached_descriptors
+        self._descriptors: collections.OrderedDict[str, KVDescriptor] = collections.OrderedDict()
+        self._peers: dict[str, _Peer] = {}
+        self._connect_locks: dict[str, asyncio.Lock] = {}
+        self._closed = False
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Drop every endpoint; transfers still running fail with ``kv_peer_gone``."""
+        self._closed = True
+        for peer in list(self._peers.values()):
+            self._drop_peer(peer)
+
+    def forget_descriptor(self, descriptor_id: str) -> None:
+        self._descriptors.pop(descriptor_id, None)
+
+    # ------------------------------------------------------------------ public API
+
+    async def warmup(
+        self,
+        *,
+        descriptor_id: str | None = None,
+        address: str | None = None,
+        timeout_s: float = 5.0,
+    ) -> None:
+        """Open (or check) the endpoint to a receiver now, so the first transfer does not pay
+        for connection setup. With `descriptor_id`, also checks the receiver still owns it.
+        """
+        if (descriptor_id is None) == (address is None):
+            raise ValueError("give exactly one of descriptor_id or address")
+        async with self._deadline(timeout_s, "warmup") as remaining:
+            if descriptor_id is not None:
+                address = (await self._descriptor(descriptor_id, remaining())).ucx_address
+            assert address is not None
+            peer = await self._peer(address, remaining())
+            seq = peer.next_seq()
+            reply = await self._exchange(peer, {"op": "ping", "seq": seq}, remaining())
+            if reply.get("op") != "pong":
+                raise self._protocol_failure(peer, f"expected pong, got {reply.get('op')!r}")
+            if descriptor_id is not None and reply.get("descriptor_id") != descriptor_id:
+                self.forget_descriptor(descriptor_id)
+                raise error(
+                    Code.STALE_DESCRIPTOR,
+                    f"receiver at {address} now serves descriptor "
+                    f"{reply.get('descriptor_id')!r}, not {descriptor_id!r}",
+                )
+
+    async def send(
+        self,
+        descriptor_id: str,
+        src_pool: torch.Tensor,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        transfer_id: str,
+        timeout_s: float = 10.0,
+    ) -> SendResult:
+        """Copy ``src_pool[src_block_ids[i]]`` into the remote block ``dst_block_ids[i]``.
+
+        Returns once the receiver confirmed every byte landed. Raises KVTransferError (see
+        `kvxfer.protocol.Code` for codes) on invalid arguments, an unknown or stale
+        descriptor, a rejection by the receiver, a lost peer, or when `timeout_s` runs out.
+        When it returns or raises, UCX no longer reads the source blocks, so they may be
+        freed. For a CUDA pool the caller must make sure the kernels writing the source
+        blocks have finished (e.g. synchronize their stream) before calling.
+        """
+        started = time.monotonic()
+        src_ids, dst_ids = list(src_block_ids), list(dst_block_ids)
+        try:
+            src = PoolBytes(src_pool, self.layout)
+            if not src_ids:
+                raise ValueError("no blocks to send")
+            runs = merge_pairs(src_ids, dst_ids)
+            check_blocks(src_ids, self.layout.num_blocks, "source")
+            if len(set(dst_ids)) != len(dst_ids):
+                raise ValueError("dst_block_ids contains duplicates")
+        except ValueError as exc:
+            raise error(Code.INVALID_ARGUMENT, f"transfer {transfer_id!r}: {exc}") from None
+
+        async with self._deadline(timeout_s, f"transfer {transfer_id!r}") as remaining:
+            desc = await self._descriptor(descriptor_id, remaining())
+            if not desc.layout.compatible_with(self.layout):
+                raise error(
+                    Code.LAYOUT_MISMATCH,
+                    f"transfer {transfer_id!r}: local layout {self.layout} is not compatible "
+                    f"with {descriptor_id!r} layout {desc.layout}",
+                )
+            try:
+                check_blocks(dst_ids, desc.layout.num_blocks, "destination")
+            except ValueError as exc:
+                raise error(Code.BLOCK_OUT_OF_RANGE, f"transfer {transfer_id!r}: {exc}") from None
+
+            request = {
+                "op": "write",
+                "transfer_id": transfer_id,
+                "descriptor_id": descriptor_id,
+                "layout": layout_to_dict(self.layout),
+                "runs": [[dst, count] for _, dst, count in runs],
+            }
+            for attempt in range(2):
+                peer = await self._peer(desc.ucx_address, remaining())
+                seq = peer.next_seq()
+                try:
+                    reply = await self._exchange(
+                        peer, {**request, "seq": seq}, remaining(), retry_ok=attempt == 0
+                    )
+                    break
+                except _Retry:
+                    continue
+            else:
+                raise AssertionError("unreachable: the second attempt never retries")
+            if reply.get("op") == "reject":
+                code = str(reply.get("code", Code.PROTOCOL_ERROR))
+                if code == Code.STALE_DESCRIPTOR:
+                    self.forget_descriptor(descriptor_id)
+                raise KVTransferError(
+                    f"receiver {desc.ucx_address} rejected transfer {transfer_id!r}: "
+                    f"{reply.get('message', '')}",
+                    code=code,
+                )
+            if reply.get("op") != "accept":
+                raise self._protocol_failure(peer, f"expected accept, got {reply.get('op')!r}")
+
+            await self._send_data(peer, seq, src, runs, transfer_id, remaining())
+            try:
+                reply = await recv_frame(peer.ep, reply_tag(seq), remaining())
+            except (UCXError, ProtocolError) as exc:
+                self._drop_peer(peer)
+                raise error(
+                    Code.PEER_GONE,
+                    f"transfer {transfer_id!r}: lost {peer.address} before its ack: {exc!r}",
+                ) from exc
+            if reply.get("op") == "failed":
+                raise KVTransferError(
+                    f"receiver {peer.address} failed transfer {transfer_id!r}: "
+                    f"{reply.get('message', '')}",
+                    code=str(reply.get("code", Code.PEER_GONE)),
+                )
+            if reply.get("op") != "done":
+                raise self._protocol_failure(peer, f"expected done, got {reply.get('op')!r}")
+
+        nbytes = len(src_ids) * self.layout.block_nbytes
+        result = SendResult(transfer_id, nbytes, len(runs), time.monotonic() - started)
+        log.debug("kv_transfer_sent", transfer_id=transfer_id, nbytes=nbytes, runs=len(runs))
+        return result
+
+    # ------------------------------------------------------------------ steps
+
+    async def _send_data(
+        self,
+        peer: _Peer,
+        seq: int,
+        src: PoolBytes,
+        runs: list[tuple[int, int, int]],
+        transfer_id: str,
+        timeout_s: float,
+    ) -> None:
+        """Send every run; on any failure, fence: return only once UCX stopped reading."""
+        sends = [
+            asyncio.create_task(peer.ep.send(src.run(start, count), tag=data_tag(seq, index)))
+            for index, (start, _, count) in enumerate(runs)
+        ]
+        failure: BaseException | None = None
+        try:
+            done, pending = await asyncio.wait(
+                sends, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION
+            )
+            failure = next((t.exception() for t in done if t.exception() is not None), None)
+            if failure is None and not pending:
+                return
+        except BaseException as exc:  # cancelled: the source blocks still need the fence
+            failure = exc
+            raise
+        finally:
+            if failure is not None or any(not t.done() for t in sends):
+                self._drop_peer(peer)
+                _, still = await asyncio.wait(sends, timeout=self._fence_timeout_s)
+                for task in sends:
+                    if task.done() and not task.cancelled():
+                        task.exception()
+                if still:
+                    log.error("kv_send_fence_failed", transfer_id=transfer_id, pending=len(still))
+        if failure is not None:
+            raise error(
+                Code.PEER_GONE,
+                f"transfer {transfer_id!r}: sending to {peer.address} failed: {failure!r}",
+            ) from failure
+        raise TimeoutError
+
+    async def _exchange(
+        self, peer: _Peer, request: dict[str, Any], timeout_s: float, *, retry_ok: bool = False
+    ) -> dict[str, Any]:
+        """Send one request on the control tag and wait for its first reply."""
+        seq = request["seq"]
+        sent = False
+        try:
+            async with peer.ctrl_lock:
+                await send_frame(peer.ep, CTRL_TAG, request, timeout_s)
+            sent = True
+            return await recv_frame(peer.ep, reply_tag(seq), timeout_s)
+        except (UCXError, ProtocolError) as exc:
+            self._drop_peer(peer)
+            if retry_ok and not sent:
+                log.info("kv_endpoint_stale_reconnecting", peer=peer.address)
+                raise _Retry from exc
+            raise error(Code.PEER_GONE, f"lost connection to {peer.address}: {exc!r}") from exc
+
+    async def _descriptor(self, descriptor_id: str, timeout_s: float) -> KVDescriptor:
+        desc = self._descriptors.get(descriptor_id)
+        if desc is not None:
+            self._descriptors.move_to_end(descriptor_id)
+            return desc
+        try:
+            async with asyncio.timeout(timeout_s):
+                desc = await self._resolve(descriptor_id)
+        except TimeoutError:
+            raise
+        except Exception as exc:
+            raise error(
+                Code.DESCRIPTOR_LOOKUP_FAILED,
+                f"looking up descriptor {descriptor_id!r} failed: {exc}",
+            ) from exc
+        if desc is None:
+            raise error(
+                Code.DESCRIPTOR_NOT_FOUND,
+                f"descriptor {descriptor_id!r} does not exist (the decode worker restarted or "
+                "its lease expired)",
+            )
+        if desc.descriptor_id != descriptor_id:
+            raise error(
+                Code.STALE_DESCRIPTOR,
+                f"looked up {descriptor_id!r} but got {desc.descriptor_id!r}",
+            )
+        self._descriptors[descriptor_id] = desc
+        while len(self._descriptors) > self._max_cached:
+            self._descriptors.popitem(last=False)
+        return desc
+
+    async def _peer(self, address: str, timeout_s: float) -> _Peer:
+        if self._closed:
+            raise error(Code.CLOSED, "sender is closed")
+        peer = self._peers.get(address)
+        if peer is not None and peer.alive:
+            return peer
+        lock = self._connect_locks.setdefault(address, asyncio.Lock())
+        async with asyncio.timeout(timeout_s):
+            await lock.acquire()
+        try:
+            peer = self._peers.get(address)
+            if peer is not None and peer.alive:
+                return peer
+            try:
+                host, port = split_address(address)
+                # Bounded by ucxx's own connect timeout; cancelling it midway could leak the
+                # half-made endpoint, so it is not wrapped in asyncio.timeout.
+                ep = await ucxx.create_endpoint(
+                    host, port, connect_timeout=max(0.1, min(timeout_s, self._connect_timeout_s))
+                )
+            except (UCXError, TimeoutError, ValueError, OSError) as exc:
+                raise error(
+                    Code.CONNECT_FAILED, f"cannot connect to KV receiver {address}: {exc!r}"
+                ) from exc
+            peer = _Peer(address, ep)
+            self._peers[address] = peer
+            log.info("kv_endpoint_opened", peer=address)
+            return peer
+        finally:
+            lock.release()
+
+    def _drop_peer(self, peer: _Peer) -> None:
+        if self._peers.get(peer.address) is peer:
+            del self._peers[peer.address]
+        peer.abort()
+
+    def _protocol_failure(self, peer: _Peer, detail: str) -> KVTransferError:
+        self._drop_peer(peer)
+        return error(Code.PROTOCOL_ERROR, f"receiver {peer.address} broke the protocol: {detail}")
+
+    @contextlib.asynccontextmanager
+    async def _deadline(self, timeout_s: float, what: str) -> Any:
+        """Yields `remaining()`; a TimeoutError inside becomes KVTransferError(kv_timeout)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+
+        def remaining() -> float:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError
+            return left
+
+        try:
+            yield remaining
+        except TimeoutError:
+            raise error(Code.TIMEOUT, f"{what} did not complete within {timeout_s}s") from None

@@ -1,0 +1,6 @@
+"""Generated gRPC stubs of the pdserve v1 API (protos/pdserve/v1/*.proto).
+
+The *_pb2*.py modules are written by the build (`pip install -e .` or
+`python setup.py build_protos`) and are not in git. Only servicers, clients and
+`pdserve.grpc_util` import them; domain code uses `engine.types`.
+"""

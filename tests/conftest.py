@@ -1,0 +1,101 @@
+"""Shared fixtures: the real default model, the transformers reference, real Redis."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+from conftest_redis import redis_server  # noqa: E402, F401
+
+# Eight varied prompts; the last is over 1,000 tokens.
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a land far away, there lived a",
+    "Translate to French: I would like a cup of coffee, please.",
+    "1, 1, 2, 3, 5, 8, 13,",
+    "Les élèves étudient la physique quantique à l'université parce que",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "Summarize the following report.\n\n" + " ".join(
+        f"In year {1900 + i} the town council of Riverton met {i % 7 + 2} times, approved "
+        f"{i % 5 + 1} budgets and planted {i * 3 % 40 + 10} trees along the river."
+        for i in range(40)) + "\n\nSummary:",
+]
+MAX_NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    from engine.model_store import pull_default_model
+
+    return pull_default_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer(model_dir)
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tokenizer) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    assert max(len(i) for i in ids) > 1000
+    return ids
+
+
+@pytest.fixture(scope="session")
+def loaded_model(model_dir: Path):  # type: ignore[no-untyped-def]
+    from engine.loader import load_model
+    from engine.model_store import model_id
+
+    model, config = load_model(model_dir)
+    return model, config, model_id(model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_reference(model_dir: Path, prompt_ids: list[list[int]]) -> list[list[int]]:
+    """Greedy outputs of transformers generate (fp32) on the same weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                              local_files_only=True)
+    outs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            x = torch.tensor([ids])
+            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW_TOKENS,
+                            do_sample=False)
+            outs.append(y[0, len(ids):].tolist())
+    del hf
+    return outs
+
+
+@pytest.fixture
+def make_engine(loaded_model, tokenizer) -> Iterator:  # type: ignore[no-untyped-def]
+    """Build LLMEngines sharing the loaded weights; checks every pool is fully free at the end."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    made: list[LLMEngine] = []
+
+    def make(**kw):  # type: ignore[no-untyped-def]
+        model, config, mid = loaded_model
+        kw.setdefault("kv_cache_bytes", 256 << 20)
+        eng = LLMEngine(model, config, EngineConfig(**kw), model_id=mid, tokenizer=tokenizer)
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        assert eng.block_manager.num_free_blocks == eng.layout.num_blocks, "KV blocks leaked"

@@ -1,0 +1,217 @@
+"""Control plane against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from conftest_redis import redis_server  # noqa: F401 - pytest fixture
+
+from control import (
+    ControlPlaneError,
+    KVDescriptor,
+    WorkerDirectory,
+    WorkerInfo,
+    WorkerInfoError,
+    WorkerRegistry,
+    make_descriptor_id,
+)
+from engine.types import KVLayout
+
+LAYOUT = KVLayout(16, 2, 4, 2, 8, "float32", "tiny-model")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def worker(worker_id: str = "d0", role: str = "decode", epoch: int = 1, **kw: object) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=worker_id,
+        role=role,  # type: ignore[arg-type]
+        grpc_address="127.0.0.1:50051",
+        model_id="tiny-model",
+        epoch=epoch,
+        started_at=time.time(),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def registry(redis_server: str, namespace: str) -> AsyncIterator[WorkerRegistry]:  # noqa: F811
+    async with WorkerRegistry.from_url(redis_server, namespace=namespace) as reg:
+        yield reg
+
+
+async def wait_until(predicate, timeout_s: float, step_s: float = 0.05) -> float:  # type: ignore[no-untyped-def]
+    start = time.monotonic()
+    while not await predicate():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"condition not met within {timeout_s}s")
+        await asyncio.sleep(step_s)
+    return time.monotonic() - start
+
+
+def test_worker_info_json_roundtrip_and_validation() -> None:
+    info = worker(ucx_address="127.0.0.1:4000", descriptor_id="d0:1", load={"running": 3})
+    assert WorkerInfo.from_json(info.to_json()) == info
+    with pytest.raises(WorkerInfoError, match="role"):
+        worker(role="both")
+    with pytest.raises(WorkerInfoError, match="grpc_address"):
+        WorkerInfo("w", "prefill", "nohostport", "m", 1, 0.0)
+    with pytest.raises(WorkerInfoError, match="load"):
+        worker(load={"running": "many"})
+
+
+async def test_register_list_and_deregister(registry: WorkerRegistry) -> None:
+    await registry.register(worker("d0"), ttl_s=5)
+    async with WorkerRegistry(registry._redis, namespace=registry.namespace) as other:
+        await other.register(worker("p0", role="prefill"), ttl_s=5)
+        assert [w.worker_id for w in await registry.list_workers()] == ["d0", "p0"]
+        assert [w.worker_id for w in await registry.list_workers("prefill")] == ["p0"]
+        got = await registry.get_worker("d0")
+        assert got is not None and got.role == "decode"
+    # leaving `other` deregistered p0
+    assert [w.worker_id for w in await registry.list_workers()] == ["d0"]
+    await registry.deregister()
+    assert await registry.list_workers() == []
+    assert await registry.get_worker("d0") is None
+
+
+async def test_heartbeat_refreshes_lease_and_load(registry: WorkerRegistry) -> None:
+    calls = 0
+
+    def load() -> dict[str, float]:
+        nonlocal calls
+        calls += 1
+        return {"running": calls, "free_blocks": 100 - calls}
+
+    await registry.register(worker(), ttl_s=1.0, heartbeat_s=0.2, load_fn=load)
+    await asyncio.sleep(1.6)  # well past the TTL: only the heartbeat keeps it alive
+    (info,) = await registry.list_workers()
+    assert info.load["running"] >= 3
+    assert info.load["free_blocks"] == 100 - info.load["running"]
+
+
+async def test_epochs_increase(registry: WorkerRegistry) -> None:
+    first = await registry.next_epoch("d0")
+    second = await registry.next_epoch("d0")
+    assert second == first + 1
+    assert await registry.next_epoch("d1") == 1
+
+
+async def test_newer_epoch_fences_the_old_incarnation(registry: WorkerRegistry) -> None:
+    old_epoch = await registry.next_epoch("d0")
+    await registry.register(worker("d0", epoch=old_epoch), ttl_s=5, heartbeat_s=1)
+    async with WorkerRegistry(registry._redis, namespace=registry.namespace) as new:
+        new_epoch = await new.next_epoch("d0")
+        await new.register(worker("d0", epoch=new_epoch), ttl_s=5)
+        assert await registry.heartbeat() is False
+        assert registry.lease_lost.is_set()
+        (info,) = await registry.list_workers()
+        assert info.epoch == new_epoch
+        await registry.deregister()  # must not delete the new incarnation's record
+        assert (await new.get_worker("d0")).epoch == new_epoch  # type: ignore[union-attr]
+        async with WorkerRegistry(registry._redis, namespace=registry.namespace) as stale:
+            with pytest.raises(ControlPlaneError, match="superseded"):
+                await stale.register(worker("d0", epoch=old_epoch), ttl_s=5)
+
+
+async def test_descriptor_publish_get_refresh_delete(registry: WorkerRegistry) -> None:
+    epoch = await registry.next_epoch("d0")
+    desc_id = make_descriptor_id("d0", epoch)
+    await registry.register(worker("d0", epoch=epoch, descriptor_id=desc_id), ttl_s=1.0)
+    published = await registry.publish_descriptor(desc_id, LAYOUT, "127.0.0.1:4000", "d0", epoch)
+    assert published == KVDescriptor(desc_id, "d0", epoch, "127.0.0.1:4000", LAYOUT)
+    await asyncio.sleep(1.5)  # past the TTL: the heartbeat refreshed it
+    assert await registry.get_descriptor(desc_id) == published
+    assert await registry.get_descriptor(make_descriptor_id("d0", epoch + 1)) is None
+    await registry.deregister()
+    assert await registry.get_descriptor(desc_id) is None
+
+
+async def test_descriptor_without_lease_needs_ttl(registry: WorkerRegistry) -> None:
+    with pytest.raises(ValueError, match="ttl_s"):
+        await registry.publish_descriptor("d0:1", LAYOUT, "127.0.0.1:4000", "d0", 1)
+    await registry.publish_descriptor("d0:1", LAYOUT, "127.0.0.1:4000", "d0", 1, ttl_s=0.3)
+    assert await registry.get_descriptor("d0:1") is not None
+    await asyncio.sleep(0.5)
+    assert await registry.get_descriptor("d0:1") is None
+
+
+async def test_directory_follows_workers(registry: WorkerRegistry) -> None:
+    async with WorkerDirectory(registry, role="decode", poll_s=0.1) as directory:
+        events = directory.events()
+        pending = asyncio.ensure_future(anext(events))
+        await asyncio.sleep(0)
+        await registry.register(worker("d0"), ttl_s=5, heartbeat_s=0.1, load_fn=lambda: {"x": 1})
+        first = await asyncio.wait_for(pending, 2)
+        assert (first.kind, first.worker.worker_id) == ("added", "d0")
+        second = await asyncio.wait_for(anext(events), 2)
+        assert second.kind == "updated" and second.worker.load == {"x": 1}
+        assert directory.get("d0") is not None
+        await registry.deregister()
+        third = await asyncio.wait_for(anext(events), 2)
+        assert (third.kind, third.worker.worker_id) == ("removed", "d0")
+        assert dict(directory.snapshot()) == {}
+        await events.aclose()
+
+
+async def test_crashed_worker_drops_out(redis_server: str, namespace: str) -> None:  # noqa: F811
+    """A worker killed with SIGKILL stops heartbeating; its lease lapses within ~TTL."""
+    script = textwrap.dedent(
+        f"""
+        import asyncio, sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from control import WorkerInfo, WorkerRegistry
+
+        async def main():
+            reg = WorkerRegistry.from_url({redis_server!r}, namespace={namespace!r})
+            info = WorkerInfo("crashy", "prefill", "127.0.0.1:1", "m", 1, time.time())
+            await reg.register(info, ttl_s=2.0, heartbeat_s=0.5)
+            print("ready", flush=True)
+            await asyncio.sleep(60)
+
+        asyncio.run(main())
+        """
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(30):
+            while (line := await proc.stdout.readline()).strip() != b"ready":  # after any logs
+                assert line, "worker process exited before registering"
+        async with WorkerRegistry.from_url(redis_server, namespace=namespace) as reg:
+            async with WorkerDirectory(reg, poll_s=0.2) as directory:
+                assert directory.get("crashy") is not None
+                await asyncio.sleep(2.5)  # longer than the TTL: heartbeats keep it alive
+                assert directory.get("crashy") is not None
+                proc.kill()
+
+                async def gone() -> bool:
+                    return directory.get("crashy") is None
+
+                assert await wait_until(gone, timeout_s=4.0) < 3.0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+
+
+async def test_unreachable_redis_is_a_control_plane_error(namespace: str) -> None:
+    async with WorkerRegistry.from_url(
+        "redis://127.0.0.1:1/0", namespace=namespace, op_timeout_s=0.5
+    ) as reg:
+        with pytest.raises(ControlPlaneError):
+            await reg.list_workers()

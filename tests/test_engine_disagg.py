@@ -1,0 +1,79 @@
+"""The disaggregated path in miniature: prefill on one engine, copy KV blocks, decode on another."""
+
+from __future__ import annotations
+
+import pytest
+from engine_util import greedy, run_to_end, tokens
+
+from engine.types import GenerateRequest
+
+
+def _transfer(prefill, decode, req: GenerateRequest) -> list[int]:
+    """Prefill-only on `prefill`, copy its blocks into blocks `decode` allocated, decode."""
+    prefill.add_request(req, prefill_only=True)
+    first = None
+    while prefill.has_unfinished():
+        for ev in prefill.step():
+            first = ev
+    assert first is not None and first.token_id is not None and first.finished
+    src = prefill.held_blocks(req.request_id)
+    alloc = decode.allocate_remote(req)
+    assert len(alloc.block_ids) == len(src)
+    skip = alloc.num_cached_tokens // decode.config.block_size
+    for s, d in zip(src[skip:], alloc.block_ids[skip:], strict=True):
+        decode.kv_pool[d].copy_(prefill.kv_pool[s])
+    prefill.release(req.request_id)
+    out = [decode.admit_remote(req.request_id, first.token_id)]
+    while decode.has_unfinished():
+        out.extend(decode.step())
+    return tokens(out)
+
+
+def test_prefill_transfer_decode_equals_single_engine(make_engine, prompt_ids,
+                                                      hf_reference) -> None:
+    prefill, decode = make_engine(), make_engine()
+    for i, (ids, ref) in enumerate(zip(prompt_ids, hf_reference, strict=True)):
+        req = GenerateRequest(f"x{i}", tuple(ids), greedy())
+        assert _transfer(prefill, decode, req) == ref
+
+
+def test_remote_request_joins_running_batch(make_engine, prompt_ids, hf_reference) -> None:
+    prefill, decode = make_engine(), make_engine()
+    local = GenerateRequest("local", tuple(prompt_ids[0]), greedy())
+    decode.add_request(local)
+    decode.step()  # local request is now mid-decode
+    remote = GenerateRequest("remote", tuple(prompt_ids[-1]), greedy())
+    prefill.add_request(remote, prefill_only=True)
+    first = [ev for _ in range(200) if prefill.has_unfinished() for ev in prefill.step()][-1]
+    alloc = decode.allocate_remote(remote)
+    for s, d in zip(prefill.held_blocks("remote"), alloc.block_ids, strict=True):
+        decode.kv_pool[d].copy_(prefill.kv_pool[s])
+    prefill.release("remote")
+    events = [decode.admit_remote("remote", first.token_id)]
+    while decode.has_unfinished():
+        events.extend(decode.step())
+    assert tokens([e for e in events if e.request_id == "remote"]) == hf_reference[-1]
+
+
+def test_remote_allocation_reuses_decode_prefix_cache(make_engine, prompt_ids,
+                                                      hf_reference) -> None:
+    prefill, decode = make_engine(), make_engine()
+    long_ids = tuple(prompt_ids[-1])
+    run_to_end(decode, [GenerateRequest("warm", long_ids, greedy(max_tokens=1))])
+    req = GenerateRequest("again", long_ids, greedy())
+    alloc = decode.allocate_remote(req)
+    assert alloc.num_cached_tokens >= len(long_ids) - 16
+    decode.abort("again")
+    assert _transfer(prefill, decode, GenerateRequest("again2", long_ids, greedy())) == \
+        hf_reference[-1]
+
+
+def test_abort_while_awaiting_kv_frees_blocks(make_engine, prompt_ids) -> None:
+    decode = make_engine()
+    free = decode.block_manager.num_free_blocks
+    decode.allocate_remote(GenerateRequest("gone", tuple(prompt_ids[-1]), greedy()))
+    assert decode.block_manager.num_free_blocks < free
+    decode.abort("gone")
+    assert decode.block_manager.num_free_blocks == free
+    with pytest.raises(Exception, match="not awaiting KV"):
+        decode.admit_remote("gone", 1)

@@ -1,0 +1,379 @@
+"""KV block transfer over real UCX endpoints on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest_redis import redis_server  # noqa: F401 - pytest fixture
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+import ucxx  # noqa: E402
+
+from control import KVDescriptor, WorkerRegistry, make_descriptor_id  # noqa: E402
+from engine.types import KVLayout, KVTransferError  # noqa: E402
+from kvxfer import (  # noqa: E402
+    Code,
+    KVReceiver,
+    KVSender,
+    expand_runs,
+    merge_pairs,
+    merge_runs,
+    pool_shape,
+)
+from kvxfer.protocol import CTRL_TAG, recv_frame, reply_tag, send_frame  # noqa: E402
+
+# 64 KiB blocks: large enough that UCX uses its rendezvous (zero-copy) protocol.
+LAYOUT = KVLayout(
+    num_blocks=32,
+    num_layers=2,
+    block_size=16,
+    num_kv_heads=4,
+    head_dim=64,
+    dtype="float32",
+    model_id="tiny",
+)
+DESC_ID = make_descriptor_id("d0", 2)
+
+
+def random_pool(layout: KVLayout = LAYOUT, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(pool_shape(layout), generator=gen, dtype=torch.float32)
+
+
+class Resolver:
+    """Descriptor lookup that counts calls, standing in for WorkerRegistry.get_descriptor."""
+
+    def __init__(self) -> None:
+        self.descriptors: dict[str, KVDescriptor] = {}
+        self.calls = 0
+
+    def add(self, desc: KVDescriptor) -> None:
+        self.descriptors[desc.descriptor_id] = desc
+
+    async def __call__(self, descriptor_id: str) -> KVDescriptor | None:
+        self.calls += 1
+        return self.descriptors.get(descriptor_id)
+
+
+@pytest.fixture
+def dst_pool() -> torch.Tensor:
+    return random_pool(seed=1)
+
+
+@pytest.fixture
+def src_pool() -> torch.Tensor:
+    return random_pool(seed=2)
+
+
+@pytest.fixture
+async def receiver(dst_pool: torch.Tensor) -> AsyncIterator[KVReceiver]:
+    async with KVReceiver(dst_pool, LAYOUT, DESC_ID, fence_grace_s=0.1) as rx:
+        yield rx
+
+
+@pytest.fixture
+def resolver(receiver: KVReceiver) -> Resolver:
+    res = Resolver()
+    res.add(KVDescriptor(DESC_ID, "d0", 2, receiver.address, LAYOUT))
+    return res
+
+
+@pytest.fixture
+async def sender(resolver: Resolver) -> AsyncIterator[KVSender]:
+    async with KVSender(LAYOUT, resolver) as tx:
+        yield tx
+
+
+def tid() -> str:
+    return uuid.uuid4().hex
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def test_merge_runs() -> None:
+    assert merge_runs([]) == []
+    assert merge_runs([4, 5, 6, 9, 2, 3]) == [(4, 3), (9, 1), (2, 2)]
+    assert merge_runs([1, 1, 2]) == [(1, 1), (1, 2)]
+    assert expand_runs(merge_runs([7, 8, 0, 1, 2, 5])) == [7, 8, 0, 1, 2, 5]
+
+
+def test_merge_pairs_needs_both_sides_consecutive() -> None:
+    assert merge_pairs([0, 1, 2], [7, 8, 3]) == [(0, 7, 2), (2, 3, 1)]
+    assert merge_pairs([0, 1, 2, 3], [4, 5, 6, 7]) == [(0, 4, 4)]
+    assert merge_pairs([5, 4], [0, 1]) == [(5, 0, 1), (4, 1, 1)]
+    with pytest.raises(ValueError):
+        merge_pairs([1], [])
+
+
+# --------------------------------------------------------------------------- transfers
+
+
+async def test_noncontiguous_transfer(
+    receiver: KVReceiver, sender: KVSender, src_pool: torch.Tensor, dst_pool: torch.Tensor
+) -> None:
+    before = dst_pool.clone()
+    src_ids = [3, 4, 5, 10, 20, 21]
+    dst_ids = [0, 1, 2, 7, 30, 31]
+    xid = tid()
+    landed = receiver.expect(xid, dst_ids, timeout_s=10)
+    result = await sender.send(DESC_ID, src_pool, src_ids, dst_ids, xid, timeout_s=10)
+    await landed
+    assert result.num_runs == 3 and result.nbytes == 6 * LAYOUT.block_nbytes
+    assert torch.equal(dst_pool[dst_ids], src_pool[src_ids])
+    untouched = [b for b in range(LAYOUT.num_blocks) if b not in dst_ids]
+    assert torch.equal(dst_pool[untouched], before[untouched])
+
+
+async def test_concurrent_transfers_share_one_endpoint(
+    receiver: KVReceiver, sender: KVSender, src_pool: torch.Tensor, dst_pool: torch.Tensor
+) -> None:
+    await sender.warmup(descriptor_id=DESC_ID)
+    jobs = [([i, i + 8], [31 - i, 20 - i]) for i in range(6)]
+    ids = [tid() for _ in jobs]
+    landed = [receiver.expect(x, dst, 10) for x, (_, dst) in zip(ids, jobs, strict=True)]
+    await asyncio.gather(
+        *(
+            sender.send(DESC_ID, src_pool, src, dst, x, 10)
+            for x, (src, dst) in zip(ids, jobs, strict=True)
+        ),
+        *landed,
+    )
+    for src, dst in jobs:
+        assert torch.equal(dst_pool[dst], src_pool[src])
+    assert len(sender._peers) == 1
+
+
+async def test_warmup_opens_the_endpoint_used_by_send(
+    receiver: KVReceiver, sender: KVSender, src_pool: torch.Tensor
+) -> None:
+    await sender.warmup(address=receiver.address)
+    (peer,) = sender._peers.values()
+    xid = tid()
+    landed = receiver.expect(xid, [0], 10)
+    await sender.send(DESC_ID, src_pool, [1], [0], xid, 10)
+    await landed
+    assert list(sender._peers.values()) == [peer]
+
+
+async def test_registry_published_descriptor(
+    redis_server: str,  # noqa: F811
+    receiver: KVReceiver,
+    src_pool: torch.Tensor,
+    dst_pool: torch.Tensor,
+) -> None:
+    namespace = f"t{uuid.uuid4().hex[:12]}"
+    async with WorkerRegistry.from_url(redis_server, namespace=namespace) as registry:
+        await registry.publish_descriptor(DESC_ID, LAYOUT, receiver.address, "d0", 2, ttl_s=30)
+        async with KVSender(LAYOUT, registry.get_descriptor) as tx:
+            xid = tid()
+            landed = receiver.expect(xid, [5, 6], 10)
+            await tx.send(DESC_ID, src_pool, [0, 1], [5, 6], xid, 10)
+            await landed
+    assert torch.equal(dst_pool[[5, 6]], src_pool[[0, 1]])
+
+
+# --------------------------------------------------------------------------- rejections
+
+
+async def test_stale_epoch_is_rejected_before_any_byte_moves(
+    receiver: KVReceiver, resolver: Resolver, sender: KVSender, src_pool: torch.Tensor
+) -> None:
+    # The worker restarted on the same address: epoch 1's descriptor now reaches epoch 2's pool.
+    stale_id = make_descriptor_id("d0", 1)
+    resolver.add(KVDescriptor(stale_id, "d0", 1, receiver.address, LAYOUT))
+    xid = tid()
+    landed = receiver.expect(xid, [0, 1], 10)
+    before = receiver._pool.tensor.clone()
+    with pytest.raises(KVTransferError, match="restarted") as info:
+        await sender.send(stale_id, src_pool, [4, 5], [0, 1], xid, 10)
+    assert info.value.code == Code.STALE_DESCRIPTOR
+    assert torch.equal(receiver._pool.tensor, before)
+    assert not landed.done()  # the transfer may still come from a writer with the right id
+    calls = resolver.calls
+    with pytest.raises(KVTransferError):
+        await sender.send(stale_id, src_pool, [4, 5], [0, 1], xid, 10)
+    assert resolver.calls == calls + 1  # the stale cache entry was dropped
+    await sender.send(DESC_ID, src_pool, [4, 5], [0, 1], xid, 10)
+    await landed
+
+
+async def test_out_of_range_blocks(
+    receiver: KVReceiver, resolver: Resolver, sender: KVSender, src_pool: torch.Tensor
+) -> None:
+    with pytest.raises(KVTransferError, match="outside the pool") as info:
+        await sender.send(DESC_ID, src_pool, [0], [LAYOUT.num_blocks], tid(), 10)
+    assert info.value.code == Code.BLOCK_OUT_OF_RANGE
+    with pytest.raises(KVTransferError, match="source block") as info:
+        await sender.send(DESC_ID, src_pool, [-1], [0], tid(), 10)
+    assert info.value.code == Code.INVALID_ARGUMENT
+    assert sender._peers == {}  # rejected locally, before connecting
+
+    # A descriptor that lies about the pool size gets past the sender; the receiver refuses.
+    big = replace(LAYOUT, num_blocks=64)
+    resolver.add(KVDescriptor(DESC_ID, "d0", 2, receiver.address, big))
+    xid = tid()
+    landed = receiver.expect(xid, [1], 10)
+    before = receiver._pool.tensor.clone()
+    with pytest.raises(KVTransferError, match="outside the pool") as info:
+        await sender.send(DESC_ID, src_pool, [0], [40], xid, 10)
+    assert info.value.code == Code.BLOCK_OUT_OF_RANGE
+    assert torch.equal(receiver._pool.tensor, before)
+    with pytest.raises(KVTransferError) as info:
+        await landed
+    assert info.value.code == Code.BLOCK_OUT_OF_RANGE
+
+
+async def test_unexpected_blocks_and_transfers(
+    receiver: KVReceiver, sender: KVSender, src_pool: torch.Tensor
+) -> None:
+    with pytest.raises(KVTransferError, match="not expected") as info:
+        await sender.send(DESC_ID, src_pool, [0], [0], "never-expected", 10)
+    assert info.value.code == Code.UNKNOWN_TRANSFER
+    xid = tid()
+    landed = receiver.expect(xid, [2, 3], 10)
+    with pytest.raises(KVTransferError, match="expects blocks") as info:
+        await sender.send(DESC_ID, src_pool, [0, 1], [3, 4], xid, 10)
+    assert info.value.code == Code.BLOCK_MISMATCH
+    with pytest.raises(KVTransferError, match="expects blocks"):
+        await landed
+
+
+async def test_layout_mismatch(
+    receiver: KVReceiver, resolver: Resolver, sender: KVSender, src_pool: torch.Tensor
+) -> None:
+    other_model = replace(LAYOUT, model_id="other")
+    async with KVSender(other_model, resolver) as tx:
+        with pytest.raises(KVTransferError, match="not compatible") as info:
+            await tx.send(DESC_ID, src_pool, [0], [0], tid(), 10)
+        assert info.value.code == Code.LAYOUT_MISMATCH
+        assert tx._peers == {}
+
+    # A forged descriptor hides the mismatch from the sender; the receiver still refuses.
+    resolver.add(KVDescriptor("d9:1", "d9", 1, receiver.address, other_model))
+    xid = tid()
+    landed = receiver.expect(xid, [0], 10)
+    async with KVSender(other_model, resolver) as tx:
+        with pytest.raises(KVTransferError, match="not compatible") as info:
+            await tx.send("d9:1", src_pool, [0], [0], xid, 10)
+    # the descriptor check comes first, so this one is reported as stale
+    assert info.value.code == Code.STALE_DESCRIPTOR or info.value.code == Code.LAYOUT_MISMATCH
+    resolver.add(KVDescriptor(DESC_ID, "d0", 2, receiver.address, other_model))
+    async with KVSender(other_model, resolver) as tx:
+        with pytest.raises(KVTransferError, match="not compatible") as info:
+            await tx.send(DESC_ID, src_pool, [0], [0], xid, 10)
+        assert info.value.code == Code.LAYOUT_MISMATCH
+    with pytest.raises(KVTransferError, match="not compatible"):
+        await landed
+
+
+# --------------------------------------------------------------------------- timeouts
+
+
+async def test_expectation_times_out_without_writer(receiver: KVReceiver) -> None:
+    start = time.monotonic()
+    with pytest.raises(KVTransferError, match="no writer") as info:
+        await receiver.expect(tid(), [0], timeout_s=0.3)
+    assert info.value.code == Code.TIMEOUT
+    assert time.monotonic() - start < 2
+
+
+async def test_send_times_out_when_receiver_never_answers(
+    resolver: Resolver, src_pool: torch.Tensor
+) -> None:
+    held = []
+
+    async def silent(ep: object) -> None:
+        held.append(ep)  # accept the connection, never read from it
+
+    listener = ucxx.create_listener(silent, port=0)
+    resolver.add(KVDescriptor("mute:1", "mute", 1, f"127.0.0.1:{listener.port}", LAYOUT))
+    async with KVSender(LAYOUT, resolver) as tx:
+        start = time.monotonic()
+        with pytest.raises(KVTransferError, match="within 0.5s") as info:
+            await tx.send("mute:1", src_pool, [0], [0], tid(), timeout_s=0.5)
+        assert info.value.code == Code.TIMEOUT
+        assert time.monotonic() - start < 3
+    listener.close()
+
+
+async def test_unknown_descriptor_and_unreachable_receiver(
+    resolver: Resolver, sender: KVSender, src_pool: torch.Tensor
+) -> None:
+    with pytest.raises(KVTransferError, match="does not exist") as info:
+        await sender.send("nobody:1", src_pool, [0], [0], tid(), 5)
+    assert info.value.code == Code.DESCRIPTOR_NOT_FOUND
+    resolver.add(KVDescriptor("gone:1", "gone", 1, "127.0.0.1:1", LAYOUT))
+    with pytest.raises(KVTransferError) as info:
+        await sender.send("gone:1", src_pool, [0], [0], tid(), 5)
+    assert info.value.code == Code.CONNECT_FAILED
+
+
+# --------------------------------------------------------------------------- cancel fence
+
+
+async def test_cancel_pending_transfer(
+    receiver: KVReceiver, sender: KVSender, src_pool: torch.Tensor, dst_pool: torch.Tensor
+) -> None:
+    xid = tid()
+    landed = receiver.expect(xid, [0, 1], 10)
+    await receiver.cancel(xid)
+    with pytest.raises(KVTransferError) as info:
+        await landed
+    assert info.value.code == Code.CANCELLED
+    before = dst_pool.clone()
+    with pytest.raises(KVTransferError, match="already failed") as info:
+        await sender.send(DESC_ID, src_pool, [4, 5], [0, 1], xid, 10)
+    assert info.value.code == Code.UNKNOWN_TRANSFER
+    assert torch.equal(dst_pool, before)
+
+
+async def test_cancel_fences_posted_receives(
+    receiver: KVReceiver, src_pool: torch.Tensor, dst_pool: torch.Tensor
+) -> None:
+    """A writer was accepted (recvs are posted into the pool) but its data is late: cancel()
+    must return only once those recvs can no longer write, and data sent afterwards must not
+    land.
+    """
+    host, port = receiver.address.rsplit(":", 1)
+    ep = await ucxx.create_endpoint(host, int(port))
+    xid = tid()
+    landed = receiver.expect(xid, [8, 9], 10)
+    write = {
+        "op": "write",
+        "seq": 1,
+        "transfer_id": xid,
+        "descriptor_id": DESC_ID,
+        "layout": LAYOUT.__dict__,
+        "runs": [[8, 2]],
+    }
+    await send_frame(ep, CTRL_TAG, write, 5)
+    assert (await recv_frame(ep, reply_tag(1), 5))["op"] == "accept"
+    before = dst_pool.clone()
+
+    start = time.monotonic()
+    await receiver.cancel(xid)
+    assert time.monotonic() - start < 5
+    with pytest.raises(KVTransferError) as info:
+        await landed
+    assert info.value.code == Code.CANCELLED
+
+    # The late data must not land: the receiver aborted the endpoint to fence its recvs.
+    late = src_pool[0:2].contiguous().view(-1).view(torch.uint8).numpy()
+    from kvxfer.protocol import data_tag
+
+    try:
+        await asyncio.wait_for(ep.send(late, tag=data_tag(1, 0)), 2)
+    except (ucxx.exceptions.UCXError, TimeoutError):
+        pass
+    await asyncio.sleep(0.3)
+    assert torch.equal(dst_pool, before)
+    ep.abort()
