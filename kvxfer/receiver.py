@@ -83,9 +83,11 @@ class _Connection:
     ep: Any  # ucxx Endpoint
     peer: str
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, *, fencing: bool = False) -> None:
         if not self.ep.closed:
-            log.warning("kv_endpoint_aborted", peer=self.peer, reason=reason)
+            (log.warning if fencing else log.debug)(
+                "kv_endpoint_aborted", peer=self.peer, reason=reason
+            )
         with contextlib.suppress(UCXError):
             self.ep.abort(period=_ABORT_PERIOD_NS)
 
@@ -178,8 +180,6 @@ class KVReceiver:
     async def close(self) -> None:
         """Fail every open transfer (fenced), drop all endpoints and stop listening."""
         self._closing = True
-        if self._listener is not None:
-            self._listener.close()
         for transfer_id in list(self._transfers):
             with contextlib.suppress(KVTransferError):
                 await self.cancel(transfer_id, reason="receiver closed")
@@ -187,6 +187,8 @@ class KVReceiver:
             conn.abort("receiver closed")
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=self._fence_timeout_s)
+        if self._listener is not None:
+            self._listener.close()  # after the handlers returned, which ucxx expects
 
     # ------------------------------------------------------------------ decode-side API
 
@@ -261,6 +263,9 @@ class KVReceiver:
         """One connected sender: read requests until the endpoint goes away."""
         conn = _Connection(ep, peer=f"ep-{ep.uid:#x}")
         self._conns.add(conn)
+        serving = asyncio.current_task()
+        if serving is not None:
+            self._tasks.add(serving)
         try:
             while not self._closing:
                 try:
@@ -288,6 +293,7 @@ class KVReceiver:
                     await conn.reply(seq, reject, self._frame_timeout_s)
         finally:
             self._conns.discard(conn)
+            self._tasks.discard(serving)  # type: ignore[arg-type]
             conn.abort("connection closed")
 
     async def _on_write(self, conn: _Connection, seq: int, msg: dict[str, Any]) -> None:
@@ -425,7 +431,7 @@ class KVReceiver:
         if pending:
             _, pending = await asyncio.wait(pending, timeout=self._fence_grace_s)
         if pending:
-            conn.abort(f"fencing transfer {transfer.transfer_id!r}")
+            conn.abort(f"fencing transfer {transfer.transfer_id!r}", fencing=True)
             _, pending = await asyncio.wait(pending, timeout=self._fence_timeout_s)
         for task in transfer.recvs:
             if task.done() and not task.cancelled():

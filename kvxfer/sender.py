@@ -204,7 +204,11 @@ class KVSender:
                 "runs": [[dst, count] for _, dst, count in runs],
             }
             for attempt in range(2):
-                peer = await self._peer(desc.ucx_address, remaining())
+                try:
+                    peer = await self._peer(desc.ucx_address, remaining())
+                except KVTransferError:
+                    self.forget_descriptor(descriptor_id)  # the worker may have moved
+                    raise
                 seq = peer.next_seq()
                 try:
                     reply = await self._exchange(

@@ -24,14 +24,15 @@ def test_one_at_a_time(make_engine, prompt_ids, hf_reference) -> None:
     [
         pytest.param({}, id="one-batch"),
         pytest.param({"max_prefill_chunk": 48, "max_num_batched_tokens": 96}, id="small-chunks"),
-        # 75 blocks of 16 = 1,200 tokens: every request fits alone, not all together.
-        pytest.param({"num_kv_blocks": 75}, id="preemption"),
+        # 90 blocks of 16 = 1,440 tokens: every request fits alone, not all together.
+        pytest.param({"num_kv_blocks": 90}, id="preemption"),
     ],
 )
 def test_concurrent(make_engine, prompt_ids, hf_reference, config) -> None:
     engine = make_engine(**config)
     reqs = _requests(prompt_ids)
-    out = run_to_end(engine, reqs)
+    # Longest first, so it is admitted and the short ones' growth must preempt something.
+    out = run_to_end(engine, reqs[::-1])
     for req, ref in zip(reqs, hf_reference, strict=True):
         assert tokens(out[req.request_id]) == ref, req.request_id
     if "num_kv_blocks" in config:
