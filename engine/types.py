@@ -184,6 +184,9 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    # Set by the router on the last event: how the prompt was prefilled and where time went.
+    route: str | None = None  # "local" | "remote" | "fallback"
+    timings_ms: dict[str, float] | None = None
 
     @property
     def finished(self) -> bool:
