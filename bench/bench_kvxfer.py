@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import multiprocessing as mp
 import os
 import statistics
@@ -24,9 +25,12 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a plain script
+# Runnable as a plain script; the UCX setting must precede ucxx's import to silence a warning.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 import numpy as np
+import structlog
 import torch
 
 from control import KVDescriptor
@@ -49,8 +53,12 @@ def layout_for(nbytes: int) -> tuple[KVLayout, int]:
 # --------------------------------------------------------------------------- receiver process
 
 
+def quiet_logs() -> None:
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+
 def receiver_main(conn: Connection, nbytes: int) -> None:
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    quiet_logs()
     torch.set_num_threads(1)
     asyncio.run(_receiver(conn, nbytes))
 
@@ -198,7 +206,7 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=64, help="MiB per transfer")
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    quiet_logs()
     torch.set_num_threads(1)
     asyncio.run(run(args.mb << 20, args.iters))
 

@@ -97,9 +97,9 @@ class WorkerDirectory:
         current = {w.worker_id: w for w in await self._registry.list_workers(self._role)}
         self.last_refresh = time.monotonic()
         events: list[WorkerEvent] = []
-        for worker_id, old in self._workers.items():
+        for worker_id, gone in self._workers.items():
             if worker_id not in current:
-                events.append(WorkerEvent("removed", old, old))
+                events.append(WorkerEvent("removed", gone, gone))
         for worker_id, new in current.items():
             old = self._workers.get(worker_id)
             if old is None:

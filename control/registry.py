@@ -253,7 +253,7 @@ class WorkerRegistry:
             self._workers_key,
             *(self.descriptor_key(d) for d in self._descriptor_ids),
         ]
-        args = [info.to_json(), self._ttl_ms, info.epoch, info.worker_id]
+        args: list[str | int] = [info.to_json(), self._ttl_ms, info.epoch, info.worker_id]
         return bool(await self._call(self._heartbeat_lua(keys=keys, args=args)))
 
     async def _heartbeat_loop(self, period_s: float) -> None:

@@ -161,7 +161,8 @@ class Scheduler:
     def allocate_remote(self, seq: Sequence) -> bool:
         """Reserve blocks for a prompt whose KV will be written from outside the engine."""
         total = seq.num_prompt_tokens
-        alloc = self.bm.allocate_prompt(seq.request_id, seq.token_ids, total, max_cached=total)
+        # Keep at least one block to write, so every transfer carries the completion notice.
+        alloc = self.bm.allocate_prompt(seq.request_id, seq.token_ids, total, max_cached=total - 1)
         if alloc is None:
             return False
         seq.block_table, seq.num_cached_tokens = alloc

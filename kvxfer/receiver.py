@@ -145,6 +145,7 @@ class KVReceiver:
         self._fence_grace_s = fence_grace_s
         self._fence_timeout_s = fence_timeout_s
         self._listener: Any = None
+        self._bound_port: int | None = None
         self._closing = False
         self._transfers: dict[str, _Transfer] = {}
         self._finished: collections.OrderedDict[str, str] = collections.OrderedDict()
@@ -168,14 +169,15 @@ class KVReceiver:
     async def start(self) -> None:
         if self._listener is None:
             self._listener = ucxx.create_listener(self._serve, port=self._port)
+            self._bound_port = int(self._listener.port)
             log.info("kv_receiver_listening", address=self.address, descriptor=self.descriptor_id)
 
     @property
     def address(self) -> str:
         """``"host:port"`` for KVDescriptor.ucx_address."""
-        if self._listener is None:
+        if self._bound_port is None:
             raise RuntimeError("KVReceiver is not started")
-        return f"{self._host}:{self._listener.port}"
+        return f"{self._host}:{self._bound_port}"
 
     async def close(self) -> None:
         """Fail every open transfer (fenced), drop all endpoints and stop listening."""
@@ -189,6 +191,7 @@ class KVReceiver:
             await asyncio.wait(self._tasks, timeout=self._fence_timeout_s)
         if self._listener is not None:
             self._listener.close()  # after the handlers returned, which ucxx expects
+            self._listener = None  # ucxx unbinds the port once the last reference is gone
 
     # ------------------------------------------------------------------ decode-side API
 
@@ -385,6 +388,7 @@ class KVReceiver:
 
     async def _run_transfer(self, conn: _Connection, seq: int, transfer: _Transfer) -> None:
         accept = {"op": "accept"}
+        err: KVTransferError | None
         if not await conn.reply(seq, accept, self._frame_timeout_s):
             err = error(Code.PEER_GONE, f"writer of {transfer.transfer_id!r} went away")
         else:

@@ -1,0 +1,66 @@
+"""gRPC adapter for DecodeWorker: protobuf in, domain call, protobuf out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from decode_svc.worker import DecodeWorker
+from engine.types import GenerateRequest
+from pdserve import grpc_util as gu
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker):
+        self.worker = worker
+
+    async def Generate(self, request: decode_pb2.DecodeGenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.TokenChunk]:
+        req: GenerateRequest = gu.request_from_proto(request)
+        async for ev in self.worker.generate(req):
+            yield gu.token_event_to_chunk(ev)
+
+    async def AllocateRemote(self, request: decode_pb2.AllocateRequest,
+                             context: grpc.aio.ServicerContext) -> decode_pb2.AllocateResponse:
+        req = gu.request_from_proto(request)
+        lease = request.lease_ms / 1000 if request.lease_ms else None
+        slot = await self.worker.allocate_remote(req, lease)
+        return decode_pb2.AllocateResponse(
+            block_ids=list(slot.allocation.block_ids),
+            num_cached_tokens=slot.allocation.num_cached_tokens,
+            descriptor_id=slot.descriptor_id, transfer_id=slot.transfer_id,
+            layout=gu.kv_layout_to_proto(self.worker.engine.layout))
+
+    async def GenerateRemote(self, request: decode_pb2.RemoteGenerateRequest,
+                             context: grpc.aio.ServicerContext
+                             ) -> AsyncIterator[decode_pb2.TokenChunk]:
+        first = request.first_token_id if request.HasField("first_token_id") else None
+        lp = (gu.logprob_from_proto(request.first_token_logprob)
+              if request.HasField("first_token_logprob") else None)
+        timeout = request.transfer_timeout_ms / 1000 if request.transfer_timeout_ms else 30.0
+        async for ev in self.worker.generate_remote(request.request_id, request.transfer_id,
+                                                    first_token=first, first_logprob=lp,
+                                                    timeout_s=timeout):
+            yield gu.token_event_to_chunk(ev)
+
+    async def Abort(self, request: common_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:
+        return common_pb2.AbortResponse(found=await self.worker.abort(request.request_id))
+
+    async def CachedPrefix(self, request: decode_pb2.CachedPrefixRequest,
+                           context: grpc.aio.ServicerContext) -> decode_pb2.CachedPrefixResponse:
+        n = await self.worker.cached_prefix(list(request.token_ids))
+        return decode_pb2.CachedPrefixResponse(num_cached_tokens=n)
+
+    async def Stats(self, request: common_pb2.StatsRequest,
+                    context: grpc.aio.ServicerContext) -> decode_pb2.DecodeStats:
+        s = await self.worker.engine.stats()
+        bm = self.worker.engine.engine.block_manager
+        return decode_pb2.DecodeStats(
+            worker_id=self.worker.worker_id, num_running=s.running, num_waiting=s.waiting,
+            num_awaiting_transfer=s.awaiting_kv, num_total_blocks=s.total_blocks,
+            num_free_blocks=s.free_blocks, prefix_query_tokens=bm.prefix_query_tokens,
+            prefix_hit_tokens=bm.prefix_hit_tokens,
+            layout=gu.kv_layout_to_proto(self.worker.engine.layout))

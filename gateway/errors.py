@@ -1,0 +1,67 @@
+"""HTTP-facing errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every failure a client can see is an `APIError`; `from_pdserve` translates the project's
+exception tree at this boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from engine.types import CapacityError, InvalidRequestError, PdserveError
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+
+# PdserveError codes that mean "not now" rather than "never" or "broken".
+_UNAVAILABLE_CODES = frozenset({"no_capacity", "engine_closed", "aborted"})
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = INVALID_REQUEST,
+                 code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status,
+                            headers={**self.headers, **(headers or {})})
+
+
+def bad_request(message: str, *, param: str | None = None,
+                code: str | None = "invalid_request") -> APIError:
+    return APIError(400, message, code=code, param=param)
+
+
+def unavailable(message: str, *, code: str, retry_after_s: int) -> APIError:
+    return APIError(503, message, type=SERVER_ERROR, code=code,
+                    headers={"Retry-After": str(retry_after_s)})
+
+
+def timed_out(timeout_s: float) -> APIError:
+    return APIError(504, f"the request did not finish within {timeout_s:g} s",
+                    type=SERVER_ERROR, code="timeout")
+
+
+def internal(message: str = "internal server error", code: str = "internal_error") -> APIError:
+    return APIError(500, message, type=SERVER_ERROR, code=code)
+
+
+def from_pdserve(exc: PdserveError, *, retry_after_s: int) -> APIError:
+    if isinstance(exc, InvalidRequestError):
+        return bad_request(exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, CapacityError) or exc.code in _UNAVAILABLE_CODES:
+        return unavailable(exc.message, code=exc.code, retry_after_s=retry_after_s)
+    return internal(exc.message, exc.code)

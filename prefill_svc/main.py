@@ -1,0 +1,99 @@
+"""Prefill worker process: engine (prefill only) + KV sender + gRPC server + lease in Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from control.directory import WorkerDirectory
+from control.registry import WorkerRegistry
+from control.workers import WorkerInfo
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_store import resolve_model
+from engine.types import KVTransferError
+from kvxfer.sender import KVSender
+from pdserve import grpc_util as gu
+from pdserve.runtime import start_server
+from pdserve.v1 import prefill_pb2_grpc
+from prefill_svc.servicer import PrefillServicer
+from prefill_svc.worker import PrefillWorker
+
+log = structlog.get_logger(__name__)
+SERVICE = "pdserve.v1.PrefillWorker"
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    worker_id: str
+    redis_url: str
+    model: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 0
+    namespace: str = "default"
+    lease_ttl_s: float = 3.0
+    heartbeat_s: float = 1.0
+    drain_timeout_s: float = 60.0
+    max_inflight: int = 4
+    transfer_timeout_s: float = 30.0
+
+
+async def _warm_peers(directory: WorkerDirectory, sender: KVSender) -> None:
+    """Open endpoints to every decode worker as it appears, so no request pays the handshake."""
+    async for event in directory.events():
+        info = event.worker
+        if not info.descriptor_id or not (event.kind == "added" or event.restarted):
+            continue
+        try:
+            await sender.warmup(descriptor_id=info.descriptor_id, timeout_s=5.0)
+            log.info("kv_peer_warmed", peer=info.worker_id, descriptor_id=info.descriptor_id)
+        except (KVTransferError, OSError) as exc:
+            log.warning("kv_peer_warmup_failed", peer=info.worker_id, error=str(exc))
+
+
+async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
+                      ready: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set; then stop taking work, finish pending prefills and
+    transfers (up to drain_timeout_s), deregister and exit."""
+    model_dir = resolve_model(config.model)
+    engine = await asyncio.to_thread(LLMEngine.from_dir, model_dir, config.engine)
+    async with (AsyncEngine(engine) as aengine,
+                WorkerRegistry.from_url(config.redis_url, namespace=config.namespace) as registry,
+                KVSender(engine.layout, registry.get_descriptor) as sender,
+                WorkerDirectory(registry, role="decode") as decoders):
+        epoch = await registry.next_epoch(config.worker_id)
+        worker = PrefillWorker(aengine, sender, worker_id=config.worker_id,
+                               max_inflight=config.max_inflight,
+                               transfer_timeout_s=config.transfer_timeout_s)
+        server = gu.new_server()
+        prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker), server)
+        health = await gu.add_health(server, SERVICE)
+        address = await start_server(server, config.host, config.port)
+        # Connect to the decode workers we already know before announcing ourselves.
+        for info in decoders.snapshot().values():
+            with contextlib.suppress(KVTransferError, OSError):
+                await sender.warmup(descriptor_id=info.descriptor_id, timeout_s=5.0)
+        warm_task = asyncio.create_task(_warm_peers(decoders, sender))
+        info = WorkerInfo(worker_id=config.worker_id, role="prefill", grpc_address=address,
+                          model_id=engine.layout.model_id, epoch=epoch, started_at=time.time(),
+                          load=worker.load())
+        await registry.register(info, config.lease_ttl_s, heartbeat_s=config.heartbeat_s,
+                                load_fn=worker.load)
+        await gu.set_serving(health, SERVICE)
+        log.info("prefill_worker_ready", worker_id=config.worker_id, grpc=address)
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+        log.info("prefill_worker_draining", worker_id=config.worker_id, inflight=worker.inflight)
+        worker.accepting = False
+        await registry.deregister()
+        await gu.set_not_serving(health, SERVICE)
+        await server.stop(grace=config.drain_timeout_s)
+        warm_task.cancel()
+    log.info("prefill_worker_stopped", worker_id=config.worker_id)

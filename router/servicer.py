@@ -1,0 +1,69 @@
+"""gRPC adapter for the Router: text / token ids / chat in, streamed responses out."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine.types import GenerateRequest, InvalidRequestError
+from pdserve import grpc_util as gu
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from router.router import Router
+
+_ROUTES = {"local": common_pb2.PREFILL_ROUTE_LOCAL, "remote": common_pb2.PREFILL_ROUTE_REMOTE,
+           "fallback": common_pb2.PREFILL_ROUTE_FALLBACK}
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, router: Router):
+        self.router = router
+
+    def _prompt(self, request: router_pb2.GenerateRequest) -> list[int]:
+        tok = self.router.tokenizer
+        which = request.WhichOneof("input")
+        if which == "text":
+            return tok.encode(request.text)
+        if which == "token_ids":
+            return list(request.token_ids.ids)
+        if which == "chat":
+            return tok.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in request.chat.messages])
+        raise InvalidRequestError("request has no input (text, token_ids or chat)",
+                                  param="input")
+
+    async def Generate(self, request: router_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        req = GenerateRequest(
+            request_id=request.request_id or f"req-{uuid.uuid4().hex}",
+            prompt_token_ids=tuple(self._prompt(request)),
+            sampling=gu.sampling_from_proto(
+                request.sampling if request.HasField("sampling") else None),
+            latency_class=gu.latency_from_proto(request.latency_class))
+        async for ev in self.router.generate(req):
+            resp = router_pb2.GenerateResponse(
+                request_id=req.request_id, text=ev.text,
+                finish_reason=gu.finish_reason_to_proto(ev.finish_reason), error=ev.error or "",
+                usage=router_pb2.Usage(prompt_tokens=ev.num_prompt_tokens,
+                                       completion_tokens=ev.num_output_tokens,
+                                       cached_tokens=ev.num_cached_tokens))
+            if ev.token_id is not None:
+                resp.token_ids.append(ev.token_id)
+                if ev.logprob is not None:
+                    resp.logprobs.append(gu.logprob_to_proto(ev.logprob))
+            if ev.route:
+                resp.route = _ROUTES[ev.route]
+            if ev.timings_ms and request.return_timings:
+                t = ev.timings_ms
+                resp.timings.CopyFrom(common_pb2.StageTimings(
+                    queued_ms=t.get("prefill_queued_ms", 0.0),
+                    prefill_compute_ms=t.get("prefill_compute_ms", 0.0),
+                    kv_transfer_ms=t.get("kv_transfer_ms", 0.0),
+                    first_token_ms=t.get("ttft_ms", 0.0), total_ms=t.get("total_ms", 0.0)))
+            yield resp
+
+    async def Abort(self, request: common_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:
+        return common_pb2.AbortResponse(found=await self.router.abort(request.request_id))
