@@ -44,7 +44,9 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v projections have a bias
+    o_proj_bias: bool = False  # Llama and Qwen3 put attention_bias on o_proj too, Qwen2 not
+    mlp_bias: bool = False
     qk_norm: bool = False
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     eos_token_ids: tuple[int, ...] = ()
@@ -100,6 +102,8 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has a q/k/v bias; Llama/Mistral/Qwen3 only if configured.
             attention_bias=kind == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_proj_bias=kind in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)),
+            mlp_bias=kind == "llama" and bool(cfg.get("mlp_bias", False)),
             qk_norm=kind == "qwen3",
             rope_scaling=scaling,
             eos_token_ids=eos_ids,

@@ -127,11 +127,14 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"prompt has {n} tokens; this model's context is {self.max_model_len} tokens "
                 "and at least one must remain for the output", param="prompt")
-        bad = next((t for t in req.prompt_token_ids
-                    if not 0 <= t < self.model_config.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary "
-                                      f"[0, {self.model_config.vocab_size})", param="prompt")
+        vocab = self.model_config.vocab_size
+        for t in req.prompt_token_ids:
+            # A non-int would only fail inside a step (hashing, tensors) and take the batch down.
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise InvalidRequestError(f"token id {t!r} is not an integer", param="prompt")
+            if not 0 <= t < vocab:
+                raise InvalidRequestError(f"token id {t} is outside the vocabulary [0, {vocab})",
+                                          param="prompt")
         if self.block_manager.blocks_needed(n + 1) > self.layout.num_blocks:
             raise PromptTooLongError(
                 f"prompt has {n} tokens, more than this worker's KV cache can ever hold "

@@ -187,6 +187,8 @@ class TokenEvent:
     # Set by the router on the last event: how the prompt was prefilled and where time went.
     route: str | None = None  # "local" | "remote" | "fallback"
     timings_ms: dict[str, float] | None = None
+    decode_worker: str | None = None
+    prefill_worker: str | None = None
 
     @property
     def finished(self) -> bool:

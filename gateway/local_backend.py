@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable
@@ -15,6 +14,7 @@ from engine.async_engine import AsyncEngine
 from engine.llm_engine import EngineStats
 from engine.tokenizer import Tokenizer
 from engine.types import GenerateRequest, TokenEvent
+from gateway.streaming import aclose
 
 
 class EngineStatsCollector(Collector):
@@ -85,7 +85,8 @@ class EngineBackend:
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         start = time.monotonic()
         first: float | None = None
-        async with contextlib.aclosing(self.engine.generate(req)) as stream:
+        stream = self.engine.generate(req)
+        try:
             async for ev in stream:
                 now = time.monotonic()
                 if first is None and ev.token_id is not None:
@@ -96,3 +97,5 @@ class EngineBackend:
                         timings["first_token_ms"] = (first - start) * 1e3
                     ev = dataclasses.replace(ev, route="local", timings_ms=timings)
                 yield ev
+        finally:
+            await aclose(stream)  # aborts the request in the engine unless it finished

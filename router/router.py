@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -200,7 +201,7 @@ class Router:
                     try:
                         async for ev in self._remote(req, decode, prefill, timings):
                             emitted = True
-                            yield self._final(ev, route, timings, started)
+                            yield self._final(ev, route, timings, started, decode, prefill)
                         return
                     except RemotePrefillFailed as exc:
                         if emitted:
@@ -211,7 +212,8 @@ class Router:
                         route = Route.FALLBACK
                 async for ev in self._local(req, decode):
                     emitted = True
-                    yield self._final(ev, route, timings, started)
+                    yield self._final(ev, route, timings, started, decode,
+                                      prefill if route is Route.FALLBACK else None)
                 return
             except CapacityError:
                 # The decode worker went away before producing anything: try another one.
@@ -222,13 +224,17 @@ class Router:
                 self._placements.pop(req.request_id, None)
 
     @staticmethod
-    def _final(ev: TokenEvent, route: Route, timings: dict[str, float],
-               started: float) -> TokenEvent:
-        if not ev.finished:
-            return ev
-        total = dict(timings)
-        total["total_ms"] = (time.monotonic() - started) * 1000
-        return TokenEvent(**{**ev.__dict__, "route": route.value, "timings_ms": total})
+    def _final(ev: TokenEvent, route: Route, timings: dict[str, float], started: float,
+               decode: WorkerInfo, prefill: WorkerInfo | None) -> TokenEvent:
+        """Tag events with where they ran; the last one also gets the stage timings."""
+        extra: dict[str, object] = {
+            "route": route.value, "decode_worker": decode.worker_id,
+            "prefill_worker": prefill.worker_id if prefill else None}
+        if ev.finished:
+            total = dict(timings)
+            total["total_ms"] = (time.monotonic() - started) * 1000
+            extra["timings_ms"] = total
+        return dataclasses.replace(ev, **extra)  # type: ignore[arg-type]
 
     async def _stream(self, call: grpc.aio.UnaryStreamCall, first_timeout: float
                       ) -> AsyncIterator[TokenEvent]:

@@ -55,6 +55,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     resp.logprobs.append(gu.logprob_to_proto(ev.logprob))
             if ev.route:
                 resp.route = _ROUTES[ev.route]
+            resp.decode_worker = ev.decode_worker or ""
+            resp.prefill_worker = ev.prefill_worker or ""
             if ev.timings_ms and request.return_timings:
                 t = ev.timings_ms
                 resp.timings.CopyFrom(common_pb2.StageTimings(

@@ -379,7 +379,9 @@ async def test_receiver_restart(resolver: Resolver, src_pool: torch.Tensor) -> N
     """
     old_id, new_id = make_descriptor_id("d5", 1), make_descriptor_id("d5", 2)
     pool = random_pool(seed=5)
-    async with KVSender(LAYOUT, resolver) as tx:
+    # Right after close, ucxx may still be tearing the old listener down: connecting to it
+    # then waits for the connect timeout instead of being refused, so keep that short.
+    async with KVSender(LAYOUT, resolver, connect_timeout_s=1.0) as tx:
         async with KVReceiver(pool, LAYOUT, old_id) as old:
             resolver.add(KVDescriptor(old_id, "d5", 1, old.address, LAYOUT))
             xid = tid()

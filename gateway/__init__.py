@@ -1,0 +1,1 @@
+"""OpenAI-compatible REST gateway: `gateway.app.create_app(backend, GatewayConfig(...))`."""

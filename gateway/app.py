@@ -1,0 +1,477 @@
+"""The OpenAI-compatible REST gateway over a `GenerationBackend`.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (streaming or not), GET /v1/models,
+GET /health, GET /metrics. Every error is an OpenAI error object with a meaningful status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import structlog
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.types import (
+    CapacityError,
+    FinishReason,
+    GenerateRequest,
+    InvalidRequestError,
+    LatencyClass,
+    PdserveError,
+    SamplingParams,
+    TokenEvent,
+    TokenLogprob,
+)
+from gateway.backend import GenerationBackend
+from gateway.config import GatewayConfig
+from gateway.errors import (
+    SERVER_ERROR,
+    APIError,
+    bad_request,
+    from_pdserve,
+    internal,
+    timed_out,
+    unavailable,
+)
+from gateway.metrics import GatewayMetrics, Outcome, RequestTracker
+from gateway.middleware import RequestContextMiddleware, request_id_of
+from gateway.openai_format import ChatFormat, CompletionFormat, ResponseFormat, usage
+from gateway.schemas import (
+    UNSUPPORTED_CHAT,
+    UNSUPPORTED_COMPLETION,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_json_object,
+    validate,
+)
+from gateway.streaming import ClientDisconnected, SSEResponse, aclose, next_event, race
+
+__all__ = ["GatewayConfig", "create_app"]
+
+log = structlog.get_logger(__name__)
+
+LATENCY_CLASS_HEADER = "X-Latency-Class"
+TIMINGS_HEADER = "X-Pdserve-Timings"
+_MESSAGE_KEYS = frozenset({"role", "content", "name"})
+
+Kind = Literal["completion", "chat"]
+
+
+def create_app(backend: GenerationBackend, config: GatewayConfig | None = None) -> FastAPI:
+    """Build the gateway app. Its metrics go into `backend.metrics_registry`, so build at
+    most one app per backend (registering twice raises ValueError)."""
+    config = config or GatewayConfig()
+    gw = _Gateway(backend, config, GatewayMetrics(backend.metrics_registry))
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RequestContextMiddleware, api_keys=config.api_keys)
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
+    app.add_api_route("/v1/completions", gw.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", gw.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", gw.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", gw.model, methods=["GET"])
+    app.add_api_route("/health", gw.health, methods=["GET"])
+    app.add_api_route("/metrics", gw.metrics_page, methods=["GET"])
+    return app
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    gen: GenerateRequest
+    fmt: ResponseFormat
+    stream: bool
+    include_usage: bool
+
+
+class _Gateway:
+    def __init__(self, backend: GenerationBackend, config: GatewayConfig,
+                 metrics: GatewayMetrics):
+        self.backend = backend
+        self.config = config
+        self.metrics = metrics
+        self.model_name = config.served_model_name or backend.model_name
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ simple routes
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "pdserve", "max_model_len": self.backend.max_model_len}
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model: str) -> dict[str, Any]:
+        self._check_model(model)
+        return self._model_card()
+
+    async def health(self) -> JSONResponse:
+        ok, reason = self.backend.ready()
+        if not ok:
+            return APIError(503, reason, type=SERVER_ERROR, code="not_ready",
+                            headers={"Retry-After": str(self.config.retry_after_s)}).response()
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_page(self) -> Response:
+        return Response(generate_latest(self.backend.metrics_registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    # ------------------------------------------------------------------ generation
+
+    async def _generate(self, request: Request, kind: Kind) -> Response:
+        arrived = time.monotonic()
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
+        headers: dict[str, str] = {}
+        latency_label = "unknown"
+        try:
+            header_class = _parse_latency_class(request.headers.get(LATENCY_CLASS_HEADER))
+            if header_class is not None:
+                latency_label = header_class.value
+            body = parse_json_object(await _read_body(request, self.config.max_body_bytes))
+            prep = self._prepare(request, kind, body, header_class)
+        except (APIError, PdserveError) as exc:
+            return self._reject(exc, latency_label, headers)
+        lc = prep.gen.latency_class
+        headers[LATENCY_CLASS_HEADER] = lc.value
+        want_timings = request.headers.get(TIMINGS_HEADER, "").strip().lower() in (
+            "1", "true", "yes")
+        tracker = self.metrics.track(lc.value, arrived)
+        events = self.backend.generate(prep.gen)
+
+        if not prep.stream:
+            try:
+                collect = _collect(events, tracker, self.config.retry_after_s)
+                last, text, lps = await race(request.receive, collect, deadline)
+            except BaseException as exc:
+                await aclose(events)
+                return self._failed(exc, tracker, headers)
+            await aclose(events)
+            tracker.finish("success")
+            out = prep.fmt.response(text, lps, _finish_reason(last),
+                                    usage(last, len(prep.gen.prompt_token_ids)))
+            if want_timings:
+                out["pdserve"] = info = _pdserve_info(last)
+                headers[TIMINGS_HEADER] = json.dumps(info, separators=(",", ":"))
+            return JSONResponse(out, headers=headers)
+
+        # Wait for the first event before sending headers, so that a request the backend
+        # refuses (no capacity, prompt too long) still gets a proper HTTP status.
+        try:
+            first = await race(request.receive, next_event(events), deadline)
+            if first.finished and (err := _finish_error(first, self.config.retry_after_s)):
+                raise err
+        except BaseException as exc:
+            await aclose(events)
+            return self._failed(exc, tracker, headers)
+
+        async def cleanup() -> None:
+            await aclose(events)
+            tracker.finish("aborted")  # no-op if the stream already recorded its outcome
+
+        body_iter = self._stream_body(prep, first, events, tracker, deadline, want_timings)
+        return SSEResponse(body_iter, cleanup, headers)
+
+    def _reject(self, exc: APIError | PdserveError, latency_label: str,
+                headers: dict[str, str]) -> JSONResponse:
+        err = exc if isinstance(exc, APIError) else from_pdserve(
+            exc, retry_after_s=self.config.retry_after_s)
+        self.metrics.rejected(latency_label)
+        log.info("request rejected", status=err.status, code=err.code, param=err.param)
+        return err.response(headers)
+
+    def _failed(self, exc: BaseException, tracker: RequestTracker,
+                headers: dict[str, str]) -> Response:
+        """Map a failure before any response byte was sent; re-raises cancellation."""
+        outcome: Outcome = "error"
+        if isinstance(exc, asyncio.CancelledError):
+            tracker.finish("aborted")
+            raise exc
+        if isinstance(exc, ClientDisconnected):
+            tracker.finish("aborted")
+            log.info("client disconnected")
+            return Response(status_code=499)
+        if isinstance(exc, APIError):
+            err = exc
+        elif isinstance(exc, TimeoutError):
+            err = timed_out(self.config.request_timeout_s)
+        elif isinstance(exc, PdserveError):
+            err = from_pdserve(exc, retry_after_s=self.config.retry_after_s)
+            if isinstance(exc, InvalidRequestError | CapacityError):
+                outcome = "rejected"
+        elif isinstance(exc, StopAsyncIteration):
+            err = internal("the backend ended the stream without a final event")
+        elif isinstance(exc, Exception):
+            log.error("generation failed", exc_info=exc)
+            err = internal()
+        else:
+            raise exc
+        tracker.finish(outcome)
+        log.info("request failed", status=err.status, code=err.code)
+        return err.response(headers)
+
+    async def _stream_body(self, prep: _Prepared, first: TokenEvent,
+                           events: AsyncIterator[TokenEvent], tracker: RequestTracker,
+                           deadline: float, want_timings: bool) -> AsyncGenerator[bytes, None]:
+        fmt = prep.fmt
+        outcome: Outcome = "aborted"
+        try:
+            for chunk in fmt.opening_chunks():
+                yield _sse_data(chunk)
+            ev = first
+            while True:
+                tracker.on_event(ev)
+                lps = [ev.logprob] if ev.logprob is not None and fmt.logprobs else []
+                if ev.finished:
+                    err = _finish_error(ev, self.config.retry_after_s)
+                    if err is not None:
+                        outcome = "error"
+                        yield _sse_data(err.body())
+                        break
+                    tail = [fmt.chunk(ev.text, lps, _finish_reason(ev))]
+                    if prep.include_usage:
+                        tail.append(fmt.usage_chunk(usage(ev, len(prep.gen.prompt_token_ids))))
+                    if want_timings:
+                        tail[-1]["pdserve"] = _pdserve_info(ev)
+                    for chunk in tail:
+                        yield _sse_data(chunk)
+                    outcome = "success"
+                    break
+                if ev.text or lps:
+                    yield _sse_data(fmt.chunk(ev.text, lps, None))
+                async with asyncio.timeout_at(deadline):
+                    ev = await anext(events)
+        except TimeoutError:
+            outcome = "error"
+            yield _sse_data(timed_out(self.config.request_timeout_s).body())
+        except PdserveError as exc:
+            outcome = "error"
+            yield _sse_data(from_pdserve(exc, retry_after_s=self.config.retry_after_s).body())
+        except StopAsyncIteration:
+            outcome = "error"
+            yield _sse_data(internal("the backend ended the stream without a final event").body())
+        except Exception as exc:
+            log.error("generation failed mid-stream", exc_info=exc)
+            outcome = "error"
+            yield _sse_data(internal().body())
+        finally:
+            await aclose(events)
+            tracker.finish(outcome)
+        yield b"data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ request -> GenerateRequest
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                           f"'{self.model_name}'", code="model_not_found", param="model")
+
+    def _prepare(self, request: Request, kind: Kind, body: dict[str, Any],
+                 header_class: LatencyClass | None) -> _Prepared:
+        req: CompletionRequest | ChatCompletionRequest
+        if kind == "completion":
+            req = validate(body, CompletionRequest, UNSUPPORTED_COMPLETION)
+        else:
+            req = validate(body, ChatCompletionRequest, UNSUPPORTED_CHAT)
+        self._check_model(req.model)
+        body_class = _parse_latency_class(req.latency_class)
+        if header_class is not None and body_class is not None and header_class != body_class:
+            raise bad_request(f"the {LATENCY_CLASS_HEADER} header ({header_class}) and the "
+                              f"latency_class field ({body_class}) disagree",
+                              param="latency_class", code="invalid_latency_class")
+        latency_class = header_class or body_class or LatencyClass.STANDARD
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options is only allowed when stream is true",
+                              param="stream_options")
+        logprobs: int | None
+        if isinstance(req, CompletionRequest):
+            prompt_param = "prompt"
+            ids = self._prompt_ids(req.prompt)
+            requested = req.max_tokens
+            logprobs = req.logprobs
+        else:
+            prompt_param = "messages"
+            ids = self.backend.tokenizer.apply_chat_template(_chat_messages(req.messages))
+            if (req.max_tokens is not None and req.max_completion_tokens is not None
+                    and req.max_tokens != req.max_completion_tokens):
+                raise bad_request("max_tokens and max_completion_tokens disagree; send one",
+                                  param="max_completion_tokens")
+            requested = req.max_completion_tokens or req.max_tokens
+            if req.top_logprobs is not None and not req.logprobs:
+                raise bad_request("top_logprobs requires logprobs to be true",
+                                  param="top_logprobs")
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        sampling = SamplingParams(
+            max_tokens=self._max_tokens(len(ids), requested, prompt_param),
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None or req.top_k == -1 else req.top_k,
+            seed=req.seed,
+            stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+        rid = request_id_of(request.scope)
+        gen = GenerateRequest(rid, tuple(ids), sampling, latency_class)
+        fmt_cls = CompletionFormat if kind == "completion" else ChatFormat
+        fmt = fmt_cls(rid, self.model_name, int(time.time()), self.backend.tokenizer,
+                      logprobs is not None)
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return _Prepared(gen, fmt, req.stream, include_usage)
+
+    def _prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            return self.backend.tokenizer.encode(prompt)
+        if not all(isinstance(t, int) for t in prompt):
+            raise bad_request("batched prompts are not supported; send one prompt per request",
+                              param="prompt", code="unsupported_parameter")
+        ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+        vocab = self.backend.tokenizer.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})",
+                              param="prompt")
+        return ids
+
+    def _max_tokens(self, num_prompt: int, requested: int | None, param: str) -> int:
+        limit = self.backend.max_model_len
+        if num_prompt >= limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens, but "
+                           f"the prompt has {num_prompt} tokens", code="context_length_exceeded",
+                           param=param)
+        if requested is None:
+            return min(self.config.default_max_tokens, limit - num_prompt)
+        if num_prompt + requested > limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens, but "
+                           f"{num_prompt + requested} were requested ({num_prompt} in the prompt, "
+                           f"{requested} for the completion); reduce the prompt or max_tokens",
+                           code="context_length_exceeded", param=param)
+        return requested
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    too_large = APIError(413, f"the request body exceeds {limit} bytes",
+                         code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise bad_request("invalid Content-Length header")
+        if int(declared) > limit:
+            raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse_latency_class(value: str | None) -> LatencyClass | None:
+    return None if value is None or not value.strip() else LatencyClass.parse(value)
+
+
+def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI message variants -> plain {role, content} strings for the chat template."""
+    out = []
+    for i, msg in enumerate(messages):
+        extra = sorted(set(msg) - _MESSAGE_KEYS)
+        if extra:
+            raise bad_request(f"messages[{i}].{extra[0]} is not supported by this server",
+                              param="messages", code="unsupported_parameter")
+        msg = {k: v for k, v in msg.items() if k != "name"}
+        if msg.get("role") == "developer":  # OpenAI's newer name for the system role
+            msg["role"] = "system"
+        content = msg.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise bad_request(f"messages[{i}].content: only text parts are supported",
+                                      param="messages", code="unsupported_parameter")
+                texts.append(part["text"])
+            msg["content"] = "".join(texts)
+        out.append(msg)
+    return out
+
+
+async def _collect(events: AsyncIterator[TokenEvent], tracker: RequestTracker,
+                   retry_after_s: int) -> tuple[TokenEvent, str, list[TokenLogprob]]:
+    parts: list[str] = []
+    lps: list[TokenLogprob] = []
+    async for ev in events:
+        tracker.on_event(ev)
+        parts.append(ev.text)
+        if ev.logprob is not None:
+            lps.append(ev.logprob)
+        if ev.finished:
+            err = _finish_error(ev, retry_after_s)
+            if err is not None:
+                raise err
+            return ev, "".join(parts), lps
+    raise StopAsyncIteration
+
+
+def _finish_error(ev: TokenEvent, retry_after_s: int) -> APIError | None:
+    if ev.finish_reason is FinishReason.ERROR:
+        return internal(f"generation failed: {ev.error or 'engine error'}", "engine_error")
+    if ev.finish_reason is FinishReason.ABORT:
+        return unavailable("the server aborted the request", code="aborted",
+                           retry_after_s=retry_after_s)
+    return None
+
+
+def _finish_reason(ev: TokenEvent) -> str:
+    return "length" if ev.finish_reason is FinishReason.LENGTH else "stop"
+
+
+def _pdserve_info(ev: TokenEvent) -> dict[str, Any]:
+    return {"route": ev.route, "timings_ms": ev.timings_ms or {}}
+
+
+def _sse_data(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        return APIError(404, f"no such route: {where}", code="not_found").response()
+    if exc.status_code == 405:
+        return APIError(405, f"method not allowed: {where}", code="method_not_allowed",
+                        headers=dict(exc.headers or {})).response()
+    return APIError(exc.status_code, str(exc.detail), code="http_error",
+                    headers=dict(exc.headers or {})).response()
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    loc = errors[0].get("loc", ()) if errors else ()
+    param = str(loc[-1]) if loc else None
+    msg = errors[0].get("msg", "invalid request") if errors else "invalid request"
+    return bad_request(f"invalid value for {param}: {msg}", param=param).response()

@@ -1,0 +1,83 @@
+"""Driving a backend stream under a deadline while watching the client connection.
+
+Invariant: whichever way a request ends (finished, client gone, timeout, error, server
+shutdown), the backend's iterator is closed, which cancels the request on the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine.types import TokenEvent
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was complete."""
+
+
+async def aclose(it: AsyncIterator[TokenEvent]) -> None:
+    """Close a backend stream (idempotent); this is what aborts the request downstream."""
+    close = getattr(it, "aclose", None)
+    if close is not None:
+        await close()
+
+
+async def next_event(it: AsyncIterator[TokenEvent]) -> TokenEvent:
+    return await anext(it)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def race(receive: Receive, work: Coroutine[Any, Any, T], deadline: float) -> T:
+    """Await `work` until it finishes, the client disconnects (ClientDisconnected) or the loop
+    clock passes `deadline` (TimeoutError). The losers are cancelled and awaited, so a
+    cancelled backend stream has already run its cleanup when this returns."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait((task, gone), timeout=max(0.0, deadline - loop.time()),
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, gone):
+            t.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    if task in done:
+        return task.result()
+    if gone in done:
+        raise ClientDisconnected
+    raise TimeoutError
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that always finishes its body and runs `cleanup`.
+
+    Starlette cancels the sending task on disconnect; if the body generator was suspended at a
+    `yield` (or never started) nothing would close it until garbage collection, so this closes
+    it explicitly and then runs `cleanup` (which must be idempotent).
+    """
+
+    def __init__(self, body: AsyncGenerator[bytes, None], cleanup: Callable[[], Awaitable[None]],
+                 headers: dict[str, str]):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                  **headers})
+        self._body = body
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._body.aclose()
+            await self._cleanup()

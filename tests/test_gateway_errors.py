@@ -1,0 +1,328 @@
+"""Gateway error paths: status codes and OpenAI error objects, auth, health, timeouts.
+
+The backend is the real engine (EngineBackend); failures the real engine cannot be made to
+produce on demand (no capacity, a mid-stream engine error) wrap it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.types import CapacityError, FinishReason, GenerateRequest, KVTransferError, TokenEvent
+from gateway.app import GatewayConfig, create_app
+from gateway.local_backend import EngineBackend
+from gateway.server import running_server
+
+MODEL = "smol-test"
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Hi"}]
+OK_COMPLETION = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+
+
+@pytest.fixture(scope="module")
+async def engine(loaded_model, tokenizer) -> AsyncIterator[AsyncEngine]:  # type: ignore[no-untyped-def]
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    model, config, mid = loaded_model
+    llm = LLMEngine(model, config, EngineConfig(kv_cache_bytes=128 << 20), model_id=mid,
+                    tokenizer=tokenizer)
+    async with AsyncEngine(llm) as eng:
+        yield eng
+    assert llm.block_manager.num_free_blocks == llm.layout.num_blocks, "KV blocks leaked"
+
+
+@contextlib.asynccontextmanager
+async def serve(backend: EngineBackend, config: GatewayConfig | None = None,
+                **client_kw: Any) -> AsyncIterator[httpx.AsyncClient]:
+    async with running_server(create_app(backend, config)) as srv:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60, **client_kw) as http:
+            yield http
+
+
+@pytest.fixture(scope="module")
+async def http(engine, tokenizer) -> AsyncIterator[httpx.AsyncClient]:  # type: ignore[no-untyped-def]
+    async with serve(EngineBackend(engine, tokenizer, MODEL)) as client:
+        yield client
+
+
+async def wait_all_free(engine: AsyncEngine, timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while True:
+            s = await engine.stats()
+            if s.running == 0 and s.waiting == 0 and s.free_blocks == s.total_blocks:
+                return
+            await asyncio.sleep(0.05)
+
+
+def assert_error(r: httpx.Response, status: int, *, code: str | None = None,
+                 param: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] in ("invalid_request_error", "server_error")
+    if code is not None:
+        assert err["code"] == code, err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def sse_payloads(text: str) -> list[Any]:
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:])
+            for line in text.splitlines() if line.startswith("data: ")]
+
+
+# ---------------------------------------------------------------------- 400s
+
+BAD_COMPLETIONS: list[tuple[dict[str, Any], str, str]] = [
+    ({"prompt": PROMPT, "foo": 1}, "foo", "unknown_parameter"),
+    ({"max_tokens": 2}, "prompt", "missing_parameter"),
+    ({"prompt": PROMPT, "n": 2}, "n", "unsupported_parameter"),
+    ({"prompt": PROMPT, "best_of": 2}, "best_of", "unsupported_parameter"),
+    ({"prompt": PROMPT, "echo": True}, "echo", "unsupported_parameter"),
+    ({"prompt": PROMPT, "suffix": "x"}, "suffix", "unsupported_parameter"),
+    ({"prompt": PROMPT, "logit_bias": {"1": 5}}, "logit_bias", "unsupported_parameter"),
+    ({"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
+    ({"prompt": PROMPT, "frequency_penalty": 1}, "frequency_penalty", "unsupported_parameter"),
+    ({"prompt": ["a", "b"]}, "prompt", "unsupported_parameter"),
+    ({"prompt": 5}, "prompt", "invalid_type"),
+    ({"prompt": [1, 10**9]}, "prompt", "invalid_request"),
+    ({"prompt": ""}, "prompt", "empty_prompt"),
+    ({"prompt": PROMPT, "max_tokens": "16"}, "max_tokens", "invalid_type"),
+    ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens", "invalid_sampling_params"),
+    ({"prompt": PROMPT, "temperature": -1}, "temperature", "invalid_sampling_params"),
+    ({"prompt": PROMPT, "top_p": 0}, "top_p", "invalid_sampling_params"),
+    ({"prompt": PROMPT, "logprobs": 50}, "logprobs", "invalid_sampling_params"),
+    ({"prompt": PROMPT, "seed": 2**70}, "seed", "invalid_value"),
+    ({"prompt": PROMPT, "stop": [""]}, "stop", "invalid_sampling_params"),
+    ({"prompt": PROMPT, "stream": "yes"}, "stream", "invalid_type"),
+    ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options",
+     "invalid_request"),
+    ({"prompt": PROMPT, "latency_class": "urgent"}, "latency_class", "invalid_latency_class"),
+]
+
+BAD_CHATS: list[tuple[dict[str, Any], str, str]] = [
+    ({"messages": []}, "messages", "invalid_messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages", "invalid_messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages", "unsupported_parameter"),
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]}, "messages",
+     "unsupported_parameter"),
+    ({"messages": CHAT, "n": 3}, "n", "unsupported_parameter"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "unsupported_parameter"),
+    ({"messages": CHAT, "functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+    ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format",
+     "unsupported_parameter"),
+    ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "invalid_request"),
+    ({"messages": CHAT, "max_tokens": 2, "max_completion_tokens": 3}, "max_completion_tokens",
+     "invalid_request"),
+    ({"messages": CHAT, "prompt": PROMPT}, "prompt", "unknown_parameter"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "code"), BAD_COMPLETIONS)
+async def test_bad_completion_requests(http: httpx.AsyncClient, body: dict[str, Any],
+                                       param: str, code: str) -> None:
+    assert_error(await http.post("/v1/completions", json=body), 400, code=code, param=param)
+
+
+@pytest.mark.parametrize(("body", "param", "code"), BAD_CHATS)
+async def test_bad_chat_requests(http: httpx.AsyncClient, body: dict[str, Any], param: str,
+                                 code: str) -> None:
+    assert_error(await http.post("/v1/chat/completions", json=body), 400, code=code,
+                 param=param)
+
+
+async def test_malformed_bodies(http: httpx.AsyncClient) -> None:
+    for raw in (b"{", b"[1, 2]", b"\xff\xfe", b""):
+        assert_error(await http.post("/v1/completions", content=raw), 400, code="invalid_json")
+
+
+async def test_neutral_values_of_unsupported_fields_are_accepted(http: httpx.AsyncClient) -> None:
+    body = {**OK_COMPLETION, "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
+            "echo": False, "best_of": 1, "logit_bias": {}, "user": "someone", "top_k": -1}
+    assert (await http.post("/v1/completions", json=body)).status_code == 200
+    chat = {"messages": [{"role": "developer", "content": "Be brief."},
+                         {"role": "user", "content": [{"type": "text", "text": "Hi"}],
+                          "name": "me"}],
+            "max_tokens": 1, "tools": [], "response_format": {"type": "text"}}
+    assert (await http.post("/v1/chat/completions", json=chat)).status_code == 200
+
+
+async def test_latency_class_errors(http: httpx.AsyncClient) -> None:
+    r = await http.post("/v1/completions", json=OK_COMPLETION, headers={"X-Latency-Class": "x"})
+    assert_error(r, 400, code="invalid_latency_class", param="latency_class")
+    r = await http.post("/v1/completions", json={**OK_COMPLETION, "latency_class": "batch"},
+                        headers={"X-Latency-Class": "interactive"})
+    assert_error(r, 400, code="invalid_latency_class", param="latency_class")
+
+
+async def test_bad_request_id(http: httpx.AsyncClient) -> None:
+    r = await http.post("/v1/completions", json=OK_COMPLETION, headers={"X-Request-Id": "x" * 300})
+    assert_error(r, 400, code="invalid_request_id")
+
+
+async def test_unknown_model_is_404(http: httpx.AsyncClient) -> None:
+    r = await http.post("/v1/completions", json={**OK_COMPLETION, "model": "gpt-4"})
+    assert_error(r, 404, code="model_not_found", param="model")
+    assert_error(await http.get("/v1/models/gpt-4"), 404, code="model_not_found")
+
+
+async def test_context_length(http: httpx.AsyncClient, engine: AsyncEngine) -> None:
+    max_len = engine.engine.max_model_len
+    r = await http.post("/v1/completions", json={"prompt": [1] * max_len})
+    assert_error(r, 400, code="context_length_exceeded", param="prompt")
+    r = await http.post("/v1/completions", json={"prompt": [1] * (max_len - 100),
+                                                 "max_tokens": 200})
+    assert_error(r, 400, code="context_length_exceeded", param="prompt")
+    r = await http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hello " * max_len}]})
+    assert_error(r, 400, code="context_length_exceeded", param="messages")
+    # Fits the context but not this engine's KV pool: the backend refuses it.
+    kv_tokens = engine.layout.num_blocks * engine.engine.config.block_size
+    assert kv_tokens + 16 < max_len
+    r = await http.post("/v1/completions", json={"prompt": [1] * (kv_tokens + 16),
+                                                 "max_tokens": 1, "stream": True})
+    assert_error(r, 400, code="context_length_exceeded", param="prompt")
+
+
+async def test_body_too_large(http: httpx.AsyncClient) -> None:
+    big = json.dumps({"prompt": "x" * (1 << 20)}).encode()
+    assert_error(await http.post("/v1/completions", content=big), 413, code="request_too_large")
+
+    async def chunked() -> AsyncGenerator[bytes, None]:  # no Content-Length: counted as read
+        for i in range(0, len(big), 64 << 10):
+            yield big[i:i + (64 << 10)]
+
+    r = await http.post("/v1/completions", content=chunked())
+    assert_error(r, 413, code="request_too_large")
+
+
+async def test_unknown_route_and_method(http: httpx.AsyncClient) -> None:
+    assert_error(await http.get("/v1/nothing"), 404, code="not_found")
+    assert_error(await http.get("/v1/completions"), 405, code="method_not_allowed")
+    assert_error(await http.delete("/v1/models"), 405, code="method_not_allowed")
+
+
+async def test_canary_after_errors(http: httpx.AsyncClient, engine: AsyncEngine) -> None:
+    r = await http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    await wait_all_free(engine)
+
+
+# ---------------------------------------------------------------------- auth and health
+
+
+async def test_api_keys(engine: AsyncEngine, tokenizer: Any) -> None:
+    config = GatewayConfig(api_keys=frozenset({"k1", "k2"}))
+    async with serve(EngineBackend(engine, tokenizer, MODEL), config) as http:
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "k1"}):
+            assert_error(await http.get("/v1/models", headers=headers), 401,
+                         code="invalid_api_key")
+            assert_error(await http.post("/v1/completions", json=OK_COMPLETION,
+                                         headers=headers), 401, code="invalid_api_key")
+            assert_error(await http.get("/metrics", headers=headers), 401)
+            assert_error(await http.get("/v1/nothing", headers=headers), 401)
+        assert (await http.get("/health")).status_code == 200
+        ok = {"Authorization": "Bearer k2"}
+        assert (await http.get("/v1/models", headers=ok)).status_code == 200
+        assert (await http.get("/metrics", headers=ok)).status_code == 200
+        client = openai.AsyncOpenAI(base_url=str(http.base_url) + "v1", api_key="k1",
+                                    max_retries=0)
+        resp = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+        assert resp.usage is not None and resp.usage.completion_tokens == 1
+        bad = openai.AsyncOpenAI(base_url=str(http.base_url) + "v1", api_key="k3",
+                                 max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await bad.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+
+
+class NotReadyBackend(EngineBackend):
+    def ready(self) -> tuple[bool, str]:
+        return False, "no decode worker is registered"
+
+
+async def test_health_not_ready(engine: AsyncEngine, tokenizer: Any) -> None:
+    async with serve(NotReadyBackend(engine, tokenizer, MODEL)) as http:
+        err = assert_error(await http.get("/health"), 503, code="not_ready")
+        assert "decode worker" in err["message"]
+
+
+# ---------------------------------------------------------------------- backend failures
+
+
+class FullBackend(EngineBackend):
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
+        raise CapacityError("all decode workers are full")
+        yield  # pragma: no cover
+
+
+async def test_no_capacity_is_503_with_retry_after(engine: AsyncEngine, tokenizer: Any) -> None:
+    config = GatewayConfig(retry_after_s=3)
+    async with serve(FullBackend(engine, tokenizer, MODEL), config) as http:
+        for stream in (False, True):
+            r = await http.post("/v1/completions", json={**OK_COMPLETION, "stream": stream})
+            assert_error(r, 503, code="no_capacity")
+            assert r.headers["retry-after"] == "3"
+
+
+class FailingBackend(EngineBackend):
+    """Two real tokens, then the failure named by the request's stop string."""
+
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
+        n = 0
+        async for ev in super().generate(req):
+            if n == 2:
+                if req.sampling.stop == ("raise",):
+                    raise KVTransferError("KV transfer from prefill worker failed")
+                yield TokenEvent(req.request_id, None, finish_reason=FinishReason.ERROR,
+                                 error="decode worker crashed")
+                return
+            n += 1
+            yield ev
+
+
+async def test_mid_stream_errors(engine: AsyncEngine, tokenizer: Any) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 50, "ignore_eos": True}
+    async with serve(FailingBackend(engine, tokenizer, MODEL)) as http:
+        for stop, code in (("event", "engine_error"), ("raise", "kv_transfer_error")):
+            r = await http.post("/v1/completions", json={**body, "stream": True, "stop": stop})
+            assert r.status_code == 200
+            payloads = sse_payloads(r.text)
+            assert payloads[-1] == "[DONE]"
+            assert payloads[-2]["error"]["code"] == code
+            assert payloads[-2]["error"]["type"] == "server_error"
+            assert all("choices" in p for p in payloads[:-2]) and len(payloads) == 4
+
+            r = await http.post("/v1/completions", json={**body, "stop": stop})
+            assert_error(r, 500, code=code)
+            await wait_all_free(engine)
+
+
+async def test_request_timeout(engine: AsyncEngine, tokenizer: Any) -> None:
+    config = GatewayConfig(request_timeout_s=1.0)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}
+    async with serve(EngineBackend(engine, tokenizer, MODEL), config) as http:
+        assert_error(await http.post("/v1/completions", json=body), 504, code="timeout")
+        await wait_all_free(engine)
+        r = await http.post("/v1/completions", json={**body, "stream": True})
+        if r.status_code == 200:  # the usual case: the first token came within the second
+            payloads = sse_payloads(r.text)
+            assert payloads[-2]["error"]["code"] == "timeout" and payloads[-1] == "[DONE]"
+        else:
+            assert_error(r, 504, code="timeout")
+        await wait_all_free(engine)
