@@ -7,9 +7,10 @@ Key layout, all under ``pdserve:{namespace}:`` so tests and deployments never co
 - ``epoch:{worker_id}``    INCR counter; never expires, so a restart always gets a fresh epoch.
 - ``kvdesc:{descriptor_id}`` JSON KVDescriptor, same TTL as the lease that published it.
 
-A lease is fenced by epoch: a heartbeat from an older incarnation never overwrites the record
-of a newer one (checked atomically in Lua), and that older incarnation learns it lost its
-lease (`WorkerRegistry.lease_lost`). Values are JSON only; nothing is ever pickled.
+A lease is fenced by epoch: once a newer epoch was handed out for a worker id, heartbeats of
+older incarnations are refused (checked atomically in Lua) and they learn they lost their
+lease (`WorkerRegistry.lease_lost`), so a zombie never overwrites its successor's record.
+Values are JSON only; nothing is ever pickled.
 
 The Lua scripts build keys from a prefix, so they assume a single (non-cluster) Redis.
 """
@@ -44,20 +45,26 @@ class ControlPlaneError(PdserveError):
     code = "control_plane_unavailable"
 
 
-# KEYS[1] worker key, KEYS[2] workers set, KEYS[3..] descriptor keys to refresh.
-# ARGV: record json, ttl ms, epoch, worker id.  Returns 1, or 0 when a newer epoch owns the key.
+# KEYS[1] worker key, KEYS[2] workers set, KEYS[3] epoch counter, KEYS[4..] descriptor keys.
+# ARGV: record json, ttl ms, epoch, worker id.  Returns 1, or 0 when a newer epoch exists
+# (handed out by the counter, or in a live record): this incarnation must stop.
 _HEARTBEAT_LUA = """
+local epoch = tonumber(ARGV[3])
+local newest = tonumber(redis.call('GET', KEYS[3]))
+if newest ~= nil and newest > epoch then
+  return 0
+end
 local cur = redis.call('GET', KEYS[1])
 if cur then
   local ok, rec = pcall(cjson.decode, cur)
   if ok and type(rec) == 'table' and tonumber(rec['epoch']) ~= nil
-     and tonumber(rec['epoch']) > tonumber(ARGV[3]) then
+     and tonumber(rec['epoch']) > epoch then
     return 0
   end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[4])
-for i = 3, #KEYS do
+for i = 4, #KEYS do
   redis.call('PEXPIRE', KEYS[i], ARGV[2])
 end
 return 1
@@ -169,6 +176,9 @@ class WorkerRegistry:
     def descriptor_key(self, descriptor_id: str) -> str:
         return f"{self._prefix}kvdesc:{descriptor_id}"
 
+    def _epoch_key(self, worker_id: str) -> str:
+        return f"{self._prefix}epoch:{worker_id}"
+
     @property
     def _workers_key(self) -> str:
         return f"{self._prefix}workers"
@@ -182,7 +192,7 @@ class WorkerRegistry:
 
     async def next_epoch(self, worker_id: str) -> int:
         """A fresh epoch for `worker_id`, strictly greater than any handed out before."""
-        return int(await self._call(self._redis.incr(f"{self._prefix}epoch:{worker_id}")))
+        return int(await self._call(self._redis.incr(self._epoch_key(worker_id))))
 
     async def register(
         self,
@@ -251,6 +261,7 @@ class WorkerRegistry:
         keys = [
             self.worker_key(info.worker_id),
             self._workers_key,
+            self._epoch_key(info.worker_id),
             *(self.descriptor_key(d) for d in self._descriptor_ids),
         ]
         args: list[str | int] = [info.to_json(), self._ttl_ms, info.epoch, info.worker_id]

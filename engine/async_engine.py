@@ -18,7 +18,14 @@ from typing import Any, TypeVar
 import structlog
 
 from engine.llm_engine import EngineStats, LLMEngine, RemoteAllocation
-from engine.types import GenerateRequest, KVLayout, PdserveError, TokenEvent, TokenLogprob
+from engine.types import (
+    GenerateRequest,
+    InvalidRequestError,
+    KVLayout,
+    PdserveError,
+    TokenEvent,
+    TokenLogprob,
+)
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -151,6 +158,21 @@ class AsyncEngine:
         if self._thread is not None and not self._stopping:
             self._submit(lambda: self.engine.abort(request_id))
 
+    def _open_stream(self, request_id: str) -> asyncio.Queue[TokenEvent]:
+        # Checked here, before touching state: a refused duplicate must not disturb the live
+        # request that owns the id (its queue, or its blocks via the abort on failure).
+        if request_id in self._streams:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}", param="request_id")
+        q: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._streams[request_id] = q
+        return q
+
+    def _undo_open(self, request_id: str, exc: BaseException) -> None:
+        """The command that adds ``request_id`` failed or was cancelled."""
+        self._streams.pop(request_id, None)
+        if not isinstance(exc, PdserveError):  # cancelled: the command may still have run
+            self._abort_soon(request_id)
+
     async def _stream(self, request_id: str, q: asyncio.Queue[TokenEvent]) -> AsyncIterator[
             TokenEvent]:
         finished = False
@@ -162,9 +184,10 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:  # consumer went away (cancelled, closed, disconnected)
-                self._abort_soon(request_id)
+            if self._streams.get(request_id) is q:  # the id may already serve a new request
+                del self._streams[request_id]
+                if not finished:  # consumer went away (cancelled, closed, disconnected)
+                    self._abort_soon(request_id)
 
     # ------------------------------------------------------------------ public API
 
@@ -173,22 +196,24 @@ class AsyncEngine:
 
         Closing or cancelling the iterator aborts the request and frees its blocks.
         """
-        q: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self._streams[req.request_id] = q
+        q = self._open_stream(req.request_id)
         try:
             await self.call(lambda: self.engine.add_request(req))
-        except BaseException:
-            self._streams.pop(req.request_id, None)
+        except BaseException as exc:
+            self._undo_open(req.request_id, exc)
             raise
         async for ev in self._stream(req.request_id, q):
             yield ev
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:
         """Compute ``req``'s prompt KV and first token; the blocks stay held until release."""
-        q: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self._streams[req.request_id] = q
+        q = self._open_stream(req.request_id)
         try:
             await self.call(lambda: self.engine.add_request(req, prefill_only=True))
+        except BaseException as exc:
+            self._undo_open(req.request_id, exc)
+            raise
+        try:
             ev = await q.get()
         except BaseException:
             self._streams.pop(req.request_id, None)
@@ -204,11 +229,11 @@ class AsyncEngine:
         await self.call(lambda: self.engine.release(request_id))
 
     async def allocate_remote(self, req: GenerateRequest) -> RemoteAllocation:
-        self._streams[req.request_id] = asyncio.Queue()
+        self._open_stream(req.request_id)
         try:
             return await self.call(lambda: self.engine.allocate_remote(req))
-        except BaseException:
-            self._streams.pop(req.request_id, None)
+        except BaseException as exc:
+            self._undo_open(req.request_id, exc)
             raise
 
     async def admit_remote(self, request_id: str, first_token: int,
@@ -238,7 +263,8 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         """End a request (any state) and free its blocks, then return."""
         ev = await self.call(lambda: self.engine.abort(request_id))
-        q = self._streams.get(request_id)
+        # A consumer still iterating holds its queue; the id itself is free for reuse now.
+        q = self._streams.pop(request_id, None)
         if ev is not None and q is not None:
             q.put_nowait(ev)
 

@@ -1,12 +1,14 @@
 """The OpenAI-compatible REST gateway over a `GenerationBackend`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming or not), GET /v1/models,
-GET /health, GET /metrics. Every error is an OpenAI error object with a meaningful status.
+GET /health, GET /metrics, and GET /v1/pdserve/workers when the backend lists workers.
+Every error is an OpenAI error object with a meaningful status.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -19,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from engine.types import (
     CapacityError,
@@ -31,7 +34,7 @@ from engine.types import (
     TokenEvent,
     TokenLogprob,
 )
-from gateway.backend import GenerationBackend
+from gateway.backend import GenerationBackend, ListsWorkers
 from gateway.config import GatewayConfig
 from gateway.errors import (
     SERVER_ERROR,
@@ -62,6 +65,7 @@ log = structlog.get_logger(__name__)
 LATENCY_CLASS_HEADER = "X-Latency-Class"
 TIMINGS_HEADER = "X-Pdserve-Timings"
 _MESSAGE_KEYS = frozenset({"role", "content", "name"})
+_ROLES = ("prefill", "decode")
 
 Kind = Literal["completion", "chat"]
 
@@ -80,6 +84,7 @@ def create_app(backend: GenerationBackend, config: GatewayConfig | None = None) 
     app.add_api_route("/v1/chat/completions", gw.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", gw.models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", gw.model, methods=["GET"])
+    app.add_api_route("/v1/pdserve/workers", gw.workers, methods=["GET"])
     app.add_api_route("/health", gw.health, methods=["GET"])
     app.add_api_route("/metrics", gw.metrics_page, methods=["GET"])
     return app
@@ -122,6 +127,14 @@ class _Gateway:
                             headers={"Retry-After": str(self.config.retry_after_s)}).response()
         return JSONResponse({"status": "ok"})
 
+    async def workers(self) -> dict[str, Any]:
+        if not isinstance(self.backend, ListsWorkers):
+            raise APIError(404, "this backend has no worker directory", code="not_found")
+        found = [w for role in _ROLES for w in self.backend.workers(role)]
+        return {"workers": [
+            dataclasses.asdict(w) if dataclasses.is_dataclass(w) and not isinstance(w, type)
+            else w for w in found]}
+
     async def metrics_page(self) -> Response:
         return Response(generate_latest(self.backend.metrics_registry),
                         media_type=CONTENT_TYPE_LATEST)
@@ -144,15 +157,22 @@ class _Gateway:
             if header_class is not None:
                 latency_label = header_class.value
             body = parse_json_object(await _read_body(request, self.config.max_body_bytes))
+            if header_class is None:
+                latency_label = _label_of(body.get("latency_class"))
             prep = self._prepare(request, kind, body, header_class)
         except (APIError, PdserveError) as exc:
             return self._reject(exc, latency_label, headers)
+        except ClientDisconnect:  # gone while sending the body
+            return Response(status_code=499)
         lc = prep.gen.latency_class
         headers[LATENCY_CLASS_HEADER] = lc.value
         want_timings = request.headers.get(TIMINGS_HEADER, "").strip().lower() in (
             "1", "true", "yes")
         tracker = self.metrics.track(lc.value, arrived)
-        events = self.backend.generate(prep.gen)
+        try:
+            events = self.backend.generate(prep.gen)
+        except Exception as exc:  # a backend whose generate() is not itself a generator
+            return self._failed(exc, tracker, headers)
 
         if not prep.stream:
             try:
@@ -277,7 +297,8 @@ class _Gateway:
     # ------------------------------------------------------------------ request -> GenerateRequest
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and \
+                model not in self.config.model_aliases:
             raise APIError(404, f"the model '{model}' does not exist; this server serves "
                            f"'{self.model_name}'", code="model_not_found", param="model")
 
@@ -385,6 +406,16 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _label_of(body_class: Any) -> str:
+    """Metrics label for a request rejected before its latency class was validated."""
+    if body_class is None:
+        return LatencyClass.STANDARD.value
+    try:
+        return LatencyClass(str(body_class).strip().lower()).value
+    except ValueError:
+        return "unknown"
 
 
 def _parse_latency_class(value: str | None) -> LatencyClass | None:

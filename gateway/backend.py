@@ -6,8 +6,8 @@ token path; `gateway.local_backend.EngineBackend` implements it on one local Asy
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Protocol, runtime_checkable
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry
 
@@ -26,7 +26,9 @@ class GenerationBackend(Protocol):
       failure may instead end the stream with `finish_reason=ERROR` and `error` set.
     - Closing the generator (`aclose()`) or cancelling the task awaiting it cancels the request
       everywhere (workers abort it and free its KV blocks). It must be an async generator, or
-      anything else with `aclose()`.
+      anything else with `aclose()`. The gateway cancels with plain asyncio (one
+      CancelledError, no anyio cancel scope), so the generator's cleanup may await (e.g. an
+      abort RPC); it should still bound those waits.
     - `ready()` is (False, reason) while no decode worker can take requests.
     - `metrics_registry` holds the backend's own metrics; the gateway registers its metrics in
       the same registry so one /metrics page shows both.
@@ -47,3 +49,11 @@ class GenerationBackend(Protocol):
     def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]: ...
 
     def ready(self) -> tuple[bool, str]: ...
+
+
+@runtime_checkable
+class ListsWorkers(Protocol):
+    """Optional: a backend with a worker directory (the router). Enables
+    ``GET /v1/pdserve/workers``; items are dataclasses (e.g. control.workers.WorkerInfo)."""
+
+    def workers(self, role: str) -> Sequence[Any]: ...

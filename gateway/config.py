@@ -12,9 +12,10 @@ class GatewayConfig:
     """REST gateway settings. Environment variables and flags are read by `main()`, not here.
 
     `api_keys` empty means no authentication. `served_model_name` None serves the backend's
-    `model_name`. `default_max_tokens` applies when a request names no limit, clamped to the
-    context left after the prompt. `request_timeout_s` bounds a whole generation, first token
-    to last. `retry_after_s` is the `Retry-After` sent with 503 responses.
+    `model_name`; requests may also name the model by one of `model_aliases`.
+    `default_max_tokens` applies when a request names no limit, clamped to the context left
+    after the prompt. `request_timeout_s` bounds a whole generation, arrival to last token.
+    `retry_after_s` is the `Retry-After` sent with 503 responses.
     """
 
     api_keys: frozenset[str] = frozenset()
@@ -22,10 +23,12 @@ class GatewayConfig:
     default_max_tokens: int = 256
     request_timeout_s: float = 600.0
     served_model_name: str | None = None
+    model_aliases: frozenset[str] = frozenset({"default"})
     retry_after_s: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", frozenset(self.api_keys))
+        object.__setattr__(self, "model_aliases", frozenset(self.model_aliases))
         if any(not isinstance(k, str) or not k for k in self.api_keys):
             raise InvalidRequestError("api_keys must be non-empty strings")
         if self.max_body_bytes < 1:

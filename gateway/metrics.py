@@ -9,9 +9,12 @@ from __future__ import annotations
 import time
 from typing import Literal
 
+import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.types import TokenEvent
+
+log = structlog.get_logger(__name__)
 
 Outcome = Literal["success", "error", "aborted", "rejected"]
 
@@ -56,7 +59,8 @@ class GatewayMetrics:
 
 
 class RequestTracker:
-    """Follows one generating request; `finish` records it exactly once."""
+    """Follows one generating request; `finish` records it (metrics and one log line, no
+    prompt or output text) exactly once."""
 
     def __init__(self, metrics: GatewayMetrics, latency_class: str, arrived: float):
         self._m = metrics
@@ -77,6 +81,16 @@ class RequestTracker:
             return
         self._done = True
         m, lc = self._m, self.latency_class
+        now = time.monotonic()
+        last = self.last
+        log.info("request finished", outcome=outcome, latency_class=lc,
+                 route=last.route if last else None,
+                 prompt_tokens=last.num_prompt_tokens if last else None,
+                 cached_tokens=last.num_cached_tokens if last else None,
+                 output_tokens=last.num_output_tokens if last else 0,
+                 ttft_ms=round((self.token_times[0] - self.arrived) * 1e3, 1)
+                 if self.token_times else None,
+                 e2e_ms=round((now - self.arrived) * 1e3, 1))
         m.in_flight.labels(lc).dec()
         m.requests.labels(outcome, lc).inc()
         if outcome == "rejected":
@@ -92,4 +106,4 @@ class RequestTracker:
         itl = m.itl.labels(lc, route)
         for a, b in zip(self.token_times, self.token_times[1:], strict=False):
             itl.observe(b - a)
-        m.e2e.labels(lc, route).observe(time.monotonic() - self.arrived)
+        m.e2e.labels(lc, route).observe(now - self.arrived)

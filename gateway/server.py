@@ -1,7 +1,8 @@
 """Running the gateway app with uvicorn inside the caller's event loop.
 
-`serve` is what a process (e.g. the router) awaits alongside its other services;
-`running_server` starts one on a free port for tests and tools.
+The hosting process (e.g. the router) owns signals: it passes `serve` a stop event (see
+`pdserve.runtime.stop_event_on_signals`), and on stop uvicorn stops accepting connections and
+gives in-flight requests `graceful_shutdown_s` to finish.
 """
 
 from __future__ import annotations
@@ -9,86 +10,106 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Generator
-from dataclasses import dataclass
+from collections.abc import Generator
 
+import structlog
 import uvicorn
 from starlette.types import ASGIApp
 
+log = structlog.get_logger(__name__)
+
 
 class _Server(uvicorn.Server):
-    """uvicorn.Server that can leave signal handling to the hosting process."""
-
-    def __init__(self, config: uvicorn.Config, *, handle_signals: bool):
-        super().__init__(config)
-        self._handle_signals = handle_signals
-
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
-        if self._handle_signals:
-            with super().capture_signals():
-                yield
-        else:
-            yield
+        yield  # signals belong to the hosting process
 
 
-def _config(app: ASGIApp, host: str, port: int, *, log_level: str,
-            graceful_shutdown_s: int) -> uvicorn.Config:
+def make_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *,
+                log_level: str = "warning", graceful_shutdown_s: int = 10) -> uvicorn.Server:
+    """A uvicorn.Server for `app` that leaves signals to the hosting process. Drive it
+    yourself: ``task = create_task(server.serve())``, poll ``server.started``, then set
+    ``server.should_exit = True`` and await the task to stop gracefully."""
     # log_config=None: leave the process's logging configuration alone.
-    return uvicorn.Config(app, host=host, port=port, log_config=None, log_level=log_level,
-                          access_log=False, lifespan="off",
-                          timeout_graceful_shutdown=graceful_shutdown_s)
+    config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level=log_level,
+                            access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=graceful_shutdown_s)
+    return _Server(config)
 
 
-async def serve(app: ASGIApp, host: str = "127.0.0.1", port: int = 8000, *,
-                log_level: str = "info", graceful_shutdown_s: int = 10,
-                handle_signals: bool = True) -> None:
-    """Serve `app` until SIGINT/SIGTERM (if `handle_signals`) or until cancelled.
+class GatewayServer:
+    """One uvicorn server on a socket bound at `start()` (`port=0` picks a free port)."""
 
-    On a signal, uvicorn stops accepting connections and waits up to `graceful_shutdown_s`
-    for in-flight requests before cancelling them.
-    """
-    server = _Server(_config(app, host, port, log_level=log_level,
-                             graceful_shutdown_s=graceful_shutdown_s),
-                     handle_signals=handle_signals)
-    await server.serve()
-
-
-@dataclass(frozen=True)
-class RunningServer:
-    host: str
-    port: int
+    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *,
+                 log_level: str = "warning", graceful_shutdown_s: int = 10,
+                 startup_timeout_s: float = 10.0):
+        self.app = app
+        self.host = host
+        self.port = port
+        self._log_level = log_level
+        self._graceful_shutdown_s = graceful_shutdown_s
+        self._startup_timeout_s = startup_timeout_s
+        self._sock: socket.socket | None = None
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-
-@contextlib.asynccontextmanager
-async def running_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *,
-                         graceful_shutdown_s: int = 5,
-                         startup_timeout_s: float = 10.0) -> AsyncIterator[RunningServer]:
-    """Serve `app` in a background task for the duration of the block. `port=0` picks a free
-    port (the socket is bound here, so there is no race for it)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    actual_port = sock.getsockname()[1]
-    server = _Server(_config(app, host, actual_port, log_level="warning",
-                             graceful_shutdown_s=graceful_shutdown_s),
-                     handle_signals=False)
-    task = asyncio.create_task(server.serve(sockets=[sock]), name=f"gateway:{actual_port}")
-    try:
-        async with asyncio.timeout(startup_timeout_s):
-            while not server.started:
-                if task.done():
-                    task.result()  # raises the startup failure
-                    raise RuntimeError("the gateway server exited during startup")
-                await asyncio.sleep(0.01)
-        yield RunningServer(host, actual_port)
-    finally:
-        server.should_exit = True
+    async def start(self) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self._sock, self.port = sock, sock.getsockname()[1]
+        server = self._server = make_server(self.app, self.host, self.port,
+                                            log_level=self._log_level,
+                                            graceful_shutdown_s=self._graceful_shutdown_s)
+        task = self._task = asyncio.create_task(server.serve(sockets=[sock]),
+                                                name=f"gateway:{self.port}")
         try:
-            await asyncio.wait_for(task, graceful_shutdown_s + 5.0)
+            async with asyncio.timeout(self._startup_timeout_s):
+                while not server.started:
+                    if task.done():
+                        task.result()  # raises the startup failure
+                        raise RuntimeError("the gateway server exited during startup")
+                    await asyncio.sleep(0.01)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight requests finish (bounded), close the socket."""
+        if self._server is not None:
+            self._server.should_exit = True
+        try:
+            if self._task is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._task, self._graceful_shutdown_s + 5.0)
         finally:
-            sock.close()
+            self._task = self._server = None
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+    async def __aenter__(self) -> GatewayServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+async def serve(app: ASGIApp, host: str = "127.0.0.1", port: int = 8000, *,
+                stop: asyncio.Event | None = None, log_level: str = "info",
+                graceful_shutdown_s: int = 10) -> None:
+    """Serve `app` until `stop` is set, or until cancelled; then shut down gracefully."""
+    async with GatewayServer(app, host, port, log_level=log_level,
+                             graceful_shutdown_s=graceful_shutdown_s) as server:
+        log.info("gateway listening", url=server.url)
+        await (stop.wait() if stop is not None else asyncio.Future())
+
+
+def running_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> GatewayServer:
+    """For tests and tools: ``async with running_server(app) as srv: ... srv.url``."""
+    return GatewayServer(app, host, port, graceful_shutdown_s=5)

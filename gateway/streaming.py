@@ -60,11 +60,13 @@ async def race(receive: Receive, work: Coroutine[Any, Any, T], deadline: float) 
 
 
 class SSEResponse(StreamingResponse):
-    """A text/event-stream response that always finishes its body and runs `cleanup`.
+    """A text/event-stream response that always closes its body and runs `cleanup`.
 
-    Starlette cancels the sending task on disconnect; if the body generator was suspended at a
-    `yield` (or never started) nothing would close it until garbage collection, so this closes
-    it explicitly and then runs `cleanup` (which must be idempotent).
+    Unlike Starlette's StreamingResponse it watches for the disconnect with plain asyncio
+    (no anyio cancel scope): on disconnect the sending task is cancelled once, so the body
+    and the backend stream beneath it can still await their cleanup (e.g. an abort RPC).
+    The body is closed explicitly even if it was suspended at a `yield` or never started;
+    then `cleanup` (which must be idempotent) runs.
     """
 
     def __init__(self, body: AsyncGenerator[bytes, None], cleanup: Callable[[], Awaitable[None]],
@@ -76,8 +78,16 @@ class SSEResponse(StreamingResponse):
         self._cleanup = cleanup
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sender = asyncio.ensure_future(self.stream_response(send))
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait((sender, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for t in (sender, gone):
+                t.cancel()
+            await asyncio.gather(sender, gone, return_exceptions=True)
             await self._body.aclose()
             await self._cleanup()
+        if sender.done() and not sender.cancelled() and (exc := sender.exception()) is not None:
+            if not isinstance(exc, OSError):  # OSError: the client went away mid-send
+                raise exc

@@ -105,7 +105,8 @@ class LocalCluster:
 
     def __init__(self, *, prefill: int = 1, decode: int = 1, redis_url: str | None = None,
                  model: str | None = None, http_port: int = 0, grpc_port: int = 0,
-                 extra_worker_args: tuple[str, ...] = (), log_dir: Path | None = None,
+                 extra_worker_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (),
+                 log_dir: Path | None = None,
                  namespace: str | None = None, env: dict[str, str] | None = None):
         self.n_prefill, self.n_decode = prefill, decode
         self.redis_url = redis_url
@@ -113,6 +114,8 @@ class LocalCluster:
         self.http_port = http_port or _free_port()
         self.grpc_port = grpc_port or _free_port()
         self.extra = extra_worker_args
+        self.router_args = router_args
+        self.ports: dict[str, int] = {}
         self.namespace = namespace or f"cluster{uuid.uuid4().hex[:8]}"
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="pdserve-cluster-"))
         self.env = {**os.environ, **(env or {})}
@@ -155,6 +158,7 @@ class LocalCluster:
                    timeout_s: float = 180) -> str:
         name = f"{role}-{index}"
         port = _free_port()
+        self.ports[name] = port
         proc = self._spawn(name, self._pdserve(f"{role}-worker", "--worker-id", name,
                                                "--port", str(port), *self.extra))
         if wait:
@@ -168,7 +172,8 @@ class LocalCluster:
         for i in range(self.n_prefill):
             self.add_worker("prefill", i, wait=False)
         router = self._spawn("router", self._pdserve(
-            "router", "--port", str(self.grpc_port), "--http-port", str(self.http_port)))
+            "router", "--port", str(self.grpc_port), "--http-port", str(self.http_port),
+            *self.router_args))
         _wait_port(self.http_port, router, timeout_s, "router")
         self.wait_ready(timeout_s)
         return self

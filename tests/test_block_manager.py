@@ -62,7 +62,7 @@ def test_shared_prefix_blocks_are_ref_counted() -> None:
     bm = BlockManager(8, BS)
     a, _ = _allocate(bm, "a", _tokens(10))
     assert bm.num_cached_tokens(_tokens(10)) == 8  # two full blocks
-    b, cached = _allocate(bm, "b", _tokens(8) + [500, 501, 502])
+    b, cached = _allocate(bm, "b", [*_tokens(8), 500, 501, 502])
     assert cached == 8
     assert b[:2] == a[:2] and b[2] != a[2]
     assert bm.num_free_blocks == 8 - 4

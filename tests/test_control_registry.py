@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from conftest_redis import redis_server  # noqa: F401 - pytest fixture
 
 from control import (
     ControlPlaneError,
@@ -47,7 +46,7 @@ def namespace() -> str:
 
 
 @pytest.fixture
-async def registry(redis_server: str, namespace: str) -> AsyncIterator[WorkerRegistry]:  # noqa: F811
+async def registry(redis_server: str, namespace: str) -> AsyncIterator[WorkerRegistry]:
     async with WorkerRegistry.from_url(redis_server, namespace=namespace) as reg:
         yield reg
 
@@ -166,7 +165,7 @@ async def test_directory_follows_workers(registry: WorkerRegistry) -> None:
         await events.aclose()
 
 
-async def test_crashed_worker_drops_out(redis_server: str, namespace: str) -> None:  # noqa: F811
+async def test_crashed_worker_drops_out(redis_server: str, namespace: str) -> None:
     """A worker killed with SIGKILL stops heartbeating; its lease lapses within ~TTL."""
     script = textwrap.dedent(
         f"""

@@ -158,8 +158,8 @@ def test_eos_ends_with_stop_unless_ignored(make_engine, tokenizer) -> None:
         pytest.param("Les élèves étudient la physique quantique", greedy(24), id="french"),
         pytest.param("Écris un poème avec des emojis 🙂🚀 et des accents:",
                      SamplingParams(max_tokens=32, temperature=1.3, seed=11), id="emoji-hot"),
-        pytest.param("东京是日本的首都。北京是", SamplingParams(max_tokens=32, temperature=1.0, seed=5),
-                     id="chinese"),
+        pytest.param("东京是日本的首都。北京是",
+                     SamplingParams(max_tokens=32, temperature=1.0, seed=5), id="chinese"),
         pytest.param("def fibonacci(n):\n", greedy(24), id="code"),
     ],
 )

@@ -10,13 +10,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.async_engine import AsyncEngine
 from engine.types import GenerateRequest, SamplingParams
 from gateway.app import GatewayConfig, create_app
 from gateway.local_backend import EngineBackend
-from gateway.server import RunningServer, running_server
+from gateway.server import GatewayServer, running_server
 
 MODEL = "smol-test"
 PROMPT = "The capital of France is"
@@ -37,20 +38,20 @@ async def engine(loaded_model, tokenizer) -> AsyncIterator[AsyncEngine]:  # type
 
 
 @pytest.fixture(scope="module")
-async def server(engine, tokenizer) -> AsyncIterator[RunningServer]:  # type: ignore[no-untyped-def]
+async def server(engine, tokenizer) -> AsyncIterator[GatewayServer]:  # type: ignore[no-untyped-def]
     app = create_app(EngineBackend(engine, tokenizer, MODEL), GatewayConfig())
     async with running_server(app) as srv:
         yield srv
 
 
 @pytest.fixture
-async def http(server: RunningServer) -> AsyncIterator[httpx.AsyncClient]:
+async def http(server: GatewayServer) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
         yield client
 
 
 @pytest.fixture
-def client(server: RunningServer) -> openai.AsyncOpenAI:
+def client(server: GatewayServer) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
@@ -211,7 +212,7 @@ async def test_request_id_latency_class_and_timings(http: httpx.AsyncClient) -> 
 # ---------------------------------------------------------------------- cancellation
 
 
-async def test_disconnect_mid_stream_frees_blocks(server: RunningServer, engine) -> None:  # type: ignore[no-untyped-def]
+async def test_disconnect_mid_stream_frees_blocks(server: GatewayServer, engine) -> None:  # type: ignore[no-untyped-def]
     await wait_all_free(engine)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
             "stream": True, "temperature": 0}
@@ -229,7 +230,7 @@ async def test_disconnect_mid_stream_frees_blocks(server: RunningServer, engine)
     await wait_all_free(engine, timeout_s=5.0)
 
 
-async def test_disconnect_while_waiting_non_streaming(server: RunningServer, engine) -> None:  # type: ignore[no-untyped-def]
+async def test_disconnect_while_waiting_non_streaming(server: GatewayServer, engine) -> None:  # type: ignore[no-untyped-def]
     await wait_all_free(engine)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=server.url, timeout=0.5) as http:
@@ -278,3 +279,21 @@ async def test_metrics_move_with_traffic(http: httpx.AsyncClient) -> None:
 async def test_health(http: httpx.AsyncClient) -> None:
     r = await http.get("/health")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+async def test_logs_carry_request_id_not_text(http: httpx.AsyncClient) -> None:
+    secret = "Zanzibar-quokka"
+    with structlog.testing.capture_logs(
+            processors=[structlog.contextvars.merge_contextvars]) as logs:
+        r = await http.post("/v1/completions", json={"prompt": secret, "max_tokens": 2},
+                            headers={"X-Request-Id": "log-me"})
+        assert r.status_code == 200
+        r = await http.post("/v1/completions", json={"prompt": secret, "n": 5},
+                            headers={"X-Request-Id": "log-me-too"})
+        assert r.status_code == 400
+    finished = [e for e in logs if e["event"] == "request finished"]
+    assert [e["request_id"] for e in finished] == ["log-me"]
+    assert finished[0]["outcome"] == "success" and finished[0]["output_tokens"] == 2
+    assert any(e.get("request_id") == "log-me-too" and e["event"] == "request rejected"
+               for e in logs)
+    assert secret not in repr(logs)

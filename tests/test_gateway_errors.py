@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -180,6 +181,21 @@ async def test_unknown_model_is_404(http: httpx.AsyncClient) -> None:
     r = await http.post("/v1/completions", json={**OK_COMPLETION, "model": "gpt-4"})
     assert_error(r, 404, code="model_not_found", param="model")
     assert_error(await http.get("/v1/models/gpt-4"), 404, code="model_not_found")
+    # "default" is an alias unless configured away; omitting the model is fine too.
+    r = await http.post("/v1/completions", json={**OK_COMPLETION, "model": "default"})
+    assert r.status_code == 200 and r.json()["model"] == MODEL
+    body = {k: v for k, v in OK_COMPLETION.items() if k != "model"}
+    assert (await http.post("/v1/completions", json=body)).status_code == 200
+
+
+async def test_no_aliases(engine: AsyncEngine, tokenizer: Any) -> None:
+    config = GatewayConfig(model_aliases=frozenset(), served_model_name="served")
+    async with serve(EngineBackend(engine, tokenizer, MODEL), config) as http:
+        r = await http.post("/v1/completions", json={**OK_COMPLETION, "model": "default"})
+        assert_error(r, 404, code="model_not_found")
+        r = await http.post("/v1/completions", json={**OK_COMPLETION, "model": "served"})
+        assert r.status_code == 200 and r.json()["model"] == "served"
+        assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]] == ["served"]
 
 
 async def test_context_length(http: httpx.AsyncClient, engine: AsyncEngine) -> None:
@@ -241,11 +257,11 @@ async def test_api_keys(engine: AsyncEngine, tokenizer: Any) -> None:
         ok = {"Authorization": "Bearer k2"}
         assert (await http.get("/v1/models", headers=ok)).status_code == 200
         assert (await http.get("/metrics", headers=ok)).status_code == 200
-        client = openai.AsyncOpenAI(base_url=str(http.base_url) + "v1", api_key="k1",
+        client = openai.AsyncOpenAI(base_url=f"{http.base_url}/v1", api_key="k1",
                                     max_retries=0)
         resp = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
         assert resp.usage is not None and resp.usage.completion_tokens == 1
-        bad = openai.AsyncOpenAI(base_url=str(http.base_url) + "v1", api_key="k3",
+        bad = openai.AsyncOpenAI(base_url=f"{http.base_url}/v1", api_key="k3",
                                  max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             await bad.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
@@ -260,6 +276,27 @@ async def test_health_not_ready(engine: AsyncEngine, tokenizer: Any) -> None:
     async with serve(NotReadyBackend(engine, tokenizer, MODEL)) as http:
         err = assert_error(await http.get("/health"), 503, code="not_ready")
         assert "decode worker" in err["message"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Worker:
+    worker_id: str
+    role: str
+
+
+class DirectoryBackend(EngineBackend):
+    def workers(self, role: str) -> list[Worker]:
+        return [Worker(f"{role}-0", role)]
+
+
+async def test_workers_listing(http: httpx.AsyncClient, engine: AsyncEngine,
+                               tokenizer: Any) -> None:
+    assert_error(await http.get("/v1/pdserve/workers"), 404, code="not_found")
+    async with serve(DirectoryBackend(engine, tokenizer, MODEL)) as client:
+        r = await client.get("/v1/pdserve/workers")
+        assert r.status_code == 200
+        assert r.json() == {"workers": [{"worker_id": "prefill-0", "role": "prefill"},
+                                        {"worker_id": "decode-0", "role": "decode"}]}
 
 
 # ---------------------------------------------------------------------- backend failures
@@ -326,3 +363,35 @@ async def test_request_timeout(engine: AsyncEngine, tokenizer: Any) -> None:
         else:
             assert_error(r, 504, code="timeout")
         await wait_all_free(engine)
+
+
+class SlowCleanupBackend(EngineBackend):
+    """Its cleanup awaits, as a router's abort RPC would; records that it completed."""
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self.cleaned: asyncio.Queue[str] = asyncio.Queue()
+
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
+        try:
+            async for ev in super().generate(req):
+                yield ev
+        finally:
+            await asyncio.sleep(0.05)
+            self.cleaned.put_nowait(req.request_id)
+
+
+async def test_disconnect_lets_backend_cleanup_await(engine: AsyncEngine, tokenizer: Any) -> None:
+    backend = SlowCleanupBackend(engine, tokenizer, MODEL)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    async with serve(backend) as http:
+        for rid in ("gone-1", "gone-2"):
+            async with http.stream("POST", "/v1/completions", json=body,
+                                   headers={"X-Request-Id": rid}) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        break
+            assert await asyncio.wait_for(backend.cleaned.get(), 5) == rid
+        await wait_all_free(engine, timeout_s=5.0)

@@ -11,7 +11,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest_redis import redis_server  # noqa: F401 - pytest fixture
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
@@ -165,7 +164,7 @@ async def test_warmup_opens_the_endpoint_used_by_send(
 
 
 async def test_registry_published_descriptor(
-    redis_server: str,  # noqa: F811
+    redis_server: str,
     receiver: KVReceiver,
     src_pool: torch.Tensor,
     dst_pool: torch.Tensor,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence, SeqMode, SeqStatus
+from engine.sequence import SeqMode, SeqStatus, Sequence
 from engine.types import FinishReason, LatencyClass, SamplingParams
 
 BS = 4

@@ -1,0 +1,133 @@
+"""The disaggregated system end to end: real processes, Redis, gRPC, UCX and the model."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from cluster_util import generate, wait_blocks_free
+
+from pdserve import grpc_util as gu
+from pdserve.services_cli import LocalCluster
+from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+REMOTE_THRESHOLD = 64
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
+    with LocalCluster(prefill=1, decode=1, model=str(model_dir),
+                      extra_worker_args=("--threads", "1", "--kv-cache-mb", "192"),
+                      router_args=("--remote-threshold", str(REMOTE_THRESHOLD))) as c:
+        yield c
+
+
+def _addr(cluster: LocalCluster, name: str) -> str:
+    return f"127.0.0.1:{cluster.ports[name]}"
+
+
+async def test_outputs_equal_reference_and_routes_are_right(cluster, prompt_ids,
+                                                            hf_reference) -> None:
+    results = [await generate(cluster.grpc_address, ids) for ids in prompt_ids]
+    for ids, ref, res in zip(prompt_ids, hf_reference, results, strict=True):
+        assert res.tokens == ref
+        expected = "remote" if len(ids) >= REMOTE_THRESHOLD else "local"
+        assert res.route == expected, (len(ids), res.route)
+    long_remote = results[-1]
+    assert long_remote.prefill_worker == "prefill-0"
+    assert long_remote.timings is not None and long_remote.timings.kv_transfer_ms > 0
+    # The same long prompt again: its prefix is now cached on the decode worker, so it stays
+    # local, and the output is still the reference.
+    again = await generate(cluster.grpc_address, prompt_ids[-1])
+    assert again.route == "local" and again.cached_tokens > 1000
+    assert again.tokens == hf_reference[-1]
+
+
+async def test_concurrent_mixed_requests(cluster, prompt_ids, hf_reference) -> None:
+    results = await asyncio.gather(*(generate(cluster.grpc_address, ids) for ids in prompt_ids))
+    for ref, res in zip(hf_reference, results, strict=True):
+        assert res.tokens == ref
+
+
+async def test_forged_and_stale_descriptors_are_rejected(cluster, prompt_ids) -> None:
+    async with gu.insecure_channel(_addr(cluster, "prefill-0")) as ch:
+        stub = prefill_pb2_grpc.PrefillWorkerStub(ch)
+        for descriptor in ("decode-0:999999", "forged", "nobody:1"):
+            req = prefill_pb2.PrefillRequest(
+                request_id=f"forged-{descriptor}", prompt_token_ids=prompt_ids[0],
+                sampling=common_pb2.SamplingParams(max_tokens=1),
+                destination=prefill_pb2.KVDestination(descriptor_id=descriptor, block_ids=[0],
+                                                      transfer_id="t"))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Prefill(req, timeout=30)
+            assert info.value.code() != grpc.StatusCode.OK
+            assert "descriptor" in (info.value.details() or "").lower()
+
+
+async def test_blocks_return_to_initial(cluster) -> None:
+    for name in ("decode-0", "prefill-0"):
+        free, total = await wait_blocks_free(_addr(cluster, name), name.split("-")[0])
+        assert free == total, name
+
+
+@pytest.fixture
+def own_cluster(model_dir) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
+    with LocalCluster(prefill=1, decode=1, model=str(model_dir),
+                      extra_worker_args=("--threads", "1", "--kv-cache-mb", "192"),
+                      router_args=("--remote-threshold", str(REMOTE_THRESHOLD))) as c:
+        yield c
+
+
+async def test_prefill_worker_killed_mid_flight_falls_back(own_cluster, prompt_ids,
+                                                           hf_reference) -> None:
+    c = own_cluster
+    long_ids, ref = prompt_ids[-1], hf_reference[-1]
+    # Distinct long prompts so none is served from the decode worker's prefix cache.
+    variants = [[ids_tok for ids_tok in long_ids] for _ in range(3)]
+    for i, v in enumerate(variants):
+        v[1] = 1000 + i  # change an early token: a different prompt, nothing cached
+    tasks = [asyncio.create_task(generate(c.grpc_address, v, max_tokens=16)) for v in variants]
+    tasks.append(asyncio.create_task(generate(c.grpc_address, long_ids)))
+    await asyncio.sleep(1.0)
+    c.stop("prefill-0", signal.SIGKILL)
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 600)
+    assert all(r.finish_reason for r in results)
+    assert results[-1].tokens == ref
+    assert {r.route for r in results} <= {"remote", "fallback"}
+    assert any(r.route == "fallback" for r in results)
+    free, total = await wait_blocks_free(f"127.0.0.1:{c.ports['decode-0']}", "decode")
+    assert free == total
+    # With the prefill pool gone, long prompts are prefilled locally.
+    await asyncio.sleep(4)  # lease TTL
+    res = await generate(c.grpc_address, long_ids[:-5] + [5, 6, 7, 8, 9], max_tokens=4)
+    assert res.route == "local"
+
+
+async def test_decode_workers_join_and_drain(own_cluster, prompt_ids, hf_reference) -> None:
+    c = own_cluster
+    c.add_worker("decode", 1)
+    deadline = time.monotonic() + 60
+    seen: set[str] = set()
+    while time.monotonic() < deadline and "decode-1" not in seen:
+        res = await asyncio.gather(*(generate(c.grpc_address, ids, max_tokens=4)
+                                     for ids in prompt_ids[:4]))
+        seen |= {r.decode_worker for r in res}
+    assert "decode-1" in seen, seen
+    # SIGTERM decode-0 while streams run on it: they all finish; new requests go elsewhere.
+    streams = [asyncio.create_task(generate(c.grpc_address, ids, max_tokens=32))
+               for ids in prompt_ids[:6]]
+    await asyncio.sleep(1.5)
+    loop = asyncio.get_running_loop()
+    stopped = loop.run_in_executor(None, c.stop, "decode-0", signal.SIGTERM, 120)
+    results = await asyncio.gather(*streams)
+    for ids, ref, r in zip(prompt_ids[:6], hf_reference[:6], results, strict=True):
+        assert r.tokens == ref, (len(ids), r.decode_worker)
+    assert await stopped == 0
+    after = await asyncio.gather(*(generate(c.grpc_address, ids, max_tokens=4)
+                                   for ids in prompt_ids[:4]))
+    assert {r.decode_worker for r in after} == {"decode-1"}
