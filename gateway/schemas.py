@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -32,7 +32,7 @@ class _Common(_Strict):
     top_p: float | None = None
     top_k: int | None = None  # extension; -1 or 0 disables
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: str | list[str] | None = Field(None, max_length=16)
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
@@ -119,7 +119,10 @@ def validate(body: dict[str, Any], model: type[M],
 
 
 def _from_validation(exc: ValidationError) -> APIError:
-    err = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    # For a union, a value failing one member's type check is expected; a constraint
+    # violation of the member that matched the type says what is actually wrong.
+    err = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
     # loc may hold union member names ("prompt", "list[int]", 0): the field is what matters.
     param = str(err["loc"][0]) if err["loc"] else None
     if err["type"] == "extra_forbidden":

@@ -109,6 +109,7 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], str, str]] = [
     ({"prompt": PROMPT, "logprobs": 50}, "logprobs", "invalid_sampling_params"),
     ({"prompt": PROMPT, "seed": 2**70}, "seed", "invalid_value"),
     ({"prompt": PROMPT, "stop": [""]}, "stop", "invalid_sampling_params"),
+    ({"prompt": PROMPT, "stop": ["a"] * 17}, "stop", "invalid_value"),
     ({"prompt": PROMPT, "stream": "yes"}, "stream", "invalid_type"),
     ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options",
      "invalid_request"),
@@ -155,7 +156,8 @@ async def test_malformed_bodies(http: httpx.AsyncClient) -> None:
 
 async def test_neutral_values_of_unsupported_fields_are_accepted(http: httpx.AsyncClient) -> None:
     body = {**OK_COMPLETION, "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
-            "echo": False, "best_of": 1, "logit_bias": {}, "user": "someone", "top_k": -1}
+            "echo": False, "best_of": 1, "logit_bias": {}, "user": "someone", "top_k": -1,
+            "stop": "a long stop string, longer than sixteen characters"}
     assert (await http.post("/v1/completions", json=body)).status_code == 200
     chat = {"messages": [{"role": "developer", "content": "Be brief."},
                          {"role": "user", "content": [{"type": "text", "text": "Hi"}],
