@@ -71,6 +71,8 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # UCX warns about variables other libraries set for it; those warnings are noise here.
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
