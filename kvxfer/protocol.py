@@ -13,10 +13,12 @@ order, so the pair stays together as long as only one coroutine writes a tag at 
                           ``pong``, ``accept``/``reject``, then ``done``/``failed``.
 - ``data_tag(seq, i)``    the raw bytes of the i-th block run of transfer `seq`.
 
-A write goes: sender ``write`` -> receiver validates, posts one recv per destination run
-straight into its pool, replies ``accept`` (or ``reject`` with a code and message, before any
-data moved) -> sender sends each source run -> receiver replies ``done`` once every byte
-landed. Each transfer has its own tags, so transfers over one endpoint run concurrently.
+A write goes: sender ``write`` (descriptor id, transfer id, layout, destination runs, and an
+optional JSON ``notice`` handed to the decode side on success) -> receiver validates, posts
+one recv per destination run straight into its pool, replies ``accept`` (or ``reject`` with a
+code and message, before any data moved) -> sender sends each source run -> receiver replies
+``done`` once every byte landed. Each transfer has its own tags, so transfers over one
+endpoint run concurrently.
 """
 
 from __future__ import annotations

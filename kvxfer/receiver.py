@@ -59,14 +59,20 @@ class _State(enum.Enum):
     FAILED = "failed"
 
 
+Notice = dict[str, Any]
+
+
 class Expectation:
-    """Awaitable for one expected transfer: returns once every byte landed, else raises
+    """Awaitable for one expected transfer: once every byte landed it returns the writer's
+    notice (a small JSON object sent along with the blocks, or None), else it raises
     KVTransferError. Either way, no byte lands in the blocks after it finished. Awaiting it
-    again returns the same outcome; cancelling the awaiting task does not cancel the transfer
+    again gives the same outcome; cancelling the awaiting task does not cancel the transfer
     (use `KVReceiver.cancel`).
     """
 
-    def __init__(self, transfer_id: str, dst_block_ids: tuple[int, ...], fut: asyncio.Future[None]):
+    def __init__(
+        self, transfer_id: str, dst_block_ids: tuple[int, ...], fut: asyncio.Future[Notice | None]
+    ):
         self.transfer_id = transfer_id
         self.dst_block_ids = dst_block_ids
         self._future = fut
@@ -74,7 +80,7 @@ class Expectation:
     def done(self) -> bool:
         return self._future.done()
 
-    def __await__(self) -> Generator[Any, None, None]:
+    def __await__(self) -> Generator[Any, None, Notice | None]:
         return asyncio.shield(self._future).__await__()
 
 
@@ -106,7 +112,8 @@ class _Transfer:
     transfer_id: str
     dst_block_ids: tuple[int, ...]
     deadline: float  # loop.time()
-    future: asyncio.Future[None]
+    future: asyncio.Future[Notice | None]
+    notice: Notice | None = None
     timer: asyncio.TimerHandle | None = None
     state: _State = _State.PENDING
     recvs: list[asyncio.Task[Any]] = field(default_factory=list)
@@ -222,7 +229,7 @@ class KVReceiver:
         except ValueError as exc:
             raise error(Code.INVALID_ARGUMENT, str(exc)) from None
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
+        fut: asyncio.Future[Notice | None] = loop.create_future()
         # The decode service may cancel and never await: don't warn about unretrieved errors.
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         transfer = _Transfer(transfer_id, blocks, loop.time() + timeout_s, fut)
@@ -370,6 +377,10 @@ class KVReceiver:
             for r in raw_runs
         ):
             raise error(Code.PROTOCOL_ERROR, "runs must be a list of [start, count] integer pairs")
+        notice = msg.get("notice")
+        if notice is not None and not isinstance(notice, dict):
+            raise error(Code.PROTOCOL_ERROR, "notice must be a JSON object")
+        transfer.notice = notice
         runs = [(start, count) for start, count in raw_runs]
         if any(count < 1 for _, count in runs):
             raise error(Code.PROTOCOL_ERROR, "every run must hold at least one block")
@@ -464,7 +475,7 @@ class KVReceiver:
             err.code = Code.FENCE_FAILED.value
         if not transfer.future.done():
             if err is None:
-                transfer.future.set_result(None)
+                transfer.future.set_result(transfer.notice)
             else:
                 transfer.future.set_exception(err)
         transfer.fenced.set()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
@@ -160,9 +161,13 @@ class KVSender:
         dst_block_ids: Sequence[int],
         transfer_id: str,
         timeout_s: float = 10.0,
+        *,
+        notice: Mapping[str, Any] | None = None,
     ) -> SendResult:
         """Copy ``src_pool[src_block_ids[i]]`` into the remote block ``dst_block_ids[i]``.
 
+        `notice` (a small JSON-serializable object, e.g. the first sampled token) travels with
+        the request and is what the receiver's Expectation returns once the bytes landed.
         Returns once the receiver confirmed every byte landed. Raises KVTransferError (see
         `kvxfer.protocol.Code` for codes) on invalid arguments, an unknown or stale
         descriptor, a rejection by the receiver, a lost peer, or when `timeout_s` runs out.
@@ -180,7 +185,10 @@ class KVSender:
             check_blocks(src_ids, self.layout.num_blocks, "source")
             if len(set(dst_ids)) != len(dst_ids):
                 raise ValueError("dst_block_ids contains duplicates")
-        except ValueError as exc:
+            if notice is not None:
+                notice = dict(notice)
+                json.dumps(notice)  # fail here, not halfway through the protocol
+        except (ValueError, TypeError) as exc:
             raise error(Code.INVALID_ARGUMENT, f"transfer {transfer_id!r}: {exc}") from None
 
         async with self._deadline(timeout_s, f"transfer {transfer_id!r}") as remaining:
@@ -202,6 +210,7 @@ class KVSender:
                 "descriptor_id": descriptor_id,
                 "layout": layout_to_dict(self.layout),
                 "runs": [[dst, count] for _, dst, count in runs],
+                "notice": notice,
             }
             for attempt in range(2):
                 try:

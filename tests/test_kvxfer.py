@@ -124,8 +124,9 @@ async def test_noncontiguous_transfer(
     dst_ids = [0, 1, 2, 7, 30, 31]
     xid = tid()
     landed = receiver.expect(xid, dst_ids, timeout_s=10)
-    result = await sender.send(DESC_ID, src_pool, src_ids, dst_ids, xid, timeout_s=10)
-    await landed
+    notice = {"first_token": 42, "logprob": -0.5}
+    result = await sender.send(DESC_ID, src_pool, src_ids, dst_ids, xid, 10, notice=notice)
+    assert await landed == notice  # the writer's notice arrives with the blocks
     assert result.num_runs == 3 and result.nbytes == 6 * LAYOUT.block_nbytes
     assert torch.equal(dst_pool[dst_ids], src_pool[src_ids])
     untouched = [b for b in range(LAYOUT.num_blocks) if b not in dst_ids]
@@ -159,8 +160,11 @@ async def test_warmup_opens_the_endpoint_used_by_send(
     xid = tid()
     landed = receiver.expect(xid, [0], 10)
     await sender.send(DESC_ID, src_pool, [1], [0], xid, 10)
-    await landed
+    assert await landed is None  # no notice sent
     assert list(sender._peers.values()) == [peer]
+    with pytest.raises(KVTransferError) as info:
+        await sender.send(DESC_ID, src_pool, [1], [0], tid(), 10, notice={"x": object()})
+    assert info.value.code == Code.INVALID_ARGUMENT
 
 
 async def test_registry_published_descriptor(
