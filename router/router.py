@@ -299,8 +299,10 @@ class Router:
                 num_cached_tokens=alloc.num_cached_tokens, transfer_id=alloc.transfer_id),
             deadline_ms=int(cfg.prefill_timeout_s * 1000))
         pstub = self._stubs.prefill(prefill)
-        prefill_task = asyncio.create_task(
-            pstub.Prefill(prefill_req, timeout=cfg.prefill_timeout_s, metadata=md))
+        async def call_prefill() -> prefill_pb2.PrefillResponse:
+            return await pstub.Prefill(prefill_req, timeout=cfg.prefill_timeout_s, metadata=md)
+
+        prefill_task = asyncio.create_task(call_prefill())
         stream = self._stream(call, cfg.prefill_timeout_s + cfg.transfer_timeout_s)
         first_task: asyncio.Task[TokenEvent] = asyncio.create_task(anext(stream))  # type: ignore[arg-type]
         try:
