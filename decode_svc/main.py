@@ -78,6 +78,10 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
                      streams=worker.active_streams)
             await registry.deregister()
             await gu.set_not_serving(health, SERVICE)
-            await server.stop(grace=config.drain_timeout_s)
+            # Routers drop us within one directory poll; requests already routed here (and
+            # every running stream) are still served until they finish.
+            await asyncio.sleep(config.heartbeat_s)
+            await worker.drained(config.drain_timeout_s)
+            await server.stop(grace=5.0)
             await worker.close()
     log.info("decode_worker_stopped", worker_id=config.worker_id)

@@ -186,6 +186,17 @@ class DecodeWorker:
         await self.engine.abort(request_id)
         return True
 
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait until no stream or pending remote request is left (or the timeout)."""
+        deadline = time.monotonic() + timeout_s
+        while self.active_streams or self._pending:
+            if time.monotonic() > deadline:
+                log.warning("drain_timeout", streams=self.active_streams,
+                            pending=len(self._pending))
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
     async def cached_prefix(self, token_ids: list[int]) -> int:
         return await self.engine.num_cached_tokens(token_ids)
 

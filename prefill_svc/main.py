@@ -94,6 +94,9 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
         worker.accepting = False
         await registry.deregister()
         await gu.set_not_serving(health, SERVICE)
-        await server.stop(grace=config.drain_timeout_s)
+        deadline = time.monotonic() + config.drain_timeout_s
+        while worker.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # pending prefills and their transfers finish
+        await server.stop(grace=5.0)
         warm_task.cancel()
     log.info("prefill_worker_stopped", worker_id=config.worker_id)

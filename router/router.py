@@ -50,6 +50,7 @@ class RouterConfig:
     first_token_timeout_s: float = 120.0  # local prefill of a long prompt on a busy worker
     token_timeout_s: float = 60.0  # between two tokens of a running stream
     max_decode_attempts: int = 2
+    drain_grace_s: float = 300.0  # streams on a worker that left may finish within this
 
 
 class RemotePrefillFailed(PdserveError):
@@ -61,6 +62,7 @@ class _Stubs:
 
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -74,14 +76,20 @@ class _Stubs:
     def prefill(self, w: WorkerInfo) -> prefill_pb2_grpc.PrefillWorkerStub:
         return prefill_pb2_grpc.PrefillWorkerStub(self.channel(w.grpc_address))
 
-    async def drop(self, address: str) -> None:
+    def drop(self, address: str, grace_s: float) -> None:
+        """Stop handing out the channel; streams still on it (a draining worker finishing
+        its requests) get ``grace_s`` before the channel closes."""
         ch = self._channels.pop(address, None)
         if ch is not None:
-            await ch.close(grace=None)
+            task = asyncio.get_running_loop().create_task(ch.close(grace=grace_s))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
         for address in list(self._channels):
-            await self.drop(address)
+            self.drop(address, grace_s=1.0)
+        if self._closing:
+            await asyncio.wait(self._closing, timeout=5)
 
 
 class Router:
@@ -132,7 +140,7 @@ class Router:
         async for event in self.directory.events():
             if event.kind == "removed":
                 log.info("worker_left", worker_id=event.worker.worker_id, role=event.worker.role)
-                await self._stubs.drop(event.worker.grpc_address)
+                self._stubs.drop(event.worker.grpc_address, self.config.drain_grace_s)
             elif event.kind == "added":
                 log.info("worker_joined", worker_id=event.worker.worker_id,
                          role=event.worker.role)
