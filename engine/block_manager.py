@@ -88,7 +88,9 @@ class BlockManager:
 
     @property
     def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+        if not self.prefix_query_tokens:
+            return 0.0
+        return self.prefix_hit_tokens / self.prefix_query_tokens
 
     # ------------------------------------------------------------------ allocation
 

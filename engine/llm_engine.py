@@ -18,7 +18,7 @@ from engine.loader import load_model
 from engine.model_runner import _DTYPES, ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SeqMode, SeqStatus
+from engine.sequence import SeqMode, SeqStatus, Sequence
 from engine.types import (
     CapacityError,
     FinishReason,

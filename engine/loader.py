@@ -26,7 +26,7 @@ def load_model(model_dir: Path, *, dtype: torch.dtype = torch.float32,
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as st:
-            for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+            for name in st.keys():
                 if name not in params:
                     if name.endswith("rotary_emb.inv_freq"):
                         continue
@@ -42,7 +42,8 @@ def load_model(model_dir: Path, *, dtype: torch.dtype = torch.float32,
         if tuple(t.shape) != tuple(params[name].shape):
             raise ModelLoadError(
                 f"weight {name} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
-    model = model.to_empty(device=device)
+    # The meta model was built in the default dtype (float32); copy_ would cast back into it.
+    model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in tensors:

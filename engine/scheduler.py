@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.sequence import Sequence, SeqMode, SeqStatus
+from engine.sequence import SeqMode, SeqStatus, Sequence
 from engine.types import FinishReason
 
 

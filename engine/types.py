@@ -132,7 +132,9 @@ class SamplingParams:
             raise bad("top_k", f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
         if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
             raise bad("seed", "seed must be an integer")
         if isinstance(self.stop, str) or not isinstance(self.stop, tuple | list):
             raise bad("stop", "stop must be a sequence of strings")
@@ -220,7 +222,8 @@ class KVLayout:
     @property
     def block_nbytes(self) -> int:
         return (
-            self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+            self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+            * self.itemsize
         )
 
     @property
@@ -266,5 +269,7 @@ class GenerateRequest:
         if not self.request_id:
             raise InvalidRequestError("request_id must not be empty", param="request_id")
         if len(self.prompt_token_ids) == 0:
-            raise InvalidRequestError("prompt must not be empty", code="empty_prompt", param="prompt")
+            raise InvalidRequestError(
+                "prompt must not be empty", code="empty_prompt", param="prompt"
+            )
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))

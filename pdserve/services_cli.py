@@ -131,7 +131,7 @@ class LocalCluster:
         return f"127.0.0.1:{self.grpc_port}"
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
+        log = open(self.log_dir / f"{name}.log", "wb")
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         self.procs[name] = proc
         return proc

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import structlog
 
 from engine.async_engine import AsyncEngine
-from engine.types import CapacityError, GenerateRequest, LatencyClass, TokenLogprob
+from engine.types import CapacityError, GenerateRequest, TokenLogprob
 from kvxfer.sender import KVSender
 
 log = structlog.get_logger(__name__)

@@ -29,8 +29,8 @@ from engine.types import (
 from pdserve import grpc_util as gu
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from router.policy import (
-    DecodeCandidate,
     Decision,
+    DecodeCandidate,
     Route,
     RouterPolicy,
     choose_decode,

@@ -35,7 +35,7 @@ class Result:
 
 async def generate(address: str, ids: list[int], max_tokens: int = 32, *,
                    request_id: str = "", latency: str = "standard",
-                   timeout: float = 300) -> Result:
+                   deadline_s: float = 300) -> Result:
     lat = {"interactive": common_pb2.LATENCY_CLASS_INTERACTIVE,
            "standard": common_pb2.LATENCY_CLASS_STANDARD,
            "batch": common_pb2.LATENCY_CLASS_BATCH}[latency]
@@ -46,7 +46,7 @@ async def generate(address: str, ids: list[int], max_tokens: int = 32, *,
             sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
             latency_class=lat, return_timings=True)
         out = Result()
-        async for resp in stub.Generate(req, timeout=timeout):
+        async for resp in stub.Generate(req, timeout=deadline_s):
             out.tokens.extend(resp.token_ids)
             out.text += resp.text
             out.route = ROUTE_NAMES.get(resp.route, out.route)

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
-from conftest_redis import redis_server  # noqa: E402, F401
+from conftest_redis import redis_server  # noqa: F401
 
 # Eight varied prompts; the last is over 1,000 tokens.
 PROMPTS = [

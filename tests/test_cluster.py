@@ -104,7 +104,7 @@ async def test_prefill_worker_killed_mid_flight_falls_back(own_cluster, prompt_i
     assert free == total
     # With the prefill pool gone, long prompts are prefilled locally.
     await asyncio.sleep(4)  # lease TTL
-    res = await generate(c.grpc_address, long_ids[:-5] + [5, 6, 7, 8, 9], max_tokens=4)
+    res = await generate(c.grpc_address, [*long_ids[:-5], 5, 6, 7, 8, 9], max_tokens=4)
     assert res.route == "local"
 
 

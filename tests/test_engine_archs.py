@@ -79,7 +79,8 @@ def _our_prefill_logits(model: Any, config: Any, ids: list[int]) -> torch.Tensor
     """Logits at every position of one fresh prompt, straight through the model."""
     bs, n = 16, len(ids)
     nb = -(-n // bs)
-    pool = torch.zeros(nb, config.num_layers, 2, bs, config.num_kv_heads, config.head_dim)
+    pool = torch.zeros(nb, config.num_layers, 2, bs, config.num_kv_heads, config.head_dim,
+                       dtype=model.lm_head.weight.dtype)
     pos = torch.arange(n)
     meta = AttentionMetadata(
         slot_blocks=pos // bs, slot_offsets=pos % bs, prefill_lens=[n], prefill_starts=[0],
@@ -157,3 +158,18 @@ def test_unsupported_rope_scaling_is_named(tmp_path: Path) -> None:
               tmp_path)
     with pytest.raises(UnsupportedArchitectureError, match="yarn"):
         load_model(tmp_path)
+
+
+def test_loads_in_bfloat16(tmp_path: Path) -> None:
+    hf = _build_hf("Qwen3Config", {"tie_word_embeddings": True}, tmp_path)
+    ours, config = load_model(tmp_path, dtype=torch.bfloat16)
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    ids = _prompts()[1]
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+    got = _our_prefill_logits(ours, config, ids)
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+    engine = LLMEngine(ours, config, EngineConfig(num_kv_blocks=16, dtype="bfloat16"),
+                       model_id="test-bf16", tokenizer=None)
+    out = run_to_end(engine, [GenerateRequest("bf16", tuple(ids), greedy(8))])
+    assert len(tokens(out["bf16"])) == 8
