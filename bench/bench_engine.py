@@ -10,10 +10,10 @@ Measures, for the default model (SmolLM2-135M-Instruct, float32, CPU):
 - prefill: prompt tokens/s for one 512- and one 2,048-token prompt with max_tokens=1.
 - peak RSS of each side.
 
-Each side runs in its own child process (so peak RSS and thread settings are its own) and
-prints JSON; repetitions alternate the sides and keep each metric's best. This process prints
-a markdown table with the ratio ours / transformers. Prompts are random token ids, fresh for
-every measurement, so the prefix cache never helps.
+Each side is loaded once in its own child process (so peak RSS and thread settings are its
+own); every measurement runs on one side and then at once on the other, with fresh random
+prompts (the same for both; the prefix cache never helps), and the best of the repetitions
+is kept. Prints a markdown table with the ratio ours / transformers.
 """
 
 from __future__ import annotations
@@ -108,62 +108,91 @@ class _Transformers:
         return time.perf_counter() - t0, (y.shape[1] - width) * y.shape[0]
 
 
-def run_side(side: str, model_dir: Path, concurrency: list[int], threads: int,
-             seed: int) -> dict[str, Any]:
-    cls = _Ours if side == "ours" else _Transformers
-    runner = cls(model_dir, threads, max(concurrency))
-    seed *= 1000
-
-    def fresh(n: int, length: int) -> list[list[int]]:
-        nonlocal seed
-        seed += 1
-        return _prompts(runner.vocab, n, length, seed)
-
-    runner.run(fresh(2, 64), 4)  # warm-up: first-call allocations, lazy init
-    results: dict[str, Any] = {"decode": {}, "prefill": {}}
-    for n in concurrency:
-        dt, out = runner.run(fresh(n, PROMPT_LEN), OUTPUT_LEN)
-        assert out == n * OUTPUT_LEN, (side, n, out)
-        results["decode"][str(n)] = out / dt
-    for length in PREFILL_LENS:
-        dt, _ = runner.run(fresh(1, length), 1)
-        results["prefill"][str(length)] = length / dt
-    results["peak_rss_mb"] = _peak_rss_mb()
-    return results
+def serve_side(side: str, model_dir: Path, threads: int, max_batch: int) -> None:
+    """Child process: load one side, then run measurements named on stdin, one per line
+    (``decode N SEED`` | ``prefill LEN SEED`` | ``rss``), answering each with a JSON line."""
+    runner = (_Ours if side == "ours" else _Transformers)(model_dir, threads, max_batch)
+    runner.run(_prompts(runner.vocab, 2, 64, 0), 4)  # warm-up: first-call allocations
+    print("ready", flush=True)
+    for line in sys.stdin:
+        kind, *rest = line.split()
+        if kind == "rss":
+            print(json.dumps(_peak_rss_mb()), flush=True)
+            continue
+        size, seed = int(rest[0]), int(rest[1])
+        if kind == "decode":
+            dt, out = runner.run(_prompts(runner.vocab, size, PROMPT_LEN, seed), OUTPUT_LEN)
+            assert out == size * OUTPUT_LEN, (side, size, out)
+            print(json.dumps(out / dt), flush=True)
+        else:
+            dt, _ = runner.run(_prompts(runner.vocab, 1, size, seed), 1)
+            print(json.dumps(size / dt), flush=True)
 
 
 # --------------------------------------------------------------------------- driver
 
 
-def _child(side: str, args: argparse.Namespace, rep: int) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--side", side, "--concurrency", args.concurrency,
-           "--threads", str(args.threads), "--rep", str(rep)]
-    proc = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+class _Side:
+    """A child process holding one side's model, driven line by line."""
+
+    def __init__(self, side: str, args: argparse.Namespace, max_batch: int):
+        cmd = [sys.executable, __file__, "--side", side, "--threads", str(args.threads),
+               "--concurrency", str(max_batch)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        assert self.proc.stdout is not None
+        self._out = self.proc.stdout
+        if self._out.readline().strip() != "ready":
+            raise RuntimeError(f"{side} side failed to start")
+
+    def ask(self, command: str) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return float(json.loads(self._out.readline()))
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
-def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Best throughput per metric over the repetitions (noise on a shared machine only ever
-    slows a run down); peak RSS is the largest seen."""
-    best: dict[str, Any] = {k: {m: max(r[k][m] for r in runs) for m in runs[0][k]}
-                            for k in ("decode", "prefill")}
-    best["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
+def measure(args: argparse.Namespace, concurrency: list[int], reps: int) -> dict[str, Any]:
+    """Both sides stay loaded; every measurement runs on one side, then at once on the other
+    (order alternating), so a burst of outside load hits both. Best of ``reps`` kept."""
+    sides = {name: _Side(name, args, max(concurrency)) for name in ("hf", "ours")}
+    metrics = [f"decode {n}" for n in concurrency] + [f"prefill {n}" for n in PREFILL_LENS]
+    best: dict[str, dict[str, float]] = {name: {} for name in sides}
+    seed = 0
+    try:
+        for rep in range(reps):
+            for metric in metrics:
+                seed += 1  # fresh prompts, the same for both sides
+                order = ["hf", "ours"] if (rep + seed) % 2 else ["ours", "hf"]
+                for name in order:
+                    value = sides[name].ask(f"{metric} {seed}")
+                    best[name][metric] = max(best[name].get(metric, 0.0), value)
+        for name, side in sides.items():
+            best[name]["peak_rss_mb"] = side.ask("rss")
+    finally:
+        for side in sides.values():
+            side.close()
     return best
 
 
-def _table(ours: dict[str, Any], hf: dict[str, Any], concurrency: list[int]) -> str:
+def _table(ours: dict[str, float], hf: dict[str, float], concurrency: list[int]) -> str:
     rows = ["| metric | ours | transformers | ours / transformers |", "|---|---:|---:|---:|"]
 
-    def row(name: str, a: float, b: float, unit: str) -> None:
+    def row(name: str, key: str, unit: str) -> None:
+        a, b = ours[key], hf[key]
         rows.append(f"| {name} | {a:,.0f} {unit} | {b:,.0f} {unit} | {a / b:.2f}x |")
 
     for n in concurrency:
-        row(f"decode, concurrency {n} ({PROMPT_LEN} in / {OUTPUT_LEN} out)",
-            ours["decode"][str(n)], hf["decode"][str(n)], "tok/s")
+        row(f"decode, concurrency {n} ({PROMPT_LEN} in / {OUTPUT_LEN} out)", f"decode {n}",
+            "tok/s")
     for length in PREFILL_LENS:
-        row(f"prefill, {length:,}-token prompt", ours["prefill"][str(length)],
-            hf["prefill"][str(length)], "tok/s")
-    row("peak RSS", ours["peak_rss_mb"], hf["peak_rss_mb"], "MB")
+        row(f"prefill, {length:,}-token prompt", f"prefill {length}", "tok/s")
+    row("peak RSS", "peak_rss_mb", "MB")
     return "\n".join(rows)
 
 
@@ -174,7 +203,6 @@ def main() -> None:
                    help="torch intra-op threads for both sides (default: all cores)")
     p.add_argument("--quick", action="store_true", help="one repetition instead of best of 2")
     p.add_argument("--side", choices=("ours", "hf"), help=argparse.SUPPRESS)
-    p.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",") if c]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -183,7 +211,7 @@ def main() -> None:
 
     model_dir = pull_default_model(progress=False)
     if args.side:
-        print(json.dumps(run_side(args.side, model_dir, concurrency, args.threads, args.rep)))
+        serve_side(args.side, model_dir, args.threads, max(concurrency))
         return
 
     import torch
@@ -191,15 +219,12 @@ def main() -> None:
 
     reps = 1 if args.quick else 2
     t0 = time.perf_counter()
-    hf_runs, our_runs = [], []
-    for rep in range(reps):  # alternate the sides, so a burst of outside load hits both
-        hf_runs.append(_child("hf", args, rep))
-        our_runs.append(_child("ours", args, rep))
+    best = measure(args, concurrency, reps)
     print(f"model: {model_dir.name} (float32), threads: {args.threads}, "
           f"cpus: {os.cpu_count()}, {platform.processor() or platform.machine()}, "
           f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"repetitions: {reps} (best kept), wall time {time.perf_counter() - t0:.0f} s\n")
-    print(_table(_best(our_runs), _best(hf_runs), concurrency))
+    print(_table(best["ours"], best["hf"], concurrency))
 
 
 if __name__ == "__main__":

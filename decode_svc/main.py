@@ -7,10 +7,12 @@ import time
 from dataclasses import dataclass, field
 
 import structlog
+from prometheus_client import CollectorRegistry
 
 from control.descriptors import make_descriptor_id
 from control.registry import WorkerRegistry
 from control.workers import WorkerInfo
+from decode_svc.metrics import DecodeMetrics
 from decode_svc.servicer import DecodeServicer
 from decode_svc.worker import DecodeWorker
 from engine.async_engine import AsyncEngine
@@ -19,7 +21,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_store import resolve_model
 from kvxfer.receiver import KVReceiver
 from pdserve import grpc_util as gu
-from pdserve.runtime import start_server
+from pdserve.runtime import metrics_server, start_server
 from pdserve.v1 import decode_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -34,7 +36,9 @@ class DecodeConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
     port: int = 0
-    ucx_host: str = "127.0.0.1"
+    advertise_host: str = ""  # how other processes reach us; "": `host`
+    metrics_port: int = 0  # Prometheus text on http://host:metrics_port; 0: any, -1: off
+    ucx_host: str = "127.0.0.1"  # the UCX address advertised (the listener takes any)
     namespace: str = "default"
     lease_ttl_s: float = 3.0
     heartbeat_s: float = 1.0
@@ -48,6 +52,7 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
     let in-flight streams finish (up to drain_timeout_s), and exit."""
     model_dir = resolve_model(config.model)
     engine = await asyncio.to_thread(LLMEngine.from_dir, model_dir, config.engine)
+    metrics = DecodeMetrics(CollectorRegistry())
     async with (AsyncEngine(engine) as aengine,
                 WorkerRegistry.from_url(config.redis_url, namespace=config.namespace) as registry):
         epoch = await registry.next_epoch(config.worker_id)
@@ -55,33 +60,44 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
         async with KVReceiver(engine.kv_pool, engine.layout, descriptor_id,
                               host=config.ucx_host) as receiver:
             worker = DecodeWorker(aengine, receiver, worker_id=config.worker_id,
-                                  alloc_lease_s=config.alloc_lease_s)
-            server = gu.new_server()
-            decode_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker), server)
-            health = await gu.add_health(server, SERVICE)
-            address = await start_server(server, config.host, config.port)
-            info = WorkerInfo(worker_id=config.worker_id, role="decode", grpc_address=address,
-                              model_id=engine.layout.model_id, epoch=epoch,
-                              started_at=time.time(), ucx_address=receiver.address,
-                              descriptor_id=descriptor_id, load=worker.load())
-            await registry.register(info, config.lease_ttl_s, heartbeat_s=config.heartbeat_s,
-                                    load_fn=worker.load)
-            await registry.publish_descriptor(descriptor_id, engine.layout, receiver.address,
-                                              config.worker_id, epoch)
-            await gu.set_serving(health, SERVICE)
-            log.info("decode_worker_ready", worker_id=config.worker_id, grpc=address,
-                     ucx=receiver.address, blocks=engine.layout.num_blocks)
-            if ready is not None:
-                ready.set()
-            await stop.wait()
-            log.info("decode_worker_draining", worker_id=config.worker_id,
-                     streams=worker.active_streams)
-            await registry.deregister()
-            await gu.set_not_serving(health, SERVICE)
-            # Routers drop us within one directory poll; requests already routed here (and
-            # every running stream) are still served until they finish.
-            await asyncio.sleep(config.heartbeat_s)
-            await worker.drained(config.drain_timeout_s)
-            await server.stop(grace=5.0)
-            await worker.close()
+                                  alloc_lease_s=config.alloc_lease_s, metrics=metrics)
+            with metrics_server(metrics.registry, config.host, config.metrics_port) as mport:
+                server = gu.new_server()
+                decode_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker),
+                                                                   server)
+                health = await gu.add_health(server, SERVICE)
+                bound = await start_server(server, config.host, config.port)
+                port = bound.rpartition(":")[2]
+                address = f"{config.advertise_host or config.host}:{port}"
+
+                def load() -> dict[str, float]:
+                    extra = {} if mport is None else {"metrics_port": mport}
+                    return {**worker.load(), **extra}
+
+                info = WorkerInfo(worker_id=config.worker_id, role="decode",
+                                  grpc_address=address, model_id=engine.layout.model_id,
+                                  epoch=epoch, started_at=time.time(),
+                                  ucx_address=receiver.address, descriptor_id=descriptor_id,
+                                  load=load())
+                await registry.register(info, config.lease_ttl_s,
+                                        heartbeat_s=config.heartbeat_s, load_fn=load)
+                await registry.publish_descriptor(descriptor_id, engine.layout,
+                                                  receiver.address, config.worker_id, epoch)
+                await gu.set_serving(health, SERVICE)
+                log.info("decode_worker_ready", worker_id=config.worker_id, grpc=address,
+                         ucx=receiver.address, metrics_port=mport,
+                         blocks=engine.layout.num_blocks)
+                if ready is not None:
+                    ready.set()
+                await stop.wait()
+                log.info("decode_worker_draining", worker_id=config.worker_id,
+                         streams=worker.active_streams)
+                await registry.deregister()
+                await gu.set_not_serving(health, SERVICE)
+                # Routers drop us within one directory poll; requests already routed here
+                # (and every running stream) are still served until they finish.
+                await asyncio.sleep(config.heartbeat_s)
+                await worker.drained(config.drain_timeout_s)
+                await server.stop(grace=5.0)
+                await worker.close()
     log.info("decode_worker_stopped", worker_id=config.worker_id)

@@ -9,6 +9,7 @@ import grpc
 from decode_svc.worker import DecodeWorker
 from engine.types import GenerateRequest
 from pdserve import grpc_util as gu
+from pdserve.runtime import logs_request_id
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 
@@ -16,12 +17,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker):
         self.worker = worker
 
+    @logs_request_id
     async def Generate(self, request: decode_pb2.DecodeGenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.TokenChunk]:
         req: GenerateRequest = gu.request_from_proto(request)
         async for ev in self.worker.generate(req):
             yield gu.token_event_to_chunk(ev)
 
+    @logs_request_id
     async def AllocateRemote(self, request: decode_pb2.AllocateRequest,
                              context: grpc.aio.ServicerContext) -> decode_pb2.AllocateResponse:
         req = gu.request_from_proto(request)
@@ -33,6 +36,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             descriptor_id=slot.descriptor_id, transfer_id=slot.transfer_id,
             layout=gu.kv_layout_to_proto(self.worker.engine.layout))
 
+    @logs_request_id
     async def GenerateRemote(self, request: decode_pb2.RemoteGenerateRequest,
                              context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[decode_pb2.TokenChunk]:
@@ -45,6 +49,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                                                     timeout_s=timeout):
             yield gu.token_event_to_chunk(ev)
 
+    @logs_request_id
     async def Abort(self, request: common_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:
         return common_pb2.AbortResponse(found=await self.worker.abort(request.request_id))

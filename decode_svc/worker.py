@@ -9,6 +9,7 @@ a block that another request already reuses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from decode_svc.metrics import DecodeMetrics
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import RemoteAllocation
 from engine.types import (
@@ -23,6 +25,7 @@ from engine.types import (
     InvalidRequestError,
     KVTransferError,
     PdserveError,
+    RequestAbortedError,
     TokenEvent,
     TokenLogprob,
 )
@@ -50,7 +53,7 @@ class _Pending:
 
 class DecodeWorker:
     def __init__(self, engine: AsyncEngine, receiver: KVReceiver, *, worker_id: str,
-                 alloc_lease_s: float = 30.0):
+                 alloc_lease_s: float = 30.0, metrics: DecodeMetrics | None = None):
         self.engine = engine
         self.receiver = receiver
         self.worker_id = worker_id
@@ -58,6 +61,10 @@ class DecodeWorker:
         self._pending: dict[str, _Pending] = {}
         self._releasing: dict[str, asyncio.Task[None]] = {}
         self.active_streams = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.metrics = metrics if metrics is not None else DecodeMetrics()
+        self.metrics.watch(worker_id, lambda: engine.last_stats,
+                           lambda: self.active_streams, lambda: len(self._pending))
 
     @property
     def block_size(self) -> int:
@@ -73,11 +80,21 @@ class DecodeWorker:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
         self.active_streams += 1
+        outcome, last = "cancelled", None
         try:
-            async for ev in self.engine.generate(req):
-                yield ev
+            # aclosing: a consumer that leaves aborts the engine request right away.
+            async with contextlib.aclosing(self.engine.generate(req)) as events:
+                async for ev in events:
+                    last = ev
+                    if ev.finish_reason is not None:
+                        outcome = ev.finish_reason.value
+                    yield ev
+        except Exception:
+            outcome = "failed"
+            raise
         finally:
             self.active_streams -= 1
+            self._finished("local", outcome, last)
 
     # ------------------------------------------------------------------ remote prefill
 
@@ -123,8 +140,9 @@ class DecodeWorker:
         p.claimed = True
         self.active_streams += 1
         admitted = False
+        outcome, last = "cancelled", None
+        t0 = time.monotonic()
         try:
-            t0 = time.monotonic()
             try:
                 async with asyncio.timeout(timeout_s):
                     notice = await p.expectation  # type: ignore[misc]
@@ -140,19 +158,59 @@ class DecodeWorker:
                 first_token = int(notice["first_token"])
                 if first_logprob is None and notice.get("logprob") is not None:
                     first_logprob = TokenLogprob(first_token, float(notice["logprob"]))
+            if request_id in self._releasing:  # aborted while the KV was landing
+                raise RequestAbortedError(f"request {request_id!r} was aborted")
             if p.lease is not None:
                 p.lease.cancel()
             self._pending.pop(request_id, None)
             admitted = True
-            log.debug("remote_kv_ready", request_id=request_id,
-                      wait_ms=round((time.monotonic() - t0) * 1000, 2))
-            async for ev in self.engine.admit_remote(request_id, first_token, first_logprob):
-                yield ev
+            waited = time.monotonic() - t0
+            self.metrics.kv_wait.labels("landed").observe(waited)
+            counted = False
+            log.debug("remote_kv_ready", request_id=request_id, wait_ms=round(waited * 1000, 2))
+            async with contextlib.aclosing(
+                    self.engine.admit_remote(request_id, first_token, first_logprob)) as events:
+                async for ev in events:
+                    if not counted:  # the first event means the engine took the request
+                        counted = True
+                        self.metrics.remote_admissions.inc()
+                    last = ev
+                    if ev.finish_reason is not None:
+                        outcome = ev.finish_reason.value
+                    yield ev
+        except Exception:
+            outcome = "failed"
+            raise
         finally:
             self.active_streams -= 1
+            self._finished("remote", outcome, last)
             if not admitted:
+                self.metrics.kv_wait.labels(outcome).observe(time.monotonic() - t0)
                 # Cancelled, timed out or failed before admission: fence, then free.
                 self._release_soon(request_id, "remote generation ended early")
+
+    def _finished(self, kind: str, outcome: str, last: TokenEvent | None) -> None:
+        """Count a request that ended and log one line about it (never its text); the
+        request id comes from the RPC's log context."""
+        self.metrics.requests.labels(kind, outcome).inc()
+        if outcome in ("cancelled", "failed"):
+            self._refresh_stats_soon()
+        log.info("decode_request_finished", kind=kind, outcome=outcome,
+                 prompt_tokens=last.num_prompt_tokens if last else None,
+                 cached_tokens=last.num_cached_tokens if last else None,
+                 output_tokens=last.num_output_tokens if last else 0)
+
+    def _refresh_stats_soon(self) -> None:
+        """AsyncEngine refreshes `last_stats` only after a step, but aborts run between steps:
+        without this, the load we report (and the gauges) would show an aborted request's
+        blocks in use until the next step. Queued after the abort, so it sees its effect."""
+        task = asyncio.get_running_loop().create_task(self._refresh_stats())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _refresh_stats(self) -> None:
+        with contextlib.suppress(PdserveError):  # the engine is closing
+            self.engine.last_stats = await self.engine.stats()
 
     def _release_soon(self, request_id: str, reason: str) -> asyncio.Task[None] | None:
         """Fence and free a pending remote request, once; callers may await the task."""
@@ -164,18 +222,27 @@ class DecodeWorker:
         return task
 
     async def _release(self, request_id: str, reason: str) -> None:
-        p = self._pending.pop(request_id)
+        p = self._pending.pop(request_id, None)
+        if p is None:  # admitted since this task was created: a plain abort frees it
+            await self.engine.abort(request_id)
+            await self._refresh_stats()
+            return
         if p.lease is not None:
             p.lease.cancel()
+        blocks = len(p.slot.allocation.block_ids)
         try:
             await self.receiver.cancel(p.slot.transfer_id, reason=reason)
         except KVTransferError:
             # UCX never confirmed the receives ended: those blocks may still be written.
             # Leaking them is the only safe choice.
+            self.metrics.quarantined_blocks.inc(blocks)
             log.error("kv_fence_failed_blocks_quarantined", request_id=request_id,
-                      blocks=len(p.slot.allocation.block_ids))
+                      blocks=blocks)
             return
+        self.metrics.fenced_transfers.inc()
+        self.metrics.fenced_blocks.inc(blocks)
         await self.engine.abort(request_id)
+        await self._refresh_stats()
 
     async def abort(self, request_id: str) -> bool:
         """End a request in any state; returns once its blocks are fenced and freed."""
@@ -184,6 +251,7 @@ class DecodeWorker:
             await asyncio.shield(task)
             return True
         await self.engine.abort(request_id)
+        await self._refresh_stats()
         return True
 
     async def drained(self, timeout_s: float) -> bool:

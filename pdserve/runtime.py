@@ -1,14 +1,25 @@
-"""Pieces every pdserve process shares: logging set-up, stop signals, gRPC server start."""
+"""Pieces every pdserve process shares: logging set-up, stop signals, gRPC server start,
+request-scoped log context, and the Prometheus endpoint of the workers."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import inspect
 import logging
 import signal
 import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, TypeVar
 
 import grpc
 import structlog
+from prometheus_client import CollectorRegistry, start_http_server
+
+from pdserve.grpc_util import request_id_from_context
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def configure_logging(level: str = "INFO", *, json: bool = True) -> None:
@@ -44,3 +55,58 @@ async def start_server(server: grpc.aio.Server, host: str, port: int) -> str:
         raise OSError(f"could not bind gRPC server to {host}:{port}")
     await server.start()
     return f"{host}:{bound}"
+
+
+# --------------------------------------------------------------------------- request context
+
+
+def _request_id(request: Any, context: grpc.aio.ServicerContext) -> str:
+    return request_id_from_context(context) or getattr(request, "request_id", "") or ""
+
+
+def logs_request_id(method: F) -> F:
+    """Servicer-method decorator: every log line emitted while the RPC runs (in its task or
+    tasks it starts) carries ``request_id``, taken from the caller's ``x-request-id``
+    metadata or else from the request message. Works for unary and streaming handlers."""
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream(self: Any, request: Any,
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            rid = _request_id(request, context)
+            with structlog.contextvars.bound_contextvars(request_id=rid) if rid \
+                    else contextlib.nullcontext():
+                async for message in method(self, request, context):
+                    yield message
+
+        return stream  # type: ignore[return-value]
+
+    @functools.wraps(method)
+    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        rid = _request_id(request, context)
+        with structlog.contextvars.bound_contextvars(request_id=rid) if rid \
+                else contextlib.nullcontext():
+            return await method(self, request, context)
+
+    return unary  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+@contextlib.contextmanager
+def metrics_server(registry: CollectorRegistry, host: str, port: int) -> Iterator[int | None]:
+    """Serve ``registry`` as Prometheus text on ``http://host:port/metrics`` (any path works)
+    from a daemon thread; yields the bound port (``port=0`` picks a free one), or None
+    without serving when ``port`` is negative. Collectors run on that thread, so they must
+    only read state. The server is shut down on exit."""
+    if port < 0:
+        yield None
+        return
+    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        yield int(httpd.server_port)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=5)

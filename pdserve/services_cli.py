@@ -27,6 +27,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
 
 
+def _advertise_host(args: argparse.Namespace) -> str:
+    """The host other processes use to reach this worker: --advertise-host, else --host,
+    else (a wildcard bind, e.g. in a container) this machine's address."""
+    if args.advertise_host:
+        return str(args.advertise_host)
+    if args.host in ("0.0.0.0", "::", ""):
+        return socket.gethostbyname(socket.gethostname())
+    return str(args.host)
+
+
 def _worker_id(prefix: str) -> str:
     return f"{prefix}-{socket.gethostname()}-{os.getpid()}"
 
@@ -48,7 +58,8 @@ def _cmd_decode(args: argparse.Namespace, engine_cfg: Callable[..., Any]) -> int
 
     cfg = DecodeConfig(worker_id=args.worker_id or _worker_id("decode"), redis_url=args.redis_url,
                        model=args.model, engine=engine_cfg(args), host=args.host, port=args.port,
-                       ucx_host=args.host, namespace=args.namespace)
+                       advertise_host=_advertise_host(args), metrics_port=args.metrics_port,
+                       ucx_host=_advertise_host(args), namespace=args.namespace)
     return _run_until_signal(lambda stop: run_decode(cfg, stop), args.log_level)
 
 
@@ -57,7 +68,8 @@ def _cmd_prefill(args: argparse.Namespace, engine_cfg: Callable[..., Any]) -> in
 
     cfg = PrefillConfig(worker_id=args.worker_id or _worker_id("prefill"),
                         redis_url=args.redis_url, model=args.model, engine=engine_cfg(args),
-                        host=args.host, port=args.port, namespace=args.namespace)
+                        host=args.host, port=args.port, advertise_host=_advertise_host(args),
+                        metrics_port=args.metrics_port, namespace=args.namespace)
     return _run_until_signal(lambda stop: run_prefill(cfg, stop), args.log_level)
 
 
@@ -115,7 +127,8 @@ class LocalCluster:
         self.grpc_port = grpc_port or _free_port()
         self.extra = extra_worker_args
         self.router_args = router_args
-        self.ports: dict[str, int] = {}
+        self.ports: dict[str, int] = {}  # worker name -> gRPC port
+        self.metrics_ports: dict[str, int] = {}  # worker name -> Prometheus HTTP port
         self.namespace = namespace or f"cluster{uuid.uuid4().hex[:8]}"
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="pdserve-cluster-"))
         self.env = {**os.environ, **(env or {})}
@@ -129,6 +142,10 @@ class LocalCluster:
     @property
     def grpc_address(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
+
+    def metrics_url(self, name: str) -> str:
+        """Prometheus endpoint of a worker (the router's is ``{http_url}/metrics``)."""
+        return f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         log = open(self.log_dir / f"{name}.log", "wb")
@@ -157,10 +174,11 @@ class LocalCluster:
     def add_worker(self, role: str, index: int, wait: bool = True,
                    timeout_s: float = 180) -> str:
         name = f"{role}-{index}"
-        port = _free_port()
-        self.ports[name] = port
+        port = self.ports[name] = _free_port()
+        mport = self.metrics_ports[name] = _free_port()
         proc = self._spawn(name, self._pdserve(f"{role}-worker", "--worker-id", name,
-                                               "--port", str(port), *self.extra))
+                                               "--port", str(port), "--metrics-port",
+                                               str(mport), *self.extra))
         if wait:
             _wait_port(port, proc, timeout_s, name)
         return name
@@ -290,6 +308,11 @@ def register(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], None
         add_engine_args(p)
         p.add_argument("--worker-id", default=None)
         p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+        p.add_argument("--metrics-port", type=int, default=0,
+                       help="Prometheus /metrics HTTP port (0: any free port, -1: off)")
+        p.add_argument("--advertise-host", default=os.environ.get("PDSERVE_ADVERTISE_HOST"),
+                       help="host the router and other workers use to reach this worker "
+                       "(default: --host, or this machine's address when --host is 0.0.0.0)")
         p.set_defaults(func=lambda a, fn=fn: fn(a, engine_config_from_args))
 
     r = sub.add_parser("router", help="run the router (gRPC) and the OpenAI HTTP gateway")

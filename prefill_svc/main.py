@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 import structlog
+from prometheus_client import CollectorRegistry
 
 from control.directory import WorkerDirectory
 from control.registry import WorkerRegistry
@@ -19,8 +20,9 @@ from engine.model_store import resolve_model
 from engine.types import KVTransferError
 from kvxfer.sender import KVSender
 from pdserve import grpc_util as gu
-from pdserve.runtime import start_server
+from pdserve.runtime import metrics_server, start_server
 from pdserve.v1 import prefill_pb2_grpc
+from prefill_svc.metrics import PrefillMetrics
 from prefill_svc.servicer import PrefillServicer
 from prefill_svc.worker import PrefillWorker
 
@@ -36,6 +38,8 @@ class PrefillConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
     port: int = 0
+    advertise_host: str = ""  # how other processes reach us; "": `host`
+    metrics_port: int = 0  # Prometheus text on http://host:metrics_port; 0: any, -1: off
     namespace: str = "default"
     lease_ttl_s: float = 3.0
     heartbeat_s: float = 1.0
@@ -63,6 +67,7 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
     transfers (up to drain_timeout_s), deregister and exit."""
     model_dir = resolve_model(config.model)
     engine = await asyncio.to_thread(LLMEngine.from_dir, model_dir, config.engine)
+    metrics = PrefillMetrics(CollectorRegistry())
     async with (AsyncEngine(engine) as aengine,
                 WorkerRegistry.from_url(config.redis_url, namespace=config.namespace) as registry,
                 KVSender(engine.layout, registry.get_descriptor) as sender,
@@ -70,33 +75,41 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
         epoch = await registry.next_epoch(config.worker_id)
         worker = PrefillWorker(aengine, sender, worker_id=config.worker_id,
                                max_inflight=config.max_inflight,
-                               transfer_timeout_s=config.transfer_timeout_s)
-        server = gu.new_server()
-        prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker), server)
-        health = await gu.add_health(server, SERVICE)
-        address = await start_server(server, config.host, config.port)
-        # Connect to the decode workers we already know before announcing ourselves.
-        for info in decoders.snapshot().values():
-            with contextlib.suppress(KVTransferError, OSError):
-                await sender.warmup(descriptor_id=info.descriptor_id, timeout_s=5.0)
-        warm_task = asyncio.create_task(_warm_peers(decoders, sender))
-        info = WorkerInfo(worker_id=config.worker_id, role="prefill", grpc_address=address,
-                          model_id=engine.layout.model_id, epoch=epoch, started_at=time.time(),
-                          load=worker.load())
-        await registry.register(info, config.lease_ttl_s, heartbeat_s=config.heartbeat_s,
-                                load_fn=worker.load)
-        await gu.set_serving(health, SERVICE)
-        log.info("prefill_worker_ready", worker_id=config.worker_id, grpc=address)
-        if ready is not None:
-            ready.set()
-        await stop.wait()
-        log.info("prefill_worker_draining", worker_id=config.worker_id, inflight=worker.inflight)
-        worker.accepting = False
-        await registry.deregister()
-        await gu.set_not_serving(health, SERVICE)
-        deadline = time.monotonic() + config.drain_timeout_s
-        while worker.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)  # pending prefills and their transfers finish
-        await server.stop(grace=5.0)
-        warm_task.cancel()
+                               transfer_timeout_s=config.transfer_timeout_s, metrics=metrics)
+        with metrics_server(metrics.registry, config.host, config.metrics_port) as mport:
+            server = gu.new_server()
+            prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker), server)
+            health = await gu.add_health(server, SERVICE)
+            bound = await start_server(server, config.host, config.port)
+            port = bound.rpartition(":")[2]
+            address = f"{config.advertise_host or config.host}:{port}"
+            # Connect to the decode workers we already know before announcing ourselves.
+            for info in decoders.snapshot().values():
+                with contextlib.suppress(KVTransferError, OSError):
+                    await sender.warmup(descriptor_id=info.descriptor_id, timeout_s=5.0)
+            warm_task = asyncio.create_task(_warm_peers(decoders, sender))
+
+            def load() -> dict[str, float]:
+                extra = {} if mport is None else {"metrics_port": mport}
+                return {**worker.load(), **extra}
+
+            info = WorkerInfo(worker_id=config.worker_id, role="prefill", grpc_address=address,
+                              model_id=engine.layout.model_id, epoch=epoch,
+                              started_at=time.time(), load=load())
+            await registry.register(info, config.lease_ttl_s, heartbeat_s=config.heartbeat_s,
+                                    load_fn=load)
+            await gu.set_serving(health, SERVICE)
+            log.info("prefill_worker_ready", worker_id=config.worker_id, grpc=address,
+                     metrics_port=mport)
+            if ready is not None:
+                ready.set()
+            await stop.wait()
+            log.info("prefill_worker_draining", worker_id=config.worker_id,
+                     inflight=worker.inflight)
+            worker.accepting = False
+            await registry.deregister()
+            await gu.set_not_serving(health, SERVICE)
+            await worker.drained(config.drain_timeout_s)  # pending prefills and transfers
+            await server.stop(grace=5.0)
+            warm_task.cancel()
     log.info("prefill_worker_stopped", worker_id=config.worker_id)

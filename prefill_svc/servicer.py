@@ -8,6 +8,7 @@ import grpc
 
 from engine.types import InvalidRequestError
 from pdserve import grpc_util as gu
+from pdserve.runtime import logs_request_id
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from prefill_svc.worker import Destination, PrefillWorker
 
@@ -16,6 +17,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker):
         self.worker = worker
 
+    @logs_request_id
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
         req = gu.request_from_proto(request)

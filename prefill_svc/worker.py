@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import time
@@ -13,8 +14,17 @@ from dataclasses import dataclass
 import structlog
 
 from engine.async_engine import AsyncEngine
-from engine.types import CapacityError, GenerateRequest, TokenLogprob
+from engine.types import (
+    CapacityError,
+    GenerateRequest,
+    InvalidRequestError,
+    KVTransferError,
+    LatencyClass,
+    PdserveError,
+    TokenLogprob,
+)
 from kvxfer.sender import KVSender
+from prefill_svc.metrics import PrefillMetrics
 
 log = structlog.get_logger(__name__)
 
@@ -46,8 +56,10 @@ class PriorityGate:
                 if fut.done() and not fut.cancelled():
                     self._release()  # we were granted the slot just as we were cancelled
                 else:
-                    self._waiters.remove(entry)
-                    heapq.heapify(self._waiters)
+                    # _release may already have popped (and skipped) our cancelled entry.
+                    with contextlib.suppress(ValueError):
+                        self._waiters.remove(entry)
+                        heapq.heapify(self._waiters)
                 raise
         else:
             self.active += 1
@@ -86,7 +98,8 @@ class PrefillOutcome:
 
 class PrefillWorker:
     def __init__(self, engine: AsyncEngine, sender: KVSender, *, worker_id: str,
-                 max_inflight: int = 4, transfer_timeout_s: float = 30.0):
+                 max_inflight: int = 4, transfer_timeout_s: float = 30.0,
+                 metrics: PrefillMetrics | None = None):
         self.engine = engine
         self.sender = sender
         self.worker_id = worker_id
@@ -94,6 +107,11 @@ class PrefillWorker:
         self.transfer_timeout_s = transfer_timeout_s
         self.accepting = True
         self.inflight = 0
+        self.queued_by_class: dict[str, int] = {c.value: 0 for c in LatencyClass}
+        self.metrics = metrics if metrics is not None else PrefillMetrics()
+        self.metrics.watch(worker_id, lambda: engine.last_stats,
+                           lambda: dict(self.queued_by_class),
+                           lambda: self.gate.queued_tokens, lambda: self.gate.active)
 
     def load(self) -> dict[str, float]:
         s = self.engine.last_stats
@@ -101,22 +119,40 @@ class PrefillWorker:
                 "queued_tokens": self.gate.queued_tokens, "free_blocks": s.free_blocks,
                 "total_blocks": s.total_blocks}
 
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait until no prefill (queued, computing or transferring) is left, or the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self.inflight:
+            if time.monotonic() > deadline:
+                log.warning("drain_timeout", inflight=self.inflight)
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
     async def prefill(self, req: GenerateRequest, dest: Destination | None) -> PrefillOutcome:
         if not self.accepting:
+            self.metrics.requests.labels("rejected").inc()
             raise CapacityError(f"prefill worker {self.worker_id} is shutting down",
                                 code="worker_draining")
         arrived = time.monotonic()
         n = len(req.prompt_token_ids)
+        lc = req.latency_class.value
         self.inflight += 1
         self.gate.queued_tokens += n
+        self.queued_by_class[lc] += 1
         queued = True
+        outcome = "cancelled"
         try:
             async with self.gate.slot(req.latency_class.priority):
                 self.gate.queued_tokens -= n
+                self.queued_by_class[lc] -= 1
                 queued = False
                 started = time.monotonic()
+                self.metrics.queue_wait.labels(lc).observe(started - arrived)
                 result = await self.engine.prefill(req)
                 computed = time.monotonic()
+                self.metrics.compute.observe(computed - started)
+                self.metrics.computed_tokens.inc(n - result.first.num_cached_tokens)
                 try:
                     sent = 0
                     first = result.first
@@ -126,29 +162,55 @@ class PrefillWorker:
                                                     first.logprob)
                 finally:
                     await self.engine.release(req.request_id)
+                    # AsyncEngine refreshes last_stats only after a step; a release runs
+                    # between steps, and our load report would keep showing these blocks.
+                    with contextlib.suppress(PdserveError):  # the engine is closing
+                        self.engine.last_stats = await self.engine.stats()
                 done = time.monotonic()
+            outcome = "ok"
+        except Exception:
+            outcome = "failed"
+            raise
         finally:
             self.inflight -= 1
             if queued:
                 self.gate.queued_tokens -= n
-        return PrefillOutcome(
+                self.queued_by_class[lc] -= 1
+            self.metrics.requests.labels(outcome).inc()
+            if outcome != "ok":
+                log.info("prefill_finished", outcome=outcome, prompt_tokens=n,
+                         latency_class=lc)
+        out = PrefillOutcome(
             first_token=first.token_id, logprob=first.logprob,
             queued_ms=(started - arrived) * 1000, compute_ms=(computed - started) * 1000,
             transfer_ms=(done - computed) * 1000, bytes_transferred=sent,
             num_computed_tokens=n - first.num_cached_tokens)
+        log.info("prefill_finished", outcome=outcome, prompt_tokens=n, latency_class=lc,
+                 computed_tokens=out.num_computed_tokens, queued_ms=round(out.queued_ms, 1),
+                 compute_ms=round(out.compute_ms, 1), transfer_ms=round(out.transfer_ms, 1),
+                 kv_bytes=sent)
+        return out
 
     async def _transfer(self, src_blocks: tuple[int, ...], dest: Destination, first_token: int,
                         logprob: TokenLogprob | None) -> int:
         if len(dest.block_ids) != len(src_blocks):
-            from engine.types import InvalidRequestError
-
             raise InvalidRequestError(
                 f"destination has {len(dest.block_ids)} blocks, the prompt needs "
                 f"{len(src_blocks)}", param="destination")
         skip = dest.num_cached_tokens // self.engine.layout.block_size
         notice = {"first_token": first_token,
                   "logprob": None if logprob is None else logprob.logprob}
-        res = await self.sender.send(dest.descriptor_id, self.engine.engine.kv_pool,
-                                     src_blocks[skip:], dest.block_ids[skip:], dest.transfer_id,
-                                     timeout_s=self.transfer_timeout_s, notice=notice)
+        try:
+            res = await self.sender.send(dest.descriptor_id, self.engine.engine.kv_pool,
+                                         src_blocks[skip:], dest.block_ids[skip:],
+                                         dest.transfer_id, timeout_s=self.transfer_timeout_s,
+                                         notice=notice)
+        except KVTransferError as exc:
+            self.metrics.transfer_failures.labels(exc.code).inc()
+            raise
+        except asyncio.CancelledError:
+            self.metrics.transfer_failures.labels("cancelled").inc()
+            raise
+        self.metrics.transfer.observe(res.elapsed_s)
+        self.metrics.transfer_bytes.inc(res.nbytes)
         return res.nbytes

@@ -115,6 +115,14 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     slo.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     slo.add_argument("--tpot-slo-ms", type=float, default=100.0)
     slo.add_argument(
+        "--class-slo",
+        action="append",
+        default=[],
+        metavar="CLASS:TTFT_MS:TPOT_MS",
+        help="SLO for one latency class instead of the two above (repeatable), "
+        "e.g. batch:20000:150",
+    )
+    slo.add_argument(
         "--slo-target",
         type=float,
         default=0.9,
@@ -157,7 +165,9 @@ def config_from_args(args: argparse.Namespace, url: str, **overrides: Any) -> Ru
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
         seed=args.seed,
-        slo=SLO(args.ttft_slo_ms, args.tpot_slo_ms, args.slo_target),
+        slo=SLO(
+            args.ttft_slo_ms, args.tpot_slo_ms, args.slo_target, parse_class_slos(args.class_slo)
+        ),
         ignore_eos=args.ignore_eos,
         temperature=temperature,
         extra_body=args.extra_body,
@@ -168,6 +178,23 @@ def config_from_args(args: argparse.Namespace, url: str, **overrides: Any) -> Ru
     )
     fields.update(overrides)
     return RunConfig(**fields)
+
+
+def parse_class_slos(items: Sequence[str]) -> tuple[tuple[str, float, float], ...]:
+    out = []
+    for item in items:
+        parts = item.split(":")
+        try:
+            if len(parts) != 3:
+                raise ValueError
+            out.append((parts[0], float(parts[1]), float(parts[2])))
+        except ValueError:
+            raise ConfigError(
+                f"--class-slo {item!r} must look like CLASS:TTFT_MS:TPOT_MS, e.g. batch:20000:150"
+            ) from None
+        if parts[0] not in LATENCY_CLASSES:
+            raise ConfigError(f"--class-slo: unknown latency class {parts[0]!r}")
+    return tuple(out)
 
 
 def parse_rates(text: str) -> list[float]:
@@ -204,6 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--out", type=Path, required=True, help="output directory")
     sw.add_argument("--label", default="system", help="name of the system in plots/tables")
     sw.add_argument("--cooldown", type=float, default=0.0, metavar="S", help="pause between rates")
+    sw.add_argument(
+        "--fresh-prompts",
+        action="store_true",
+        help="seed + i for the i-th rate, so a prefix cache never sees a prompt twice",
+    )
     add_load_arguments(sw)
     return parser
 
@@ -224,6 +256,7 @@ async def _main(args: argparse.Namespace) -> int:
         label=args.label,
         progress=progress,
         cooldown_s=args.cooldown,
+        fresh_prompts=args.fresh_prompts,
     )
     for path in write_sweep(args.out, result_sweep):
         print(f"wrote {path}", file=sys.stderr)

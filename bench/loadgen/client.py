@@ -80,6 +80,7 @@ class Trace:
     status: int | None = None
     error: str | None = None
     usage: dict[str, Any] | None = None
+    server_info: dict[str, Any] | None = None  # the "pdserve" object of the last chunk
     cancelled: bool = False
 
     def result(self) -> RequestResult:
@@ -94,6 +95,8 @@ class Trace:
         output_tokens = int(usage.get("completion_tokens") or len(self.token_times))
         sent = self.sent_at if self.sent_at is not None else self.run_start
         first = self.token_times[0] if self.token_times else None
+        info = self.server_info or {}
+        timings = info.get("timings_ms")
         return RequestResult(
             index=self.spec.index,
             latency_class=self.spec.latency_class,
@@ -108,6 +111,12 @@ class Trace:
             ),
             status=self.status,
             error=error,
+            route=info.get("route"),
+            server_timings_ms=(
+                {str(k): float(v) for k, v in timings.items()}
+                if isinstance(timings, dict)
+                else None
+            ),
         )
 
 
@@ -178,5 +187,7 @@ async def _consume_sse(response: httpx.Response, trace: Trace) -> None:
             return
         if chunk.get("usage"):
             trace.usage = chunk["usage"]
+        if isinstance(chunk.get("pdserve"), dict):  # sent when asked with X-Pdserve-Timings: 1
+            trace.server_info = chunk["pdserve"]
         if _chunk_text(chunk):
             trace.token_times.append(now)

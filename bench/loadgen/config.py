@@ -45,17 +45,38 @@ class SLO:
     """A request meets the SLO when TTFT <= ttft_ms and TPOT <= tpot_ms and it did not fail.
 
     `target` is the fraction of requests that must meet it for a rate to count as "good".
+    `per_class` overrides both limits for a latency class, as (class, ttft_ms, tpot_ms), e.g.
+    a looser TTFT for long batch prompts whose prefill alone exceeds the interactive limit.
     """
 
     ttft_ms: float = 1000.0
     tpot_ms: float = 100.0
     target: float = 0.9
+    per_class: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
-        if not (self.ttft_ms > 0 and self.tpot_ms > 0):
+        object.__setattr__(self, "per_class", tuple(tuple(c) for c in self.per_class))
+        limits = [(self.ttft_ms, self.tpot_ms), *((t, p) for _, t, p in self.per_class)]
+        if not all(ttft > 0 and tpot > 0 for ttft, tpot in limits):
             raise ConfigError("SLO latencies must be positive")
         if not 0.0 < self.target <= 1.0:
             raise ConfigError(f"SLO target must be in (0, 1], got {self.target}")
+        names = [name for name, _, _ in self.per_class]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"per-class SLOs name a class twice: {names}")
+
+    def limits(self, latency_class: str) -> tuple[float, float]:
+        """(ttft_ms, tpot_ms) that apply to a request of `latency_class`."""
+        for name, ttft_ms, tpot_ms in self.per_class:
+            if name == latency_class:
+                return ttft_ms, tpot_ms
+        return self.ttft_ms, self.tpot_ms
+
+    def describe(self) -> str:
+        text = f"TTFT <= {self.ttft_ms:g} ms, TPOT <= {self.tpot_ms:g} ms"
+        for name, ttft_ms, tpot_ms in self.per_class:
+            text += f"; {name}: TTFT <= {ttft_ms:g} ms, TPOT <= {tpot_ms:g} ms"
+        return text
 
 
 @dataclass(frozen=True)

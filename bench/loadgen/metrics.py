@@ -6,7 +6,7 @@ the unit SLOs are written in.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +27,10 @@ class RequestResult:
     itl_s: tuple[float, ...] = ()
     status: int | None = None
     error: str | None = None  # None means success
+    # What a pdserve server reported when asked (X-Pdserve-Timings: 1): where the prompt was
+    # prefilled ("local", "remote", "fallback") and its stage timings in ms.
+    route: str | None = None
+    server_timings_ms: Mapping[str, float] | None = None
 
     @property
     def ok(self) -> bool:
@@ -41,12 +45,14 @@ class RequestResult:
 
 
 def meets_ttft(r: RequestResult, slo: SLO) -> bool:
-    return r.ok and r.ttft_s is not None and r.ttft_s * 1000.0 <= slo.ttft_ms
+    ttft_ms, _ = slo.limits(r.latency_class)
+    return r.ok and r.ttft_s is not None and r.ttft_s * 1000.0 <= ttft_ms
 
 
 def meets_tpot(r: RequestResult, slo: SLO) -> bool:
+    _, tpot_ms = slo.limits(r.latency_class)
     tpot = r.tpot_s  # a one-token answer has no TPOT and cannot miss it
-    return r.ok and (tpot is None or tpot * 1000.0 <= slo.tpot_ms)
+    return r.ok and (tpot is None or tpot * 1000.0 <= tpot_ms)
 
 
 def meets_slo(r: RequestResult, slo: SLO) -> bool:

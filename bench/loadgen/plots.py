@@ -56,7 +56,7 @@ def plot_attainment(results_by_system: Mapping[str, SweepResult], path: Path) ->
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("SLO attainment (%)")
     axes[0].legend()
-    fig.suptitle(f"SLO attainment vs rate (TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms)")
+    fig.suptitle(f"SLO attainment vs rate ({slo.describe()})", fontsize="medium")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

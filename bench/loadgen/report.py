@@ -91,7 +91,7 @@ def format_run(run: RunResult) -> str:
         f"sent {s.num_sent} (unsent {s.num_unsent})  duration {s.duration_s:.2f} s",
         f"throughput {s.request_throughput:.3f} req/s, {s.output_token_throughput:.1f} output "
         f"tok/s, {s.input_token_throughput:.1f} input tok/s",
-        f"SLO: TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms",
+        f"SLO: {slo.describe()}",
         "",
         "| class | n | errors | SLO att. | TTFT att. | TPOT att. | TTFT p50/p90/p99 ms "
         "| TPOT p50/p90/p99 ms | ITL p99 ms | E2E p99 ms |",

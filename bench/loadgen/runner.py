@@ -76,9 +76,14 @@ async def sweep(
     transport: httpx.AsyncBaseTransport | None = None,
     progress: bool = False,
     cooldown_s: float = 0.0,
+    fresh_prompts: bool = False,
 ) -> SweepResult:
     """One open-loop run per rate (ascending), same workload and seed each time; warmup
-    requests, if any, are sent only before the first rate."""
+    requests, if any, are sent only before the first rate.
+
+    `fresh_prompts`: the i-th rate uses seed + i instead, so no prompt repeats across rates;
+    otherwise a server's prefix cache serves every rate after the first from memory.
+    """
     if config.closed_loop:
         raise ConfigError("a rate sweep needs open-loop arrivals; unset concurrency")
     if not rates:
@@ -90,6 +95,8 @@ async def sweep(
         if i and cooldown_s > 0:
             await asyncio.sleep(cooldown_s)
         run_config = config.with_rate(rate)
+        if fresh_prompts:
+            run_config = replace(run_config, seed=config.seed + i)
         if runs:
             run_config = replace(run_config, model=runs[0].model, warmup_requests=0)
         desc = f"{label + ' ' if label else ''}rate={rate:g}"

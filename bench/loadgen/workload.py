@@ -117,6 +117,27 @@ _LONG_BATCH = RequestClass(
 )
 
 NAMED_WORKLOADS: dict[str, Workload] = {
+    # `mixed` scaled to what a small model on a few CPU cores serves at a handful of req/s:
+    # short interactive chat plus long batch prompts whose prefill interferes with it.
+    "mixed-cpu": Workload(
+        "mixed-cpu",
+        (
+            RequestClass(
+                "chat",
+                "interactive",
+                LengthDist("uniform", 64, 128),
+                LengthDist("uniform", 32, 64),
+                0.8,
+            ),
+            RequestClass(
+                "long-batch",
+                "batch",
+                LengthDist("uniform", 1024, 1500),
+                LengthDist("uniform", 16, 32),
+                0.2,
+            ),
+        ),
+    ),
     "chat": Workload("chat", (_CHAT,)),
     "summarize": Workload("summarize", (_SUMMARIZE,)),
     "mixed": Workload(
