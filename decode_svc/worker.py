@@ -12,8 +12,9 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from typing import cast
 
 import structlog
 
@@ -83,7 +84,7 @@ class DecodeWorker:
         outcome, last = "cancelled", None
         try:
             # aclosing: a consumer that leaves aborts the engine request right away.
-            async with contextlib.aclosing(self.engine.generate(req)) as events:
+            async with contextlib.aclosing(_agen(self.engine.generate(req))) as events:
                 async for ev in events:
                     last = ev
                     if ev.finish_reason is not None:
@@ -168,8 +169,8 @@ class DecodeWorker:
             self.metrics.kv_wait.labels("landed").observe(waited)
             counted = False
             log.debug("remote_kv_ready", request_id=request_id, wait_ms=round(waited * 1000, 2))
-            async with contextlib.aclosing(
-                    self.engine.admit_remote(request_id, first_token, first_logprob)) as events:
+            async with contextlib.aclosing(_agen(
+                    self.engine.admit_remote(request_id, first_token, first_logprob))) as events:
                 async for ev in events:
                     if not counted:  # the first event means the engine took the request
                         counted = True
@@ -273,6 +274,11 @@ class DecodeWorker:
             self._release_soon(rid, "worker shutting down")
         if self._releasing:
             await asyncio.wait(list(self._releasing.values()), timeout=15)
+
+
+def _agen(events: AsyncIterator[TokenEvent]) -> AsyncGenerator[TokenEvent, None]:
+    """AsyncEngine's streams are async generators typed as iterators; aclosing needs aclose."""
+    return cast(AsyncGenerator[TokenEvent, None], events)
 
 
 __all__ = ["DecodeWorker", "PdserveError", "RemoteSlot"]

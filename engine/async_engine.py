@@ -111,11 +111,15 @@ class AsyncEngine:
             self._deliver(events)
 
     def _drain_commands(self) -> None:
+        ran = 0
         while True:
             try:
                 fn, fut = self._commands.get_nowait()
             except queue.Empty:
+                if ran:  # aborts and releases change the numbers between steps too
+                    self.last_stats = self.engine.stats()
                 return
+            ran += 1
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
@@ -222,7 +226,11 @@ class AsyncEngine:
         self._streams.pop(req.request_id, None)
         if ev.finish_reason is not None and ev.token_id is None:
             raise PdserveError(ev.error or f"prefill ended: {ev.finish_reason}")
-        blocks = await self.call(lambda: self.engine.held_blocks(req.request_id))
+        try:
+            blocks = await self.call(lambda: self.engine.held_blocks(req.request_id))
+        except BaseException:
+            self._abort_soon(req.request_id)  # releases the held blocks
+            raise
         return PrefillResult(ev, blocks)
 
     async def release(self, request_id: str) -> None:

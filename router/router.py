@@ -207,9 +207,11 @@ class Router:
                 route = decision.route
                 if route is Route.REMOTE and prefill is not None:
                     try:
-                        async for ev in self._remote(req, decode, prefill, timings):
-                            emitted = True
-                            yield self._final(ev, route, timings, started, decode, prefill)
+                        async with contextlib.aclosing(
+                                self._remote(req, decode, prefill, timings)) as events:
+                            async for ev in events:
+                                emitted = True
+                                yield self._final(ev, route, timings, started, decode, prefill)
                         return
                     except RemotePrefillFailed as exc:
                         if emitted:
@@ -218,10 +220,11 @@ class Router:
                         log.warning("remote_prefill_fallback", request_id=req.request_id,
                                     error=exc.message)
                         route = Route.FALLBACK
-                async for ev in self._local(req, decode):
-                    emitted = True
-                    yield self._final(ev, route, timings, started, decode,
-                                      prefill if route is Route.FALLBACK else None)
+                async with contextlib.aclosing(self._local(req, decode)) as events:
+                    async for ev in events:
+                        emitted = True
+                        yield self._final(ev, route, timings, started, decode,
+                                          prefill if route is Route.FALLBACK else None)
                 return
             except CapacityError:
                 # The decode worker went away before producing anything: try another one.
@@ -272,8 +275,10 @@ class Router:
         stub = self._stubs.decode(decode)
         call = stub.Generate(decode_pb2.DecodeGenerateRequest(**gu.request_fields(req)),
                              metadata=gu.request_id_metadata(req.request_id))
-        async for ev in self._stream(call, self.config.first_token_timeout_s):
-            yield ev
+        async with contextlib.aclosing(
+                self._stream(call, self.config.first_token_timeout_s)) as events:
+            async for ev in events:
+                yield ev
 
     async def _remote(self, req: GenerateRequest, decode: WorkerInfo, prefill: WorkerInfo,
                       timings: dict[str, float]) -> AsyncIterator[TokenEvent]:
@@ -347,6 +352,10 @@ class Router:
                     request_id=req.request_id), timeout=5.0, metadata=md))
             raise
         finally:
+            if not first_task.done():
+                first_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await first_task  # the stream must not be running when we close it
             await stream.aclose()
 
     async def abort(self, request_id: str) -> bool:

@@ -57,7 +57,7 @@ async def _drain(stream: AsyncIterator[TokenEvent]) -> list[TokenEvent]:
     return [ev async for ev in stream]
 
 
-async def _wait_idle(engine: AsyncEngine, within_s: float = 5.0) -> EngineStats:
+async def _wait_idle(engine: AsyncEngine, within_s: float = 60.0) -> EngineStats:
     """Poll until nothing runs or waits and every block is free again."""
     deadline = time.monotonic() + within_s
     while True:
@@ -115,7 +115,7 @@ async def test_cancelling_the_consumer_task_aborts(aengine, short_prompts) -> No
             started.set()
 
     task = asyncio.create_task(consume())
-    await asyncio.wait_for(started.wait(), 30)
+    await asyncio.wait_for(started.wait(), 120)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -196,9 +196,12 @@ async def test_event_loop_stays_responsive_during_prefill(aengine, prompt_ids) -
     done.set()
     await tick
     assert tokens(events) and events[-1].num_prompt_tokens > 1000
-    # Ticks kept coming throughout: the loop was never blocked for long.
-    assert len(gaps) > elapsed / 0.05
-    assert max(gaps) < 0.25, f"max gap {max(gaps):.3f}s over {elapsed:.2f}s of prefill"
+    # Ticks kept coming throughout: the loop was never blocked for long. (Blocked for one
+    # engine step, a gap would be about a third of the prefill: 512-token chunks of ~1,100.)
+    # The bound grows with elapsed so a machine busy with other work does not fail the test.
+    assert len(gaps) > elapsed / 0.1
+    limit = max(0.25, elapsed / 10)
+    assert max(gaps) < limit, f"max gap {max(gaps):.3f}s over {elapsed:.2f}s of prefill"
 
 
 async def test_bad_requests_raise_to_the_caller(aengine, short_prompts) -> None:
@@ -216,7 +219,7 @@ async def test_bad_requests_raise_to_the_caller(aengine, short_prompts) -> None:
     with pytest.raises(InvalidRequestError, match="duplicate"):
         await aengine.allocate_remote(GenerateRequest("dup", short_prompts[0], greedy()))
     # The refused duplicates did not disturb the live stream of that id.
-    rest = await asyncio.wait_for(_drain(stream), 30)
+    rest = await asyncio.wait_for(_drain(stream), 120)
     assert rest[-1].finish_reason is FinishReason.LENGTH and len(rest) == 49
     await _wait_idle(aengine)
     assert not aengine._streams
