@@ -336,8 +336,8 @@ def interactive_table(results: Mapping[str, SweepResult]) -> str:
     lines = [
         "| rate (req/s) | system | SLO att. all | SLO att. interactive | TTFT att. interactive "
         "| TPOT att. interactive | p50 / p99 TTFT interactive ms | p50 / p99 TPOT interactive ms "
-        "| p99 TTFT batch ms | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| p99 / max ITL interactive ms | p99 TTFT batch ms | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = sorted(
         ((run.config.rate, name, run) for name, res in results.items() for run in res.runs),
@@ -355,6 +355,7 @@ def interactive_table(results: Mapping[str, SweepResult]) -> str:
             f"| {a.ttft_only:.0%} | {a.tpot_only:.0%} "
             f"| {_p(inter.ttft_ms)} / {_p(inter.ttft_ms, 'p99')} "
             f"| {_p(inter.tpot_ms)} / {_p(inter.tpot_ms, 'p99')} "
+            f"| {_p(inter.itl_ms, 'p99')} / {_p(inter.itl_ms, 'max')} "
             f"| {_p(batch.ttft_ms if batch else None, 'p99')} | {s.overall.num_errors} |"
         )
     return "\n".join(lines)

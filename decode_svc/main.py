@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -16,33 +16,21 @@ from decode_svc.metrics import DecodeMetrics
 from decode_svc.servicer import DecodeServicer
 from decode_svc.worker import DecodeWorker
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_store import resolve_model
 from kvxfer.receiver import KVReceiver
 from pdserve import grpc_util as gu
 from pdserve.runtime import metrics_server, start_server
 from pdserve.v1 import decode_pb2_grpc
+from pdserve.worker_config import WorkerConfig
 
 log = structlog.get_logger(__name__)
 SERVICE = "pdserve.v1.DecodeWorker"
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
-    worker_id: str
-    redis_url: str
-    model: str | None = None
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise_host: str = ""  # how other processes reach us; "": `host`
-    metrics_port: int = 0  # Prometheus text on http://host:metrics_port; 0: any, -1: off
+class DecodeConfig(WorkerConfig):
     ucx_host: str = "127.0.0.1"  # the UCX address advertised (the listener takes any)
-    namespace: str = "default"
-    lease_ttl_s: float = 3.0
-    heartbeat_s: float = 1.0
-    drain_timeout_s: float = 60.0
     alloc_lease_s: float = 30.0
 
 

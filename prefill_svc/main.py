@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -14,7 +14,6 @@ from control.directory import WorkerDirectory
 from control.registry import WorkerRegistry
 from control.workers import WorkerInfo
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_store import resolve_model
 from engine.types import KVTransferError
@@ -22,6 +21,7 @@ from kvxfer.sender import KVSender
 from pdserve import grpc_util as gu
 from pdserve.runtime import metrics_server, start_server
 from pdserve.v1 import prefill_pb2_grpc
+from pdserve.worker_config import WorkerConfig
 from prefill_svc.metrics import PrefillMetrics
 from prefill_svc.servicer import PrefillServicer
 from prefill_svc.worker import PrefillWorker
@@ -31,19 +31,7 @@ SERVICE = "pdserve.v1.PrefillWorker"
 
 
 @dataclass(frozen=True)
-class PrefillConfig:
-    worker_id: str
-    redis_url: str
-    model: str | None = None
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise_host: str = ""  # how other processes reach us; "": `host`
-    metrics_port: int = 0  # Prometheus text on http://host:metrics_port; 0: any, -1: off
-    namespace: str = "default"
-    lease_ttl_s: float = 3.0
-    heartbeat_s: float = 1.0
-    drain_timeout_s: float = 60.0
+class PrefillConfig(WorkerConfig):
     max_inflight: int = 4
     transfer_timeout_s: float = 30.0
 
