@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.goodput import loadavg, machine_info, pin_process
+from bench.goodput import UCX_NO_SPIN_ENV, loadavg, machine_info, pin_process
 
 LOCAL_THRESHOLD = 1_000_000  # no prompt is this long: every prefill stays on the decode worker
 
@@ -118,6 +118,7 @@ def run_mode(args: argparse.Namespace, mode: str, rng: np.random.Generator) -> l
         model=args.model_path,
         extra_worker_args=worker_args,
         router_args=("--remote-threshold", str(threshold), "--log-level", "WARNING"),
+        env={} if args.ucx_spin else dict(UCX_NO_SPIN_ENV),
     )
     samples = []
     with cluster:
@@ -192,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--low-id", type=int, default=1000, help="prompt token ids are drawn from")
     p.add_argument("--high-id", type=int, default=40000, help="[low-id, high-id)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ucx-spin", action="store_true", help="keep ucxx's busy-waiting default")
     p.add_argument("--out", type=Path, help="also write the samples as JSON here")
     args = p.parse_args(argv)
     if len(args.prefill_cores) != len(args.decode_cores):
@@ -209,7 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"prefill worker on CPU {args.prefill_cores}, decode worker on CPU {args.decode_cores}, "
         f"--threads {len(args.decode_cores)} each, --kv-cache-mb {args.kv_cache_mb}, "
-        f"max_tokens {args.max_tokens}, means of {args.reps} requests (after 1 warm-up)\n"
+        f"max_tokens {args.max_tokens}, means of {args.reps} requests (after 1 warm-up), "
+        f"worker env { ({} if args.ucx_spin else UCX_NO_SPIN_ENV) }\n"
     )
     print(table(samples, kv_bytes_per_token(args.model_path)))
     if args.out:
