@@ -265,10 +265,14 @@ async def calibrate(config: RunConfig, n: int) -> list[Unloaded]:
     return out
 
 
-# Stage timings the router reports for a remote prefill (ms, from the start of the remote
-# path); "rest" is the first-token time none of them explains (allocation RPC, decode
-# admission, the first token's trip back). Local prefills report only their total.
-_STAGES = ("prefill_queued_ms", "prefill_compute_ms", "kv_transfer_ms")
+# Stage timings the router reports for a remote prefill, in ms from the start of its remote
+# path: the decode worker's allocation RPC, then the prefill worker's queue, compute and KV
+# transfer. The transfer as the prefill worker times it also covers releasing its blocks
+# through its engine thread, which can wait for another prompt's prefill step, while the
+# decode worker starts as soon as the KV lands; so per request "rest" (dispatching the
+# prefill RPC, admission into the decode batch, the first token's trip back) can come out
+# negative. Medians keep such outliers from dominating. Local prefills report no stages.
+_STAGES = ("decode_allocate_ms", "prefill_queued_ms", "prefill_compute_ms", "kv_transfer_ms")
 
 
 @dataclass(frozen=True)
@@ -277,8 +281,8 @@ class StageRow:
     latency_class: str
     route: str
     n: int
-    ttft_ms: float  # client-measured, mean
-    stages_ms: Mapping[str, float]  # means; empty for local prefill
+    ttft_ms: float  # client-measured, median
+    stages_ms: Mapping[str, float]  # medians (+ "rest_ms"); empty for local prefill
     kv_mb: float | None
 
 
@@ -289,26 +293,27 @@ def stage_breakdown(run: RunResult) -> list[StageRow]:
             groups.setdefault((r.latency_class, r.route or "?"), []).append(r)
     rows = []
     for (latency_class, route), rs in sorted(groups.items()):
-        timed = [r.server_timings_ms for r in rs if r.server_timings_ms]
+        remote = [
+            t
+            for r in rs
+            if (t := r.server_timings_ms) and "prefill_compute_ms" in t and "ttft_ms" in t
+        ]
         stages: dict[str, float] = {}
         kv_mb = None
-        remote = [t for t in timed if "prefill_compute_ms" in t and "ttft_ms" in t]
         if remote:
             for key in _STAGES:
-                stages[key] = float(np.mean([t[key] for t in remote]))
-            stages["decode_allocate_ms"] = float(
-                np.mean([t.get("decode_allocate_ms", 0.0) for t in remote])
-            )
-            stages["router_ttft_ms"] = float(np.mean([t["ttft_ms"] for t in remote]))
-            stages["rest_ms"] = stages["router_ttft_ms"] - sum(stages[k] for k in _STAGES)
-            kv_mb = float(np.mean([t.get("kv_bytes", 0.0) for t in remote])) / 1e6
+                stages[key] = float(np.median([t.get(key, 0.0) for t in remote]))
+            rest = [t["ttft_ms"] - sum(t.get(key, 0.0) for key in _STAGES) for t in remote]
+            stages["rest_ms"] = float(np.median(rest))
+            kv_mb = float(np.median([t.get("kv_bytes", 0.0) for t in remote])) / 1e6
+        ttfts = [r.ttft_s * 1000 for r in rs if r.ttft_s is not None]
         rows.append(
             StageRow(
                 run.config.rate,
                 latency_class,
                 route,
                 len(rs),
-                float(np.mean([r.ttft_s * 1000 for r in rs if r.ttft_s is not None])),
+                float(np.median(ttfts)),
                 stages,
                 kv_mb,
             )
@@ -373,9 +378,9 @@ def interactive_table(results: Mapping[str, SweepResult]) -> str:
 
 def stage_table(results: Mapping[str, SweepResult]) -> str:
     lines = [
-        "| system | rate | class | route | n | TTFT ms (client) | prefill queue | prefill "
-        "compute | KV transfer | rest (alloc, admission, RPCs) | KV MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| system | rate | class | route | n | TTFT (client) | decode alloc | prefill queue "
+        "| prefill compute | KV transfer | rest (dispatch, admission, first token back) | KV MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, res in results.items():
         for run in res.runs:
@@ -383,7 +388,8 @@ def stage_table(results: Mapping[str, SweepResult]) -> str:
                 st = row.stages_ms
                 lines.append(
                     f"| {name} | {row.rate:g} | {row.latency_class} | {row.route} | {row.n} "
-                    f"| {row.ttft_ms:.0f} | {_f(st.get('prefill_queued_ms'))} "
+                    f"| {row.ttft_ms:.0f} | {_f(st.get('decode_allocate_ms'))} "
+                    f"| {_f(st.get('prefill_queued_ms'))} "
                     f"| {_f(st.get('prefill_compute_ms'))} | {_f(st.get('kv_transfer_ms'), 1)} "
                     f"| {_f(st.get('rest_ms'))} | {_f(row.kv_mb, 1)} |"
                 )
@@ -480,7 +486,7 @@ def write_comparison(
         "",
         interactive_table(results),
         "",
-        "Where the time to first token goes (means; stage timings as reported by the router):",
+        "Where the time to first token goes (medians in ms; stages as the router reports them):",
         "",
         stage_table(results),
     ]
