@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import TorchKernels, gather_blocks
+
 try:  # pragma: no cover - only on CUDA machines with flash-attn installed
     from flash_attn import flash_attn_varlen_func
 
@@ -22,6 +24,9 @@ try:  # pragma: no cover - only on CUDA machines with flash-attn installed
 except Exception:  # ImportError, or a broken CUDA build
     flash_attn_varlen_func = None
     HAVE_FLASH_ATTN = False
+
+
+_REFERENCE = TorchKernels()
 
 
 @dataclass
@@ -44,38 +49,28 @@ class AttentionMetadata:
     use_flash: bool = False
 
 
-def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             meta: AttentionMetadata) -> None:
-    """Store new K/V ([num_tokens, kv_heads, head_dim]) into the layer view [nb, 2, bs, h, d]."""
-    kv_layer[meta.slot_blocks, 0, meta.slot_offsets] = k
-    kv_layer[meta.slot_blocks, 1, meta.slot_offsets] = v
-
-
 def _gather(kv_layer: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[
         torch.Tensor, torch.Tensor]:
     """K and V of one sequence's first ``length`` tokens as [kv_heads, length, head_dim]."""
-    k = _gather_kind(kv_layer, 0, block_table).flatten(0, 1)[:length]
-    v = _gather_kind(kv_layer, 1, block_table).flatten(0, 1)[:length]
+    k = gather_blocks(kv_layer, 0, block_table).flatten(0, 1)[:length]
+    v = gather_blocks(kv_layer, 1, block_table).flatten(0, 1)[:length]
     return k.transpose(0, 1), v.transpose(0, 1)
 
 
-def _gather_kind(kv_layer: torch.Tensor, kind: int, block_ids: torch.Tensor) -> torch.Tensor:
-    """K (kind 0) or V (kind 1) of ``block_ids`` (any shape) as [*block_ids.shape, bs, h, d].
-
-    One contiguous copy: index_select of whole blocks is several times faster on CPU than
-    advanced indexing, and gathering K and V apart lets the caller merge (blocks, bs) into one
-    token axis as a view instead of a second copy.
-    """
-    rows = kv_layer[:, kind].index_select(0, block_ids.flatten())
-    return rows.view(*block_ids.shape, *rows.shape[1:])
-
-
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                    kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [num_tokens, heads, head_dim]; returns [num_tokens, heads, head_dim]."""
-    write_kv(kv_layer, k_new, v_new, meta)
+                    kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    kernels: TorchKernels = _REFERENCE) -> torch.Tensor:
+    """q: [num_tokens, heads, head_dim]; returns [num_tokens, heads, head_dim].
+
+    Writes the new tokens' K/V into their slots first, so every piece sees its own keys."""
+    kernels.write_kv(kv_layer, k_new, v_new, meta.slot_blocks, meta.slot_offsets)
     if meta.use_flash:
         return _flash_attention(q, kv_layer, meta, scale)
+    if not meta.prefill_lens:  # decode-only step: no copy into a packed output
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+        assert meta.decode_mask is not None
+        return kernels.decode_attention(q, kv_layer, meta.decode_block_tables,
+                                        meta.decode_context_lens, meta.decode_mask, scale)
     out = torch.empty_like(q)
     pos = 0
     for n, start, table in zip(meta.prefill_lens, meta.prefill_starts,
@@ -95,15 +90,12 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         out[pos : pos + n] = o[0].transpose(0, 1)
         pos += n
     if meta.num_decodes:
-        assert meta.decode_block_tables is not None and meta.decode_mask is not None
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+        assert meta.decode_mask is not None
         b = meta.num_decodes
-        tables = meta.decode_block_tables  # [b, nb]
-        k = _gather_kind(kv_layer, 0, tables).flatten(1, 2).transpose(1, 2)  # [b, h, T, d]
-        v = _gather_kind(kv_layer, 1, tables).flatten(1, 2).transpose(1, 2)
-        qd = q[pos : pos + b].unsqueeze(2)  # [b, heads, 1, d]
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale,
-                                           enable_gqa=True)
-        out[pos : pos + b] = o.squeeze(2)
+        out[pos : pos + b] = kernels.decode_attention(
+            q[pos : pos + b], kv_layer, meta.decode_block_tables, meta.decode_context_lens,
+            meta.decode_mask, scale)
     return out
 
 

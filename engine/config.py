@@ -120,6 +120,9 @@ class ModelConfig:
             raise ModelLoadError(f"invalid config.json in {model_dir}: {exc}") from exc
 
 
+DTYPES = ("float32", "bfloat16", "float16", "int8")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine knobs. KV memory is `kv_cache_bytes` unless `num_kv_blocks` pins the count."""
@@ -132,6 +135,8 @@ class EngineConfig:
     max_prefill_chunk: int = 512  # longest prefill piece of one sequence in one step
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # How weights are stored and multiplied (engine.linear): float32 (exact), bfloat16 /
+    # float16 (activations and KV in that dtype too), int8 (float32 activations and KV).
     dtype: str = "float32"
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
@@ -147,5 +152,11 @@ class EngineConfig:
             raise InvalidRequestError("max_prefill_chunk must be in [1, max_num_batched_tokens]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise InvalidRequestError("num_kv_blocks must be >= 2")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise InvalidRequestError(f"unsupported dtype {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(
+                f"unsupported dtype {self.dtype!r}; one of {', '.join(DTYPES)}")
+
+    @property
+    def activation_dtype(self) -> str:
+        """dtype of activations and of the KV cache."""
+        return "float32" if self.dtype == "int8" else self.dtype

@@ -86,10 +86,21 @@ class LLMEngine:
         from engine.tokenizer import Tokenizer
 
         config = config or EngineConfig()
-        model, model_config = load_model(model_dir, dtype=_DTYPES[config.dtype],
-                                         device=config.device)
-        return cls(model, model_config, config, model_id=compute_model_id(model_dir),
-                   tokenizer=Tokenizer(model_dir))
+        if config.device == "cpu" and config.dtype in ("bfloat16", "float16"):
+            from engine.cpu import cpu_info
+
+            if not cpu_info().native_bf16:
+                raise InvalidRequestError(
+                    f"dtype {config.dtype} needs a CPU with native bf16 (avx512_bf16 or "
+                    f"amx_bf16); this one emulates it and is slower than float32 "
+                    f"({cpu_info().summary()}). Use float32 (exact) or int8.", param="dtype")
+        model, model_config = load_model(model_dir, dtype=_DTYPES[config.activation_dtype],
+                                         device=config.device, weight_format=config.dtype)
+        mid = compute_model_id(model_dir)
+        # KV computed with other weights is other KV: never share blocks or prefixes across.
+        if config.dtype != "float32":
+            mid = f"{mid}+{config.dtype}"
+        return cls(model, model_config, config, model_id=mid, tokenizer=Tokenizer(model_dir))
 
     # ------------------------------------------------------------------ introspection
 

@@ -12,8 +12,11 @@ from engine.models.llama import LlamaForCausalLM
 from engine.types import ModelLoadError
 
 
-def load_model(model_dir: Path, *, dtype: torch.dtype = torch.float32,
-               device: str = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(model_dir: Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               weight_format: str | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Load and pack (see LlamaForCausalLM.pack). ``dtype`` is the activation and KV dtype;
+    ``weight_format`` (default: the same as ``dtype``) how the projections are stored, e.g.
+    "int8" with float32 activations."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
@@ -56,4 +59,5 @@ def load_model(model_dir: Path, *, dtype: torch.dtype = torch.float32,
         model.model.rotary_emb.inv_freq = _inv_freq(
             config.head_dim, config.rope_theta, config.rope_scaling).to(device)
     model.eval()
+    model.pack(weight_format or str(dtype).removeprefix("torch."))
     return model, config

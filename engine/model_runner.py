@@ -14,7 +14,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def kv_block_nbytes(model: ModelConfig, config: EngineConfig) -> int:
-    itemsize = torch.empty((), dtype=_DTYPES[config.dtype]).element_size()
+    itemsize = torch.empty((), dtype=_DTYPES[config.activation_dtype]).element_size()
     return model.num_layers * 2 * config.block_size * model.num_kv_heads * model.head_dim * itemsize
 
 
@@ -33,14 +33,14 @@ class ModelRunner:
             block_size=config.block_size,
             num_kv_heads=model_config.num_kv_heads,
             head_dim=model_config.head_dim,
-            dtype=config.dtype,
+            dtype=config.activation_dtype,
             model_id=model_id,
         )
         # One contiguous allocation for the whole pool: kvxfer addresses it by byte range.
         self.kv_pool = torch.zeros(
             (num_blocks, model_config.num_layers, 2, config.block_size,
              model_config.num_kv_heads, model_config.head_dim),
-            dtype=_DTYPES[config.dtype], device=self.device)
+            dtype=_DTYPES[config.activation_dtype], device=self.device)
         self.use_flash = HAVE_FLASH_ATTN and self.device.type == "cuda"
 
     def _metadata(self, pieces: list[ScheduledSeq], decodes: list[ScheduledSeq]) -> tuple[
@@ -67,7 +67,7 @@ class ModelRunner:
             dec_tables = torch.tensor(rows, dtype=torch.long, device=dev)
             dec_lens = torch.tensor(lens, dtype=torch.long, device=dev)
             span = torch.arange(max_blocks * bs, device=dev)
-            dtype = _DTYPES[self.config.dtype]
+            dtype = _DTYPES[self.config.activation_dtype]
             dec_mask = torch.zeros(len(decodes), 1, 1, max_blocks * bs, dtype=dtype, device=dev)
             dec_mask.masked_fill_((span[None, :] >= dec_lens[:, None])[:, None, None, :],
                                   float("-inf"))

@@ -94,6 +94,45 @@ class KVTransferError(PdserveError):
     code = "kv_transfer_error"
 
 
+# --------------------------------------------------------------------------- limits
+
+# One set of request limits for every entry point (REST, gRPC, worker APIs), so a request
+# one of them accepts is never refused by another, and the published schemas quote them.
+MAX_REQUEST_ID_LEN = 256
+MAX_TEMPERATURE = 100.0
+MAX_LOGPROBS = 20
+
+
+def check_request_id(request_id: str, *, param: str = "request_id") -> str:
+    """Return ``request_id`` if it is 1-MAX_REQUEST_ID_LEN printable ASCII characters
+    (what gRPC metadata and log lines can carry verbatim); raise InvalidRequestError."""
+    if not (isinstance(request_id, str) and 0 < len(request_id) <= MAX_REQUEST_ID_LEN
+            and request_id.isascii() and request_id.isprintable()):
+        what = "must not be empty" if request_id == "" else (
+            f"must be 1-{MAX_REQUEST_ID_LEN} printable ASCII characters")
+        raise InvalidRequestError(f"{param} {what}", code="invalid_request_id", param=param)
+    return request_id
+
+
+def fit_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, *,
+                   default: int, param: str = "prompt") -> int:
+    """The output budget of a request: ``max_tokens``, or ``default`` clamped to the context
+    left after the prompt when None. Raises PromptTooLongError when the prompt plus an explicit
+    ``max_tokens`` do not fit in ``max_model_len`` (nor the prompt alone, with one token left)."""
+    if num_prompt_tokens >= max_model_len:
+        raise PromptTooLongError(
+            f"this model's maximum context length is {max_model_len} tokens, but the prompt "
+            f"has {num_prompt_tokens} tokens", param=param)
+    if max_tokens is None:
+        return min(default, max_model_len - num_prompt_tokens)
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise PromptTooLongError(
+            f"this model's maximum context length is {max_model_len} tokens, but "
+            f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion); reduce the prompt or max_tokens", param=param)
+    return max_tokens
+
+
 # --------------------------------------------------------------------------- requests
 
 
@@ -126,8 +165,9 @@ class SamplingParams:
             raise bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         if not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature):
             raise bad("temperature", "temperature must be a finite number")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise bad("temperature", f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature",
+                      f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad("top_k", f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
         if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
@@ -149,9 +189,10 @@ class SamplingParams:
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool)
             or not isinstance(self.logprobs, int)
-            or not 0 <= self.logprobs <= 20
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            raise bad("logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+            raise bad("logprobs",
+                      f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
@@ -266,8 +307,7 @@ class GenerateRequest:
     latency_class: LatencyClass = LatencyClass.STANDARD
 
     def __post_init__(self) -> None:
-        if not self.request_id:
-            raise InvalidRequestError("request_id must not be empty", param="request_id")
+        check_request_id(self.request_id)
         if len(self.prompt_token_ids) == 0:
             raise InvalidRequestError(
                 "prompt must not be empty", code="empty_prompt", param="prompt"

@@ -19,6 +19,7 @@ from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import load_model
+from engine.models.llama import LlamaForCausalLM
 from engine.types import GenerateRequest, UnsupportedArchitectureError
 
 SMALL = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -80,7 +81,7 @@ def _our_prefill_logits(model: Any, config: Any, ids: list[int]) -> torch.Tensor
     bs, n = 16, len(ids)
     nb = -(-n // bs)
     pool = torch.zeros(nb, config.num_layers, 2, bs, config.num_kv_heads, config.head_dim,
-                       dtype=model.lm_head.weight.dtype)
+                       dtype=model.activation_dtype)
     pos = torch.arange(n)
     meta = AttentionMetadata(
         slot_blocks=pos // bs, slot_offsets=pos % bs, prefill_lens=[n], prefill_starts=[0],
@@ -91,7 +92,11 @@ def _our_prefill_logits(model: Any, config: Any, ids: list[int]) -> torch.Tensor
 
 
 def test_config_flags(pair) -> None:  # type: ignore[no-untyped-def]
-    hf, ours, config = pair
+    hf, packed, config = pair
+    assert packed.head is not None and packed.weight_format == "float32"
+    # Module names must match the checkpoint's: check the structure the loader fills in.
+    with torch.device("meta"):
+        ours = LlamaForCausalLM(config)
     hc = hf.config
     assert config.tie_word_embeddings == hc.tie_word_embeddings
     assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == hc.tie_word_embeddings

@@ -1,8 +1,9 @@
 """Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over the paged KV pool.
 
-Submodule names match Hugging Face checkpoints, so weights load by name. The arithmetic
-follows transformers' implementation op for op (fp32 RMSNorm, rotate-half RoPE) so greedy
-outputs agree token for token.
+Submodule names match Hugging Face checkpoints, so weights load by name. After loading,
+`pack()` turns the projections into prepared kernels (engine.linear): q/k/v and gate/up become
+one GEMM each and the checkpoint-shaped `nn.Linear`s are dropped. The arithmetic follows
+transformers' (fp32 RMSNorm, rotate-half RoPE), so greedy float32 outputs agree token for token.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig, RopeScaling
+from engine.kernels import TorchKernels, kernels_for
+from engine.linear import LinearKernel, pack_linear
 
 
 class RMSNorm(nn.Module):
@@ -24,10 +26,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return TorchKernels.rms_norm(x, self.weight, self.eps)
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -59,17 +58,6 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim]."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + _rotate_half(x) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -89,18 +77,31 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.qkv: LinearKernel | None = None
+        self.o: LinearKernel | None = None
+
+    def pack(self, weight_format: str) -> None:
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv = pack_linear([p.weight for p in projs], [p.bias for p in projs],
+                               weight_format=weight_format)
+        self.o = pack_linear([self.o_proj.weight], [self.o_proj.bias],
+                             weight_format=weight_format)
+        del self.q_proj, self.k_proj, self.v_proj, self.o_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_pool: torch.Tensor, meta: AttentionMetadata,
+                kernels: TorchKernels) -> torch.Tensor:
+        assert self.qkv is not None and self.o is not None, "call LlamaForCausalLM.pack()"
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        h, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv(x).view(n, h + 2 * hkv, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = paged_attention(q, k, v, kv_pool[:, self.layer_idx], meta, self.scale)
-        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+            qkv[:, :h] = self.q_norm(qkv[:, :h])
+            qkv[:, h:h + hkv] = self.k_norm(qkv[:, h:h + hkv])
+        kernels.rope_(qkv, h + hkv, cos, sin)  # q and k heads, in place, in one pass
+        o = paged_attention(qkv[:, :h], qkv[:, h:h + hkv], qkv[:, h + hkv:],
+                            kv_pool[:, self.layer_idx], meta, self.scale, kernels)
+        return self.o(o.reshape(n, h * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -110,9 +111,20 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_up: LinearKernel | None = None
+        self.down: LinearKernel | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def pack(self, weight_format: str) -> None:
+        self.gate_up = pack_linear([self.gate_proj.weight, self.up_proj.weight],
+                                   [self.gate_proj.bias, self.up_proj.bias],
+                                   weight_format=weight_format)
+        self.down = pack_linear([self.down_proj.weight], [self.down_proj.bias],
+                                weight_format=weight_format)
+        del self.gate_proj, self.up_proj, self.down_proj
+
+    def forward(self, x: torch.Tensor, kernels: TorchKernels) -> torch.Tensor:
+        assert self.gate_up is not None and self.down is not None, "call pack()"
+        return self.down(kernels.silu_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -122,11 +134,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_pool, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
@@ -148,12 +155,55 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.head: LinearKernel | None = None
+        self.weight_format = ""
+        self.kernels = TorchKernels()
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @torch.no_grad()
+    def pack(self, weight_format: str) -> LlamaForCausalLM:
+        """Prepare every projection for `weight_format` (see engine.linear) and drop the
+        checkpoint-shaped weights. Call once, after the weights are loaded."""
+        if self.head is not None:
+            raise RuntimeError("model is already packed")
+        for layer in self.model.layers:
+            layer.self_attn.pack(weight_format)
+            layer.mlp.pack(weight_format)
+        self.head = pack_linear([self.lm_head.weight], [None], weight_format=weight_format)
+        del self.lm_head
+        self.weight_format = weight_format
+        self.kernels = kernels_for(self.model.embed_tokens.weight.device, self.activation_dtype)
+        return self
+
+    def weight_nbytes(self) -> int:
+        """Bytes of weights one decode step reads: every projection and the LM head."""
+        assert self.head is not None
+        kernels: list[LinearKernel] = [self.head]
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            kernels += [k for k in (attn.qkv, attn.o, mlp.gate_up, mlp.down) if k is not None]
+        return sum(k.nbytes for k in kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        assert self.head is not None, "call pack()"
+        kernels, layers = self.kernels, self.model.layers
+        x = self.model.embed_tokens(input_ids)  # the residual stream, updated in place
         cos, sin = self.model.rotary_emb(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, kv_pool, meta)
-        x = self.model.norm(x[logits_indices])
-        return self.lm_head(x).float()
+        first = layers[0].input_layernorm
+        h = kernels.rms_norm(x, first.weight, first.eps)
+        for i, layer in enumerate(layers):
+            a = layer.self_attn(h, cos, sin, kv_pool, meta, kernels)
+            post = layer.post_attention_layernorm
+            h = kernels.add_rms_norm_(x, a, post.weight, post.eps)
+            m = layer.mlp(h, kernels)
+            if i + 1 < len(layers):
+                nxt = layers[i + 1].input_layernorm
+                h = kernels.add_rms_norm_(x, m, nxt.weight, nxt.eps)
+            else:
+                x.add_(m)
+        final = self.model.norm
+        return self.head(kernels.rms_norm(x[logits_indices], final.weight, final.eps)).float()

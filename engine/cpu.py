@@ -1,0 +1,62 @@
+"""What this CPU can do, detected at run time (never assumed): vector ISA and native bf16.
+
+Benchmarks record `cpu_summary()` beside every number, and the engine picks kernels by it.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Flags that decide which kernels are fast. avx512_bf16 / amx_bf16 mean bf16 dot products in
+# hardware; without them torch emulates bf16 GEMMs and they are several times slower.
+_INTERESTING = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16",
+                "amx_int8")
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str
+    flags: frozenset[str]
+    torch_capability: str  # what ATen dispatches to: "AVX2", "AVX512", ...
+
+    @property
+    def native_bf16(self) -> bool:
+        return bool({"avx512_bf16", "amx_bf16"} & self.flags)
+
+    @property
+    def vnni(self) -> bool:
+        return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & self.flags)
+
+    def summary(self) -> str:
+        shown = " ".join(f for f in _INTERESTING if f in self.flags) or "none of " + " ".join(
+            _INTERESTING)
+        return f"{self.model} | ATen {self.torch_capability} | flags: {shown}"
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    model, flags = platform.processor() or platform.machine(), frozenset[str]()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and value.strip():
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = frozenset(value.split())
+    if not flags and torch.cpu._is_avx512_bf16_supported():  # no /proc (macOS): ask torch
+        flags = frozenset({"avx512_bf16"})
+    return CpuInfo(model=model, flags=flags,
+                   torch_capability=torch.backends.cpu.get_cpu_capability())
+
+
+def cpu_summary() -> str:
+    return cpu_info().summary()

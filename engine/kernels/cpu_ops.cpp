@@ -1,0 +1,223 @@
+// Fused float32 CPU kernels for the decode path (see engine/kernels/__init__.py).
+//
+// Each replaces a run of small ATen ops whose dispatch cost, not arithmetic, dominated a
+// decode step. The arithmetic is the reference's, op for op: no FMA contraction (the build
+// passes -ffp-contract=off), the same rsqrt-then-multiply order as transformers' RMSNorm, and
+// rotate-half RoPE; only summation orders differ (as between any two GEMM libraries).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // independent lanes: vectorizes without -ffast-math
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.device().is_cpu(), name,
+              " must be a float32 CPU tensor");
+}
+
+}  // namespace
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)), row by row. x: [n, d] rows contiguous.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [n, d] with contiguous rows");
+  const int64_t n = x.size(0), d = x.size(1), sx = x.stride(0);
+  auto out = torch::empty({n, d}, x.options());
+  auto w = weight.contiguous();
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const float* r = xp + i * sx;
+      const float r_inv = 1.0f / std::sqrt(dot(r, r, d) / static_cast<float>(d) +
+                                           static_cast<float>(eps));
+      float* o = op + i * d;
+      for (int64_t j = 0; j < d; ++j) o[j] = wp[j] * (r[j] * r_inv);
+    }
+  });
+  return out;
+}
+
+// residual += delta (in place), then returns rms_norm(residual). Both [n, d] contiguous.
+torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor delta, torch::Tensor weight,
+                            double eps) {
+  check_f32(residual, "residual");
+  check_f32(delta, "delta");
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == delta.sizes(),
+              "residual must be contiguous and shaped like delta");
+  auto dc = delta.contiguous();
+  const int64_t n = residual.size(0), d = residual.size(1);
+  float* rp = residual.data_ptr<float>();
+  const float* dp = dc.data_ptr<float>();
+  at::parallel_for(0, n * d, 1 << 14, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) rp[i] += dp[i];
+  });
+  return rms_norm(residual, weight, eps);
+}
+
+// Rotate-half RoPE in place on the first `heads` heads of x: [n, >=heads, hd] (rows strided,
+// heads and head_dim contiguous). cos/sin: [n, hd] contiguous.
+void rope_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "x must be [n, heads, head_dim] with contiguous heads");
+  const int64_t n = x.size(0), hd = x.size(2), half = hd / 2, sx = x.stride(0);
+  auto c = cos.contiguous(), s = sin.contiguous();
+  float* xp = x.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  at::parallel_for(0, n * heads, 64, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t i = t / heads, h = t % heads;
+      float* v = xp + i * sx + h * hd;
+      const float* ci = cp + i * hd;
+      const float* si = sp + i * hd;
+      for (int64_t j = 0; j < half; ++j) {
+        const float x1 = v[j], x2 = v[j + half];
+        const float a = x1 * ci[j], b2 = x2 * si[j];
+        const float a2 = x2 * ci[j + half], b1 = x1 * si[j + half];
+        v[j] = a + (-b2);
+        v[j + half] = a2 + b1;
+      }
+    }
+  });
+}
+
+// silu(gate) * up for gu = [gate | up] of shape [n, 2h] (rows contiguous): returns [n, h].
+torch::Tensor silu_mul(torch::Tensor gu) {
+  check_f32(gu, "gate_up");
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1, "gate_up must be [n, 2h]");
+  const int64_t n = gu.size(0), h = gu.size(1) / 2, sg = gu.stride(0);
+  auto out = torch::empty({n, h}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n * h, 1 << 13, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t i = t / h, j = t % h;
+      const float g = gp[i * sg + j], u = gp[i * sg + h + j];
+      op[t] = (g / (1.0f + std::exp(-g))) * u;
+    }
+  });
+  return out;
+}
+
+// Store new K and V rows into the paged layer view kv: [blocks, 2, block_size, kv_heads, hd]
+// (any strides on the first three dims; kv_heads x hd contiguous). k, v: [n, kv_heads, hd].
+void write_kv(torch::Tensor kv, torch::Tensor k, torch::Tensor v, torch::Tensor slot_blocks,
+              torch::Tensor slot_offsets) {
+  check_f32(kv, "kv");
+  TORCH_CHECK(kv.stride(4) == 1 && kv.stride(3) == kv.size(4), "kv heads must be contiguous");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
+                  v.stride(1) == v.size(2), "k/v heads must be contiguous");
+  auto blocks = slot_blocks.to(torch::kLong).contiguous();
+  auto offs = slot_offsets.to(torch::kLong).contiguous();
+  const int64_t n = k.size(0), row = k.size(1) * k.size(2);
+  const int64_t sb = kv.stride(0), skv = kv.stride(1), so = kv.stride(2);
+  float* kvp = kv.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t* bp = blocks.data_ptr<int64_t>();
+  const int64_t* ofp = offs.data_ptr<int64_t>();
+  const int64_t num_blocks = kv.size(0), bs = kv.size(2);
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(bp[i] >= 0 && bp[i] < num_blocks && ofp[i] >= 0 && ofp[i] < bs,
+                "slot out of range");
+  at::parallel_for(0, n, 64, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      float* dst = kvp + bp[i] * sb + ofp[i] * so;
+      std::copy_n(kp + i * k.stride(0), row, dst);
+      std::copy_n(vp + i * v.stride(0), row, dst + skv);
+    }
+  });
+}
+
+// One query token per sequence attending over its context, read in place from the paged
+// layer view kv (as in write_kv). q: [b, heads, hd] (heads x hd contiguous); tables:
+// [b, max_blocks] int64; lens: [b]. GQA: query head h reads kv head h / (heads / kv_heads).
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor tables,
+                                     torch::Tensor lens, double scale) {
+  check_f32(q, "q");
+  check_f32(kv, "kv");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q heads must be contiguous");
+  TORCH_CHECK(kv.stride(4) == 1 && kv.stride(3) == kv.size(4), "kv heads must be contiguous");
+  auto tab = tables.to(torch::kLong).contiguous();
+  auto len = lens.to(torch::kLong).contiguous();
+  const int64_t b = q.size(0), heads = q.size(1), hd = q.size(2);
+  const int64_t kvh = kv.size(3), group = heads / kvh, bs = kv.size(2);
+  const int64_t max_blocks = tab.size(1), num_blocks = kv.size(0);
+  const int64_t sb = kv.stride(0), skv = kv.stride(1), so = kv.stride(2), sq = q.stride(0);
+  auto out = torch::empty({b, heads, hd}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kvp = kv.data_ptr<float>();
+  const int64_t* tp = tab.data_ptr<int64_t>();
+  const int64_t* lp = len.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t s = 0; s < b; ++s) {
+    TORCH_CHECK(lp[s] >= 1 && lp[s] <= max_blocks * bs, "context length out of range");
+    for (int64_t j = 0; j < (lp[s] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tp[s * max_blocks + j] >= 0 && tp[s * max_blocks + j] < num_blocks,
+                  "block id out of range");
+  }
+  const float sc = static_cast<float>(scale);
+  // One task per (sequence, kv head): its `group` query heads share every K/V row read.
+  at::parallel_for(0, b * kvh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t s = t / kvh, g = t % kvh, n = lp[s];
+      const int64_t* table = tp + s * max_blocks;
+      scores.assign(group * n, 0.0f);
+      acc.assign(group * hd, 0.0f);
+      for (int64_t p = 0; p < n; ++p) {
+        const float* krow = kvp + table[p / bs] * sb + (p % bs) * so + g * hd;
+        for (int64_t r = 0; r < group; ++r)
+          scores[r * n + p] = dot(qp + s * sq + (g * group + r) * hd, krow, hd) * sc;
+      }
+      for (int64_t r = 0; r < group; ++r) {
+        float* sr = scores.data() + r * n;
+        const float mx = *std::max_element(sr, sr + n);
+        float sum = 0.0f;
+        for (int64_t p = 0; p < n; ++p) {
+          sr[p] = std::exp(sr[p] - mx);
+          sum += sr[p];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t p = 0; p < n; ++p) sr[p] *= inv;
+      }
+      for (int64_t p = 0; p < n; ++p) {
+        const float* vrow = kvp + table[p / bs] * sb + skv + (p % bs) * so + g * hd;
+        for (int64_t r = 0; r < group; ++r) {
+          const float w = scores[r * n + p];
+          float* a = acc.data() + r * hd;
+          for (int64_t j = 0; j < hd; ++j) a[j] += w * vrow[j];
+        }
+      }
+      for (int64_t r = 0; r < group; ++r)
+        std::copy_n(acc.data() + r * hd, hd, op + s * heads * hd + (g * group + r) * hd);
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("add_rms_norm_", &add_rms_norm_);
+  m.def("rope_", &rope_);
+  m.def("silu_mul", &silu_mul);
+  m.def("write_kv", &write_kv);
+  m.def("paged_decode_attention", &paged_decode_attention);
+}

@@ -1,0 +1,145 @@
+"""The model's matrix multiplies, as kernels over weights prepared once at load time.
+
+A decode step streams every weight once; on a CPU that makes the linear layers most of a step,
+so their weight format and kernel decide the speed. Each `LinearKernel` owns its weights in the
+layout its kernel wants (fused projections are packed as one matrix) and computes
+``x @ W.T + b`` for activations ``x`` of shape ``[tokens, in_features]`` in the activation dtype.
+
+Formats (`pack_linear`, picked by `EngineConfig.dtype`):
+
+- ``float32``: oneDNN's prepacked (blocked) fp32 GEMM on CPU; exact fp32 arithmetic, 1.3-2.7x
+  faster than `F.linear` here, most at the small batches of decode. `F.linear` elsewhere.
+- ``bfloat16`` / ``float16``: the weights and activations in that dtype (`F.linear`, oneDNN on
+  CPU). Only sensible where the CPU has native bf16 (see engine.cpu).
+- ``int8``: per-output-channel symmetric int8 weights through fbgemm's int8 GEMM, activations
+  quantized to 8 bits per token at run time. torch's weight-only int8 kernel
+  (``_weight_int8pack_mm``) measured ~10x slower than fp32 on AVX2, so this path quantizes
+  activations too. fbgemm picks one activation scale per call; scaling every row to unit
+  max-abs first and adding one fixed [-1, 1] row makes that scale the same for every call,
+  so a token's result never depends on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+import torch.nn.functional as F
+
+WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8")
+_FLOAT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LinearKernel(abc.ABC):
+    """``y = x @ W.T + b``. Stateless after construction, so safe to call from any thread."""
+
+    in_features: int
+    out_features: int
+
+    @abc.abstractmethod
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of weights one call reads (what bounds a decode step)."""
+
+
+class DenseLinear(LinearKernel):
+    """`F.linear` on a plain weight: any device, any float dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class OneDnnLinear(LinearKernel):
+    """oneDNN GEMM on a weight reordered once into its blocked layout (what inductor's
+    freezing does for CPU linears). Same fp32 arithmetic as `F.linear`, other summation order."""
+
+    # oneDNN picks the blocked layout by an expected batch; 1 measured best for decode steps
+    # and no worse than `F.linear` for prefill chunks.
+    BATCH_HINT = 1
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.out_features, self.in_features = weight.shape
+        self._nbytes = weight.numel() * weight.element_size()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+class Int8DynamicLinear(LinearKernel):
+    """fbgemm int8 x int8 GEMM: per-channel int8 weights, per-token int8 activations."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        weight = weight.float()
+        self.out_features, self.in_features = weight.shape
+        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()
+        qweight = torch.quantize_per_channel(
+            weight, scales, torch.zeros(self.out_features, dtype=torch.long), 0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.bias = None if bias is None else bias.float()
+        # The fixed row: its min and max pin fbgemm's per-call activation range to [-1, 1].
+        self._anchor = torch.zeros(1, self.in_features)
+        self._anchor[0, 0], self._anchor[0, -1] = -1.0, 1.0
+        self._nbytes = self.out_features * self.in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        amax = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
+        rows = torch.cat((x / amax, self._anchor))
+        y = torch.ops.quantized.linear_dynamic(rows, self.packed, True)[:-1]
+        y.mul_(amax)
+        return y if self.bias is None else y.add_(self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+def _onednn_ok(dtype: torch.dtype) -> bool:
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and dtype in (torch.float32, torch.bfloat16))
+
+
+def pack_linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None], *,
+                weight_format: str) -> LinearKernel:
+    """One kernel computing the given projections side by side (outputs concatenated in
+    order), e.g. q/k/v or gate/up, so a layer issues one GEMM where it had several."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {weight_format!r}; one of {WEIGHT_FORMATS}")
+    weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+    bias: torch.Tensor | None = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b if b is not None else weight.new_zeros(w.shape[0])
+                          for w, b in zip(weights, biases, strict=True)])
+    weight = weight.detach()
+    bias = None if bias is None else bias.detach()
+    if weight_format == "int8":
+        if weight.device.type != "cpu":
+            raise ValueError("int8 weights are a CPU format (fbgemm); use float16/bfloat16 on "
+                             f"{weight.device.type}")
+        return Int8DynamicLinear(weight, bias)
+    dtype = _FLOAT[weight_format]
+    weight = weight.to(dtype).contiguous()
+    bias = None if bias is None else bias.to(dtype)
+    if weight.device.type == "cpu" and _onednn_ok(dtype):
+        try:
+            return OneDnnLinear(weight, bias)
+        except RuntimeError:  # oneDNN lacks this dtype on this CPU (e.g. bf16 without AVX-512)
+            pass
+    return DenseLinear(weight, bias)
