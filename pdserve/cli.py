@@ -21,17 +21,25 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-prefill-chunk", type=int, default=512)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: the CPUs this process may run on)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16",
+                                                          "int8"),
+                   help="weights: float32 (exact, default); bfloat16/float16 (needs native bf16 "
+                   "on CPU); int8 (per-channel int8 weights, per-token int8 activations)")
 
 
 def engine_config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from engine.config import EngineConfig
 
+    threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                               else None)
     return EngineConfig(
         block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_prefill_chunk=args.max_prefill_chunk, num_threads=args.threads, device=args.device)
+        max_prefill_chunk=args.max_prefill_chunk, num_threads=threads, device=args.device,
+        dtype=args.dtype)
 
 
 def _cmd_model_pull(args: argparse.Namespace) -> int:
@@ -42,6 +50,13 @@ def _cmd_model_pull(args: argparse.Namespace) -> int:
     else:
         out = pull_default_model(progress=True)
     print(out)
+    # Build the fused CPU kernels now (once per machine) rather than in the first worker.
+    import torch
+
+    from engine.kernels import kernels_for
+
+    print(f"CPU kernels: {kernels_for(torch.device('cpu'), torch.float32).name}",
+          file=sys.stderr)
     return 0
 
 
@@ -73,6 +88,10 @@ async def _generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     # UCX warns about variables other libraries set for it; those warnings are noise here.
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    # ucxx's default progress mode awaits every UCX request in a yield loop on the event loop,
+    # so a KV receiver with a receive always posted spins a core while idle; with Python
+    # futures a notifier thread completes them instead. Must be set before ucxx is imported.
+    os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
