@@ -11,22 +11,31 @@ Formats (`pack_linear`, picked by `EngineConfig.dtype`):
   faster than `F.linear` here, most at the small batches of decode. `F.linear` elsewhere.
 - ``bfloat16`` / ``float16``: the weights and activations in that dtype (`F.linear`, oneDNN on
   CPU). Only sensible where the CPU has native bf16 (see engine.cpu).
-- ``int8``: per-output-channel symmetric int8 weights through fbgemm's int8 GEMM, activations
-  quantized to 8 bits per token at run time. torch's weight-only int8 kernel
-  (``_weight_int8pack_mm``) measured ~10x slower than fp32 on AVX2, so this path quantizes
-  activations too. fbgemm picks one activation scale per call; scaling every row to unit
-  max-abs first and adding one fixed [-1, 1] row makes that scale the same for every call,
-  so a token's result never depends on what else is in the batch.
+- ``int8``: per-output-channel symmetric int8 weights (a quarter of float32's bytes) through
+  fbgemm's int8 GEMM. torch's weight-only int8 kernel (``_weight_int8pack_mm``) measured ~10x
+  slower than float32 on AVX2, and fbgemm quantizes activations too, to 7 bits on CPUs without
+  VNNI, which alone cost 20 % of greedy top-1 agreement with float32. So each activation row
+  goes in twice: scaled to its max-abs, and its rounding residual scaled the same way; the
+  two results add up to ~14-bit activations, as accurate as weight-only int8 (measured: see
+  bench/quality.py) for one extra row per token. fbgemm picks one activation range per call;
+  a fixed [-1, 1] row pins it, so a token's result never depends on its batchmates.
 """
 
 from __future__ import annotations
 
 import abc
+import warnings
 
 import torch
 import torch.nn.functional as F
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8")
+# fbgemm's dynamic activation grid with reduce_range (7 bits; safe from the AVX2 u8*s8 pair
+# saturation) over the pinned range [-1, 1]: scale 2/127, zero point 64, so a value v is
+# represented as round(v * 63.5) / 63.5 within [-64/63.5, 63/63.5]. Rows are scaled to
+# +-_SHRINK so their maxima are never clipped.
+_STEPS = 63.5
+_SHRINK = 0.99
 _FLOAT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -89,8 +98,10 @@ class Int8DynamicLinear(LinearKernel):
         weight = weight.float()
         self.out_features, self.in_features = weight.shape
         scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()
-        qweight = torch.quantize_per_channel(
-            weight, scales, torch.zeros(self.out_features, dtype=torch.long), 0, torch.qint8)
+        with warnings.catch_warnings():  # torch marks quantized tensors deprecated: see README
+            warnings.simplefilter("ignore", UserWarning)
+            qweight = torch.quantize_per_channel(
+                weight, scales, torch.zeros(self.out_features, dtype=torch.long), 0, torch.qint8)
         self.packed = torch.ops.quantized.linear_prepack(qweight, None)
         self.bias = None if bias is None else bias.float()
         # The fixed row: its min and max pin fbgemm's per-call activation range to [-1, 1].
@@ -99,11 +110,18 @@ class Int8DynamicLinear(LinearKernel):
         self._nbytes = self.out_features * self.in_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        amax = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
-        rows = torch.cat((x / amax, self._anchor))
-        y = torch.ops.quantized.linear_dynamic(rows, self.packed, True)[:-1]
-        y.mul_(amax)
-        return y if self.bias is None else y.add_(self.bias)
+        m = x.shape[0]
+        amax = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30)
+        hi = x * (_SHRINK / amax)
+        # What fbgemm's 7-bit grid loses of each row, as a second row on its own grid: the
+        # two rows together carry ~14 bits per activation through the same int8 GEMM.
+        lo = hi - torch.round(hi * _STEPS) / _STEPS
+        lo_amax = lo.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30)
+        lo.mul_(_SHRINK / lo_amax)
+        y = torch.ops.quantized.linear_dynamic(torch.cat((hi, lo, self._anchor)), self.packed,
+                                               True)
+        out = torch.addcmul(y[:m], y[m:2 * m], lo_amax).mul_(amax / _SHRINK)
+        return out if self.bias is None else out.add_(self.bias)
 
     @property
     def nbytes(self) -> int:

@@ -101,6 +101,7 @@ class KVTransferError(PdserveError):
 MAX_REQUEST_ID_LEN = 256
 MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
 
 
 def check_request_id(request_id: str, *, param: str = "request_id") -> str:
@@ -178,6 +179,8 @@ class SamplingParams:
             raise bad("seed", "seed must be an integer")
         if isinstance(self.stop, str) or not isinstance(self.stop, tuple | list):
             raise bad("stop", "stop must be a sequence of strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str):
                 raise bad("stop", f"stop entries must be strings, got {type(s).__name__}")

@@ -1,0 +1,121 @@
+"""The fused CPU kernels and the weight formats against their references (engine.kernels,
+engine.linear). Model-level token identity is in test_engine_reference / test_engine_archs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import FusedCpuKernels, TorchKernels, kernels_for
+from engine.linear import DenseLinear, pack_linear
+
+REF = TorchKernels()
+
+
+@pytest.fixture(scope="module")
+def fused() -> FusedCpuKernels:
+    k = kernels_for(torch.device("cpu"), torch.float32)
+    if not isinstance(k, FusedCpuKernels):
+        pytest.skip("fused CPU kernels could not be built here")
+    return k
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+
+
+def test_norms(fused: FusedCpuKernels) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 576, generator=g) * 3
+    w = torch.rand(576, generator=g) + 0.5
+    _close(fused.rms_norm(x, w, 1e-5), REF.rms_norm(x, w, 1e-5))
+    delta = torch.randn(7, 576, generator=g)
+    r1, r2 = x.clone(), x.clone()
+    _close(fused.add_rms_norm_(r1, delta, w, 1e-5), REF.add_rms_norm_(r2, delta, w, 1e-5))
+    _close(r1, r2)  # the residual was updated in place by both
+
+
+def test_rope_and_silu(fused: FusedCpuKernels) -> None:
+    g = torch.Generator().manual_seed(1)
+    n, heads, kv, d = 5, 9, 3, 64
+    qkv = torch.randn(n, heads + 2 * kv, d, generator=g)
+    ang = torch.rand(n, d // 2, generator=g) * 6
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    a, b = qkv.clone(), qkv.clone()
+    fused.rope_(a, heads + kv, cos, sin)
+    REF.rope_(b, heads + kv, cos, sin)
+    _close(a, b)
+    assert torch.equal(a[:, heads + kv:], qkv[:, heads + kv:])  # v heads untouched
+    gu = torch.randn(4, 2 * 1536, generator=g) * 4
+    _close(fused.silu_mul(gu), REF.silu_mul(gu))
+
+
+@pytest.mark.parametrize("lens", [[1], [5, 17, 33], [16, 48]])
+def test_paged_decode_attention_in_place(fused: FusedCpuKernels, lens: list[int]) -> None:
+    """Reads K/V through block tables (scattered, shared-prefix blocks) like the reference
+    gather + SDPA, with GQA and a strided query view out of a packed q/k/v tensor."""
+    g = torch.Generator().manual_seed(2)
+    layers, bs, kv, heads, d, nblocks = 3, 16, 3, 9, 64, 24
+    pool = torch.randn(nblocks, layers, 2, bs, kv, d, generator=g)
+    layer = pool[:, 1]
+    max_blocks = -(-max(lens) // bs)
+    perm = torch.randperm(nblocks, generator=g)
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.long)
+    for i, n in enumerate(lens):
+        tables[i, : -(-n // bs)] = perm[i * max_blocks : i * max_blocks + -(-n // bs)]
+    tables[-1, 0] = tables[0, 0]  # two sequences sharing a prefix block
+    lens_t = torch.tensor(lens)
+    span = torch.arange(max_blocks * bs)
+    mask = torch.zeros(len(lens), 1, 1, max_blocks * bs).masked_fill(
+        (span[None, :] >= lens_t[:, None])[:, None, None, :], float("-inf"))
+    qkv = torch.randn(len(lens), heads + 2 * kv, d, generator=g)
+    q = qkv[:, :heads]  # strided, as the model passes it
+    got = fused.decode_attention(q, layer, tables, lens_t, mask, d**-0.5)
+    want = REF.decode_attention(q, layer, tables, lens_t, mask, d**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_write_kv_matches(fused: FusedCpuKernels) -> None:
+    g = torch.Generator().manual_seed(3)
+    pool = torch.zeros(6, 2, 2, 4, 3, 8)
+    qkv = torch.randn(5, 9 + 6, 8, generator=g)
+    k, v = qkv[:, 9:12], qkv[:, 12:]
+    blocks, offs = torch.tensor([0, 0, 5, 2, 2]), torch.tensor([0, 3, 1, 2, 3])
+    a, b = pool.clone(), pool.clone()
+    fused.write_kv(a[:, 1], k, v, blocks, offs)
+    REF.write_kv(b[:, 1], k, v, blocks, offs)
+    assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="out of range"):
+        fused.write_kv(a[:, 1], k, v, torch.tensor([0, 0, 6, 2, 2]), offs)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+def test_packed_linear_fuses_projections(fmt: str) -> None:
+    g = torch.Generator().manual_seed(4)
+    ws = [torch.randn(o, 64, generator=g) * 0.1 for o in (32, 16, 16)]
+    bs = [torch.randn(o, generator=g) for o in (32, 16, 16)]
+    kernel = pack_linear(ws, bs, weight_format=fmt)
+    x = torch.randn(5, 64, generator=g)
+    want = torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs, strict=True)], dim=-1)
+    got = kernel(x)
+    tol = 1e-5 if fmt == "float32" else 0.03 * want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)
+    assert kernel.nbytes == sum(w.numel() for w in ws) * (4 if fmt == "float32" else 1)
+
+
+def test_int8_rows_do_not_depend_on_batchmates() -> None:
+    """fbgemm quantizes activations with one range per call; the kernel pins that range, so
+    a row's result is the same alone and next to a row with a 1000x larger range."""
+    g = torch.Generator().manual_seed(5)
+    kernel = pack_linear([torch.randn(48, 64, generator=g)], [None], weight_format="int8")
+    x = torch.randn(1, 64, generator=g)
+    loud = torch.randn(1, 64, generator=g) * 1000
+    assert torch.equal(kernel(x)[0], kernel(torch.cat((loud, x)))[1])
+
+
+def test_dense_fallback_and_bad_format() -> None:
+    w = torch.randn(8, 4)
+    assert isinstance(pack_linear([w], [None], weight_format="float16"), DenseLinear)
+    with pytest.raises(ValueError, match="unknown weight format"):
+        pack_linear([w], [None], weight_format="int3")
