@@ -106,5 +106,6 @@ class ModelRunner:
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_pool, meta, torch.tensor(logits_idx, dtype=torch.long, device=dev))
+            self.kv_pool, meta, torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            max_position=max(positions))
         return sampling, logits.cpu()

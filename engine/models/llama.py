@@ -50,12 +50,25 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv = _inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         self.register_buffer("inv_freq", inv, persistent=False)
+        # cos/sin of positions [0, len) per dtype, grown by doubling: a step looks them up
+        # instead of computing transcendental functions for every token (same values).
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[
-            torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+    def _table(self, upto: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cached = self._tables.get(dtype)
+        if cached is not None and cached[0].shape[0] >= upto:
+            return cached
+        size = max(upto, 2 * cached[0].shape[0] if cached is not None else 4096)
+        pos = torch.arange(size, device=self.inv_freq.device)
+        freqs = pos.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        self._tables[dtype] = (emb.cos().to(dtype), emb.sin().to(dtype))
+        return self._tables[dtype]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int) -> tuple[
+            torch.Tensor, torch.Tensor]:
+        cos, sin = self._table(max_position + 1, dtype)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
 
 
 class Attention(nn.Module):
@@ -188,11 +201,16 @@ class LlamaForCausalLM(nn.Module):
         return sum(k.nbytes for k in kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, logits_indices: torch.Tensor,
+                max_position: int | None = None) -> torch.Tensor:
+        """Packed tokens of many sequences -> logits at ``logits_indices``. ``max_position``
+        (the largest of ``positions``) saves a device sync when the caller knows it."""
         assert self.head is not None, "call pack()"
         kernels, layers = self.kernels, self.model.layers
         x = self.model.embed_tokens(input_ids)  # the residual stream, updated in place
-        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        if max_position is None:
+            max_position = int(positions.max())
+        cos, sin = self.model.rotary_emb(positions, x.dtype, max_position)
         first = layers[0].input_layernorm
         h = kernels.rms_norm(x, first.weight, first.eps)
         for i, layer in enumerate(layers):
