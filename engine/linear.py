@@ -108,8 +108,15 @@ class Int8DynamicLinear(LinearKernel):
         self._anchor = torch.zeros(1, self.in_features)
         self._anchor[0, 0], self._anchor[0, -1] = -1.0, 1.0
         self._nbytes = self.out_features * self.in_features
+        from engine.kernels import cpu_extension
+
+        self._ext = cpu_extension()  # the row split and merge as two fused loops, if built
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._ext is not None and x.dtype == torch.float32 and x.stride(-1) == 1:
+            rows, amax, lo_amax = self._ext.int8_rows(x, self._anchor, _STEPS, _SHRINK)
+            y = torch.ops.quantized.linear_dynamic(rows, self.packed, True)
+            return self._ext.int8_merge(y, amax, lo_amax, _SHRINK, self.bias)
         m = x.shape[0]
         amax = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30)
         hi = x * (_SHRINK / amax)

@@ -119,3 +119,13 @@ def test_dense_fallback_and_bad_format() -> None:
     assert isinstance(pack_linear([w], [None], weight_format="float16"), DenseLinear)
     with pytest.raises(ValueError, match="unknown weight format"):
         pack_linear([w], [None], weight_format="int3")
+
+
+def test_int8_fused_rows_match_torch_path(fused: FusedCpuKernels, monkeypatch) -> None:
+    g = torch.Generator().manual_seed(6)
+    kernel = pack_linear([torch.randn(48, 64, generator=g)], [torch.randn(48, generator=g)],
+                         weight_format="int8")
+    x = torch.randn(3, 64, generator=g) * 5
+    got = kernel(x)
+    monkeypatch.setattr(kernel, "_ext", None)
+    torch.testing.assert_close(got, kernel(x), rtol=1e-5, atol=1e-5)

@@ -138,10 +138,15 @@ def _build() -> ModuleType | None:
         return None
 
 
+def cpu_extension() -> ModuleType | None:
+    """The compiled CPU ops, or None where they cannot be built (or are disabled)."""
+    return None if os.environ.get(DISABLE_ENV) else _build()
+
+
 def kernels_for(device: torch.device, dtype: torch.dtype) -> TorchKernels:
     """The fastest implementation for activations of ``dtype`` on ``device``."""
-    if device.type == "cpu" and dtype == torch.float32 and not os.environ.get(DISABLE_ENV):
-        ext = _build()
+    if device.type == "cpu" and dtype == torch.float32:
+        ext = cpu_extension()
         if ext is not None:
             return FusedCpuKernels(ext)
     return TorchKernels()

@@ -213,7 +213,77 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
   return out;
 }
 
+// int8 activation rows for engine.linear.Int8DynamicLinear: for x [m, k] returns
+// rows [2m + 1, k] = (x / amax * shrink, residual / lo_amax * shrink, anchor), amax [m],
+// lo_amax [m]. The residual is what the grid round(v * steps) / steps loses of the first row.
+std::vector<torch::Tensor> int8_rows(torch::Tensor x, torch::Tensor anchor, double steps,
+                                     double shrink) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [m, k] with contiguous rows");
+  const int64_t m = x.size(0), k = x.size(1), sx = x.stride(0);
+  auto rows = torch::empty({2 * m + 1, k}, x.options());
+  auto amax = torch::empty({m}, x.options());
+  auto lo_amax = torch::empty({m}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* rp = rows.data_ptr<float>();
+  float* ap = amax.data_ptr<float>();
+  float* lp = lo_amax.data_ptr<float>();
+  const float st = static_cast<float>(steps), sh = static_cast<float>(shrink);
+  at::parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const float* r = xp + i * sx;
+      float mx = 1e-30f;
+      for (int64_t j = 0; j < k; ++j) mx = std::max(mx, std::fabs(r[j]));
+      float* hi = rp + i * k;
+      float* lo = rp + (m + i) * k;
+      const float f = sh / mx;
+      float lmx = 1e-30f;
+      for (int64_t j = 0; j < k; ++j) {
+        hi[j] = r[j] * f;
+        lo[j] = hi[j] - std::nearbyint(hi[j] * st) / st;
+        lmx = std::max(lmx, std::fabs(lo[j]));
+      }
+      const float g = sh / lmx;
+      for (int64_t j = 0; j < k; ++j) lo[j] *= g;
+      ap[i] = mx;
+      lp[i] = lmx;
+    }
+  });
+  std::copy_n(anchor.contiguous().data_ptr<float>(), k, rp + 2 * m * k);
+  return {rows, amax, lo_amax};
+}
+
+// out[i] = (y[i] + y[m + i] * lo_amax[i]) * amax[i] / shrink (+ bias): undoes int8_rows.
+torch::Tensor int8_merge(torch::Tensor y, torch::Tensor amax, torch::Tensor lo_amax,
+                         double shrink, c10::optional<torch::Tensor> bias) {
+  check_f32(y, "y");
+  auto yc = y.contiguous();
+  const int64_t m = amax.size(0), n = yc.size(1);
+  auto out = torch::empty({m, n}, yc.options());
+  const float* yp = yc.data_ptr<float>();
+  const float* ap = amax.data_ptr<float>();
+  const float* lp = lo_amax.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  torch::Tensor bc;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    bp = bc.data_ptr<float>();
+  }
+  const float sh = static_cast<float>(shrink);
+  at::parallel_for(0, m * n, 1 << 14, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t i = t / n, j = t % n;
+      float v = (yp[t] + yp[(m + i) * n + j] * lp[i]) * (ap[i] / sh);
+      op[t] = bp ? v + bp[j] : v;
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_rows", &int8_rows);
+  m.def("int8_merge", &int8_merge);
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("rope_", &rope_);
