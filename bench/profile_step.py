@@ -1,0 +1,160 @@
+"""Where one engine step's time goes, beside its rooflines, measured in one run.
+
+    python -m bench.profile_step --dtypes float32,int8 --batches 1,16 --context 200
+
+For each dtype and decode batch: the median engine step (scheduler, model, sampler) and,
+with the same shapes, each part on its own: the linear layers (every projection and the LM
+head), attention (KV write + paged decode attention), norms/RoPE/activation, sampling; the
+remainder is Python, dispatch and step metadata. Rooflines beside it: the weight-read bound
+(weight bytes / the read bandwidth measured here) and the bare GEMM time of the same shapes.
+Also one `--prefill`-token prompt (prompt tokens / s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.config import EngineConfig
+from engine.cpu import cpu_summary
+from engine.llm_engine import LLMEngine
+from engine.model_store import resolve_model
+from engine.types import GenerateRequest, SamplingParams
+
+
+def best_ms(fn: Callable[[], object], reps: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times) * 1e3
+
+
+def read_bandwidth_gbs(nbytes: int = 512 << 20) -> float:
+    """All threads summing a buffer larger than any cache: what a weight read can reach."""
+    buf = torch.ones(nbytes // 4)
+    return nbytes / best_ms(buf.sum) / 1e6
+
+
+def _decode_steps(engine: LLMEngine, rng: random.Random, batch: int, context: int,
+                  steps: int) -> list[float]:
+    sp = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+    for _ in range(batch):
+        ids = tuple(rng.randrange(100, 40000) for _ in range(context))
+        engine.add_request(GenerateRequest(f"p{rng.random()}", ids, sp))
+    sched = engine.scheduler
+    while sched.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                   for s in sched.running):
+        engine.step()
+    times = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - t) * 1e3)
+    return times[:-1]  # the last step only finishes requests
+
+
+@torch.inference_mode()
+def parts_ms(engine: LLMEngine, batch: int, context: int) -> dict[str, float]:
+    model, layout = engine.runner.model, engine.layout
+    cfg = engine.model_config
+    kernels = model.kernels
+    h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    x = torch.randn(batch, cfg.hidden_size)
+    xi = torch.randn(batch, cfg.intermediate_size)
+    layers = model.model.layers
+    calls = [(k, xi if k is layer.mlp.down else x) for layer in layers
+             for k in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up,
+                       layer.mlp.down)]
+    calls.append((model.head, x))
+    gemm = best_ms(lambda: [k(a) for k, a in calls])
+    nb = -(-(context + 1) // layout.block_size)
+    tables = torch.arange(batch * nb).view(batch, nb) % layout.num_blocks
+    lens = torch.full((batch,), context + 1)
+    span = torch.arange(nb * layout.block_size)
+    mask = torch.zeros(batch, 1, 1, nb * layout.block_size).masked_fill(
+        (span[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+    qkv = torch.randn(batch, h + 2 * hkv, d)
+    slots = tables[:, -1], torch.full((batch,), context % layout.block_size)
+    pool = engine.kv_pool
+
+    def attention() -> None:
+        for i in range(len(layers)):
+            kv = pool[:, i]
+            kernels.write_kv(kv, qkv[:, h:h + hkv], qkv[:, h + hkv:], *slots)
+            kernels.decode_attention(qkv[:, :h], kv, tables, lens, mask, d**-0.5)
+
+    cos, sin = torch.randn(batch, d), torch.randn(batch, d)
+    w = torch.ones(cfg.hidden_size)
+    gu = torch.randn(batch, 2 * cfg.intermediate_size)
+
+    def elementwise() -> None:
+        for _ in layers:
+            kernels.add_rms_norm_(x, x, w, 1e-5)
+            kernels.rope_(qkv, h + hkv, cos, sin)
+            kernels.add_rms_norm_(x, x, w, 1e-5)
+            kernels.silu_mul(gu)
+
+    logits = torch.randn(batch, cfg.vocab_size)
+    sps = [SamplingParams()] * batch
+    return {"linear": gemm, "attention": best_ms(attention), "norm/rope/act":
+            best_ms(elementwise), "sampling": best_ms(
+                lambda: engine.sampler.sample(logits, [str(i) for i in range(batch)], sps))}
+
+
+def _prefill(engine: LLMEngine, rng: random.Random, n: int) -> None:
+    ids = tuple(rng.randrange(100, 40000) for _ in range(n))
+    engine.add_request(GenerateRequest(f"f{rng.random()}", ids, SamplingParams(max_tokens=1)))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtypes", default="float32,int8")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bw = read_bandwidth_gbs()
+    print(f"CPU: {cpu_summary()}; torch threads {torch.get_num_threads()}; "
+          f"read bandwidth {bw:.1f} GB/s")
+    print("\n| dtype | batch | step p50 ms | linear | attention | norm/rope/act | sampling | "
+          "Python + dispatch | weight-read bound | step / bound | step / bare GEMMs |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rng = random.Random(0)
+    prefill = {}
+    for dtype in args.dtypes.split(","):
+        engine = LLMEngine.from_dir(resolve_model(args.model), EngineConfig(
+            dtype=dtype, kv_cache_bytes=512 << 20, enable_prefix_caching=False,
+            num_threads=args.threads))
+        bound = engine.runner.model.weight_nbytes() / bw / 1e6
+        for batch in (int(b) for b in args.batches.split(",")):
+            step = statistics.median(_decode_steps(engine, rng, batch, args.context,
+                                                   args.steps))
+            parts = parts_ms(engine, batch, args.context)
+            rest = step - sum(parts.values())
+            print(f"| {dtype} | {batch} | {step:.1f} | " + " | ".join(
+                f"{v:.1f}" for v in parts.values()) + f" | {rest:.1f} | {bound:.1f} | "
+                f"{step / bound:.2f}x | {step / parts['linear']:.2f}x |")
+        prefill[dtype] = args.prefill / best_ms(lambda e=engine: _prefill(e, rng, args.prefill),
+                                                3) * 1e3
+        del engine
+    print("\n" + "; ".join(f"prefill {args.prefill} tokens, {k}: {v:.0f} tok/s"
+                           for k, v in prefill.items()))
+
+
+if __name__ == "__main__":
+    main()
