@@ -68,6 +68,13 @@ DISAGG = "disaggregated"
 TIMINGS_HEADER = "X-Pdserve-Timings"
 _CALIBRATION_SEED_OFFSET = 7_000_001  # unloaded probes must not share prompts with the sweep
 
+# The workload, SLOs and rates of the sweep docs/BENCHMARKS.md reports ("Goodput: colocated
+# vs disaggregated"), as this command's flags; bench/serve_compare.py sweeps the same.
+DOCUMENTED_SWEEP = (
+    "--rates", "0.2,0.35,0.55,0.9", "--workload", "mixed-cpu", "--num-requests", "30",
+    "--ttft-slo-ms", "1000", "--tpot-slo-ms", "125", "--class-slo", "batch:15000:125",
+)  # fmt: skip
+
 
 # --------------------------------------------------------------------------- the two systems
 

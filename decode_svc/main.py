@@ -31,7 +31,10 @@ SERVICE = "pdserve.v1.DecodeWorker"
 @dataclass(frozen=True)
 class DecodeConfig(WorkerConfig):
     ucx_host: str = "127.0.0.1"  # the UCX address advertised (the listener takes any)
-    alloc_lease_s: float = 30.0
+    alloc_lease_s: float = 30.0  # an unclaimed remote allocation's lease, when none is asked
+    max_alloc_lease_s: float = 120.0  # cap on the lease a caller asks for
+    max_kv_wait_s: float = 120.0  # cap on a claimed allocation's wait for its KV
+    max_pending_kv_fraction: float = 0.5  # of the pool, at most this waits for transfers
 
 
 async def run_decode(config: DecodeConfig, stop: asyncio.Event,
@@ -48,7 +51,11 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
         async with KVReceiver(engine.kv_pool, engine.layout, descriptor_id,
                               host=config.ucx_host) as receiver:
             worker = DecodeWorker(aengine, receiver, worker_id=config.worker_id,
-                                  alloc_lease_s=config.alloc_lease_s, metrics=metrics)
+                                  alloc_lease_s=config.alloc_lease_s,
+                                  max_alloc_lease_s=config.max_alloc_lease_s,
+                                  max_kv_wait_s=config.max_kv_wait_s,
+                                  max_pending_kv_fraction=config.max_pending_kv_fraction,
+                                  metrics=metrics)
             with metrics_server(metrics.registry, config.host, config.metrics_port) as mport:
                 server = gu.new_server()
                 decode_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker),

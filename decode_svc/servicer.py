@@ -1,4 +1,8 @@
-"""gRPC adapter for DecodeWorker: protobuf in, domain call, protobuf out."""
+"""gRPC adapter for DecodeWorker: protobuf in, domain call, protobuf out.
+
+Requests are validated like the router's (`gu.request_from_proto`: request id, sampling,
+prompt plus max_tokens within this engine's context); client mistakes are INVALID_ARGUMENT.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from decode_svc.worker import DecodeWorker
-from engine.types import GenerateRequest
+from engine.types import GenerateRequest, check_request_id
 from pdserve import grpc_util as gu
 from pdserve.runtime import logs_request_id
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -17,18 +21,22 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker):
         self.worker = worker
 
+    def _request(self, msg: decode_pb2.DecodeGenerateRequest | decode_pb2.AllocateRequest
+                 ) -> GenerateRequest:
+        return gu.request_from_proto(msg, self.worker.engine.engine.max_model_len)
+
     @logs_request_id
     async def Generate(self, request: decode_pb2.DecodeGenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.TokenChunk]:
-        req: GenerateRequest = gu.request_from_proto(request)
+        req = self._request(request)
         async for ev in self.worker.generate(req):
             yield gu.token_event_to_chunk(ev)
 
     @logs_request_id
     async def AllocateRemote(self, request: decode_pb2.AllocateRequest,
                              context: grpc.aio.ServicerContext) -> decode_pb2.AllocateResponse:
-        req = gu.request_from_proto(request)
-        lease = request.lease_ms / 1000 if request.lease_ms else None
+        req = self._request(request)
+        lease = request.lease_ms / 1000 if request.lease_ms else None  # capped by the worker
         slot = await self.worker.allocate_remote(req, lease)
         return decode_pb2.AllocateResponse(
             block_ids=list(slot.allocation.block_ids),
@@ -40,6 +48,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     async def GenerateRemote(self, request: decode_pb2.RemoteGenerateRequest,
                              context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[decode_pb2.TokenChunk]:
+        check_request_id(request.request_id)
         first = request.first_token_id if request.HasField("first_token_id") else None
         lp = (gu.logprob_from_proto(request.first_token_logprob)
               if request.HasField("first_token_logprob") else None)
@@ -52,7 +61,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     @logs_request_id
     async def Abort(self, request: common_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:
-        return common_pb2.AbortResponse(found=await self.worker.abort(request.request_id))
+        return common_pb2.AbortResponse(
+            found=await self.worker.abort(check_request_id(request.request_id)))
 
     async def CachedPrefix(self, request: decode_pb2.CachedPrefixRequest,
                            context: grpc.aio.ServicerContext) -> decode_pb2.CachedPrefixResponse:

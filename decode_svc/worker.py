@@ -4,6 +4,12 @@ Local requests are prefilled and decoded by the engine. Remote requests go throu
 allocate -> (prefill worker writes the KV over UCX) -> admit. The blocks of a remote request
 are only freed once the KV receiver has fenced its transfer: a late write must never land in
 a block that another request already reuses.
+
+Blocks waiting for a transfer are bounded, whatever the callers ask for (a buggy or hostile
+prefill side must not starve this worker's local requests): an allocation's lease and its wait
+for the KV are capped by this worker's configuration, and allocations are refused
+(CapacityError, so the router prefills locally) once `max_pending_kv_fraction` of the pool
+waits for transfers.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from decode_svc.metrics import DecodeMetrics
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import RemoteAllocation
 from engine.types import (
+    CapacityError,
     GenerateRequest,
     InvalidRequestError,
     KVTransferError,
@@ -53,12 +60,28 @@ class _Pending:
 
 
 class DecodeWorker:
+    """`alloc_lease_s`: how long an unclaimed remote allocation is kept when the caller names
+    no lease; `max_alloc_lease_s` caps the lease a caller names, `max_kv_wait_s` the time a
+    claimed allocation waits for its KV; remote allocations may hold at most
+    `max_pending_kv_fraction` of the KV pool until their KV lands."""
+
     def __init__(self, engine: AsyncEngine, receiver: KVReceiver, *, worker_id: str,
-                 alloc_lease_s: float = 30.0, metrics: DecodeMetrics | None = None):
+                 alloc_lease_s: float = 30.0, max_alloc_lease_s: float = 120.0,
+                 max_kv_wait_s: float = 120.0, max_pending_kv_fraction: float = 0.5,
+                 metrics: DecodeMetrics | None = None):
+        if not 0 < alloc_lease_s <= max_alloc_lease_s or not max_kv_wait_s > 0:
+            raise ValueError("need 0 < alloc_lease_s <= max_alloc_lease_s and max_kv_wait_s > 0")
+        if not 0.0 < max_pending_kv_fraction <= 1.0:
+            raise ValueError("max_pending_kv_fraction must be in (0, 1]")
         self.engine = engine
         self.receiver = receiver
         self.worker_id = worker_id
         self.alloc_lease_s = alloc_lease_s
+        self.max_alloc_lease_s = max_alloc_lease_s
+        self.max_kv_wait_s = max_kv_wait_s
+        self.max_pending_kv_blocks = max(1, int(engine.layout.num_blocks *
+                                                max_pending_kv_fraction))
+        self._reserving = 0  # blocks of allocations being made right now
         self._pending: dict[str, _Pending] = {}
         self._releasing: dict[str, asyncio.Task[None]] = {}
         self.active_streams = 0
@@ -99,12 +122,30 @@ class DecodeWorker:
 
     # ------------------------------------------------------------------ remote prefill
 
+    @property
+    def pending_kv_blocks(self) -> int:
+        """Blocks held by remote allocations whose KV has not landed (or being allocated)."""
+        return self._reserving + sum(len(p.slot.allocation.block_ids)
+                                     for p in self._pending.values())
+
     async def allocate_remote(self, req: GenerateRequest, lease_s: float | None = None
                               ) -> RemoteSlot:
-        alloc = await self.engine.allocate_remote(req)
+        """Reserve blocks for `req`'s KV. The lease is `lease_s` (None or 0: the default),
+        at most `max_alloc_lease_s`; CapacityError when the blocks cannot be had now."""
+        need = -(-len(req.prompt_token_ids) // self.block_size)
+        if self.pending_kv_blocks + need > self.max_pending_kv_blocks:
+            raise CapacityError(
+                f"{self.pending_kv_blocks} KV blocks already wait for transfers; another "
+                f"{need} would pass this worker's limit of {self.max_pending_kv_blocks}",
+                code="kv_pending_limit")
+        self._reserving += need
+        try:
+            alloc = await self.engine.allocate_remote(req)
+        finally:
+            self._reserving -= need
         transfer_id = f"{req.request_id}/{uuid.uuid4().hex[:12]}"
         skip = alloc.num_cached_tokens // self.block_size
-        lease = lease_s or self.alloc_lease_s
+        lease = min(lease_s or self.alloc_lease_s, self.max_alloc_lease_s)
         try:
             expectation = self.receiver.expect(transfer_id, alloc.block_ids[skip:], lease)
         except BaseException:
@@ -127,11 +168,13 @@ class DecodeWorker:
                               first_token: int | None = None,
                               first_logprob: TokenLogprob | None = None,
                               timeout_s: float = 30.0) -> AsyncIterator[TokenEvent]:
-        """Wait for the request's KV to land, then decode it in the running batch.
+        """Wait for the request's KV to land (at most `timeout_s`, capped by `max_kv_wait_s`),
+        then decode it in the running batch.
 
         The first token comes from the caller or, when it has none, from the transfer's
         completion notice, so decoding starts the moment the KV is in place.
         """
+        timeout_s = min(timeout_s, self.max_kv_wait_s)
         p = self._pending.get(request_id)
         if p is None or p.slot.transfer_id != transfer_id:
             raise InvalidRequestError(f"no remote allocation {transfer_id!r} for request "

@@ -1,7 +1,8 @@
 """The OpenAI-compatible REST gateway over a `GenerationBackend`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming or not), GET /v1/models,
-GET /health, GET /metrics, and GET /v1/pdserve/workers when the backend lists workers.
+GET /health, GET /metrics, and GET /v1/pdserve/workers when the backend lists workers; the
+OpenAPI schema of exactly these at /openapi.json (browsable at /docs and /redoc).
 Every error is an OpenAI error object with a meaningful status.
 """
 
@@ -11,7 +12,7 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,6 +34,7 @@ from engine.types import (
     SamplingParams,
     TokenEvent,
     TokenLogprob,
+    fit_max_tokens,
 )
 from gateway.backend import GenerationBackend, ListsWorkers
 from gateway.config import GatewayConfig
@@ -48,6 +50,7 @@ from gateway.errors import (
 from gateway.metrics import GatewayMetrics, Outcome, RequestTracker
 from gateway.middleware import RequestContextMiddleware, request_id_of
 from gateway.openai_format import ChatFormat, CompletionFormat, ResponseFormat, usage
+from gateway.openapi import ROUTE_DOCS, install_openapi
 from gateway.schemas import (
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETION,
@@ -75,18 +78,26 @@ def create_app(backend: GenerationBackend, config: GatewayConfig | None = None) 
     most one app per backend (registering twice raises ValueError)."""
     config = config or GatewayConfig()
     gw = _Gateway(backend, config, GatewayMetrics(backend.metrics_registry))
-    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pdserve", docs_url="/docs", redoc_url="/redoc",
+                  openapi_url="/openapi.json")
     app.add_middleware(RequestContextMiddleware, api_keys=config.api_keys)
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
-    app.add_api_route("/v1/completions", gw.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", gw.chat_completions, methods=["POST"])
-    app.add_api_route("/v1/models", gw.models, methods=["GET"])
-    app.add_api_route("/v1/models/{model:path}", gw.model, methods=["GET"])
-    app.add_api_route("/v1/pdserve/workers", gw.workers, methods=["GET"])
-    app.add_api_route("/health", gw.health, methods=["GET"])
-    app.add_api_route("/metrics", gw.metrics_page, methods=["GET"])
+    routes: list[tuple[str, Callable[..., Any], str]] = [
+        ("/v1/completions", gw.completions, "POST"),
+        ("/v1/chat/completions", gw.chat_completions, "POST"),
+        ("/v1/models", gw.models, "GET"),
+        ("/v1/models/{model:path}", gw.model, "GET"),
+        ("/health", gw.health, "GET"),
+        ("/metrics", gw.metrics_page, "GET")]
+    if isinstance(backend, ListsWorkers):  # else the route does not exist (404, not in the schema)
+        routes.append(("/v1/pdserve/workers", gw.workers, "GET"))
+    for path, endpoint, method in routes:
+        app.add_api_route(path, endpoint, methods=[method], response_model=None,
+                          **ROUTE_DOCS[path])
+    install_openapi(app, config, max_model_len=backend.max_model_len,
+                    vocab_size=backend.tokenizer.vocab_size)
     return app
 
 
@@ -128,8 +139,7 @@ class _Gateway:
         return JSONResponse({"status": "ok"})
 
     async def workers(self) -> dict[str, Any]:
-        if not isinstance(self.backend, ListsWorkers):
-            raise APIError(404, "this backend has no worker directory", code="not_found")
+        assert isinstance(self.backend, ListsWorkers)  # the route exists only then
         found = [w for role in _ROLES for w in self.backend.workers(role)]
         return {"workers": [
             dataclasses.asdict(w) if dataclasses.is_dataclass(w) and not isinstance(w, type)
@@ -156,10 +166,11 @@ class _Gateway:
             header_class = _parse_latency_class(request.headers.get(LATENCY_CLASS_HEADER))
             if header_class is not None:
                 latency_label = header_class.value
-            body = parse_json_object(await _read_body(request, self.config.max_body_bytes))
+            body = parse_json_object(await _read_body(request, self.config.max_body_bytes),
+                                     self.config.max_json_depth)
             if header_class is None:
                 latency_label = _label_of(body.get("latency_class"))
-            prep = self._prepare(request, kind, body, header_class)
+            prep = await self._prepare(request, kind, body, header_class)
         except (APIError, PdserveError) as exc:
             return self._reject(exc, latency_label, headers)
         except ClientDisconnect:  # gone while sending the body
@@ -299,11 +310,14 @@ class _Gateway:
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name and \
                 model not in self.config.model_aliases:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves "
+            shown = model if len(model) <= 100 else model[:100] + "..."
+            raise APIError(404, f"the model '{shown}' does not exist; this server serves "
                            f"'{self.model_name}'", code="model_not_found", param="model")
 
-    def _prepare(self, request: Request, kind: Kind, body: dict[str, Any],
-                 header_class: LatencyClass | None) -> _Prepared:
+    async def _prepare(self, request: Request, kind: Kind, body: dict[str, Any],
+                       header_class: LatencyClass | None) -> _Prepared:
+        """Validate and tokenize. Tokenizing (and chat templating) runs on a worker thread:
+        a megabyte prompt takes seconds, and the event loop serves every other request."""
         req: CompletionRequest | ChatCompletionRequest
         if kind == "completion":
             req = validate(body, CompletionRequest, UNSUPPORTED_COMPLETION)
@@ -322,12 +336,13 @@ class _Gateway:
         logprobs: int | None
         if isinstance(req, CompletionRequest):
             prompt_param = "prompt"
-            ids = self._prompt_ids(req.prompt)
+            ids = await asyncio.to_thread(self._prompt_ids, req.prompt)
             requested = req.max_tokens
             logprobs = req.logprobs
         else:
             prompt_param = "messages"
-            ids = self.backend.tokenizer.apply_chat_template(_chat_messages(req.messages))
+            ids = await asyncio.to_thread(self.backend.tokenizer.apply_chat_template,
+                                          _chat_messages(req.messages))
             if (req.max_tokens is not None and req.max_completion_tokens is not None
                     and req.max_tokens != req.max_completion_tokens):
                 raise bad_request("max_tokens and max_completion_tokens disagree; send one",
@@ -372,19 +387,8 @@ class _Gateway:
         return ids
 
     def _max_tokens(self, num_prompt: int, requested: int | None, param: str) -> int:
-        limit = self.backend.max_model_len
-        if num_prompt >= limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens, but "
-                           f"the prompt has {num_prompt} tokens", code="context_length_exceeded",
-                           param=param)
-        if requested is None:
-            return min(self.config.default_max_tokens, limit - num_prompt)
-        if num_prompt + requested > limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens, but "
-                           f"{num_prompt + requested} were requested ({num_prompt} in the prompt, "
-                           f"{requested} for the completion); reduce the prompt or max_tokens",
-                           code="context_length_exceeded", param=param)
-        return requested
+        return fit_max_tokens(num_prompt, requested, self.backend.max_model_len,
+                              default=self.config.default_max_tokens, param=param)
 
 
 # ---------------------------------------------------------------------- helpers

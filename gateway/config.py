@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.types import InvalidRequestError
+from gateway.schemas import PARSER_MAX_DEPTH
 
 
 @dataclass(frozen=True)
@@ -15,11 +16,14 @@ class GatewayConfig:
     `model_name`; requests may also name the model by one of `model_aliases`.
     `default_max_tokens` applies when a request names no limit, clamped to the context left
     after the prompt. `request_timeout_s` bounds a whole generation, arrival to last token.
-    `retry_after_s` is the `Retry-After` sent with 503 responses.
+    `retry_after_s` is the `Retry-After` sent with 503 responses. Bodies larger than
+    `max_body_bytes` are refused with 413, JSON nested deeper than `max_json_depth` levels
+    (a chat request needs 4) with 400.
     """
 
     api_keys: frozenset[str] = frozenset()
     max_body_bytes: int = 1 << 20
+    max_json_depth: int = 32
     default_max_tokens: int = 256
     request_timeout_s: float = 600.0
     served_model_name: str | None = None
@@ -33,6 +37,8 @@ class GatewayConfig:
             raise InvalidRequestError("api_keys must be non-empty strings")
         if self.max_body_bytes < 1:
             raise InvalidRequestError("max_body_bytes must be >= 1")
+        if not 1 <= self.max_json_depth < PARSER_MAX_DEPTH:
+            raise InvalidRequestError(f"max_json_depth must be in [1, {PARSER_MAX_DEPTH})")
         if self.default_max_tokens < 1:
             raise InvalidRequestError("default_max_tokens must be >= 1")
         if not self.request_timeout_s > 0:

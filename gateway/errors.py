@@ -17,12 +17,17 @@ SERVER_ERROR = "server_error"
 
 # PdserveError codes that mean "not now" rather than "never" or "broken".
 _UNAVAILABLE_CODES = frozenset({"no_capacity", "engine_closed", "aborted"})
+MAX_MESSAGE_CHARS = 1024  # messages may quote client input (a field name, a value)
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = INVALID_REQUEST,
                  code: str | None = None, param: str | None = None,
                  headers: dict[str, str] | None = None):
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[:MAX_MESSAGE_CHARS] + f"... ({len(message)} characters)"
+        if param is not None and len(param) > MAX_MESSAGE_CHARS:
+            param = param[:MAX_MESSAGE_CHARS] + "..."
         super().__init__(message)
         self.status = status
         self.message = message

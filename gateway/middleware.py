@@ -1,4 +1,6 @@
-"""Per-request context for every route: request id, API key check, structlog binding.
+"""Per-request context for every route: request id, API key check, structlog binding, and
+the last line of defence: an exception no handler caught becomes an OpenAI-shaped 500 and one
+structured log line, never a text/plain traceback.
 
 A plain ASGI middleware (not BaseHTTPMiddleware), so streaming responses and client
 disconnects pass through untouched.
@@ -13,11 +15,14 @@ import structlog
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import APIError, bad_request
+from engine.types import MAX_REQUEST_ID_LEN, InvalidRequestError, check_request_id
+from gateway.errors import APIError, bad_request, internal
+
+log = structlog.get_logger(__name__)
 
 REQUEST_ID_SCOPE_KEY = "pdserve.request_id"
-_MAX_REQUEST_ID_LEN = 256
-_OPEN_PATHS = frozenset({"/health"})
+# Readable without an API key: liveness, and the API's contract (not a secret).
+OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 
 def request_id_of(scope: Scope) -> str:
@@ -30,7 +35,11 @@ def _new_request_id(path: str) -> str:
 
 
 def _valid_request_id(rid: str) -> bool:
-    return 0 < len(rid) <= _MAX_REQUEST_ID_LEN and rid.isascii() and rid.isprintable()
+    try:
+        check_request_id(rid)
+    except InvalidRequestError:
+        return False
+    return True
 
 
 class RequestContextMiddleware:
@@ -60,20 +69,31 @@ class RequestContextMiddleware:
         rid = given.strip() if given is not None else _new_request_id(scope["path"])
         error = None
         if not _valid_request_id(rid):
-            error = bad_request(f"X-Request-Id must be 1-{_MAX_REQUEST_ID_LEN} printable ASCII "
+            error = bad_request(f"X-Request-Id must be 1-{MAX_REQUEST_ID_LEN} printable ASCII "
                                 "characters", param="X-Request-Id", code="invalid_request_id")
             rid = _new_request_id(scope["path"])
         scope[REQUEST_ID_SCOPE_KEY] = rid
 
+        started = False
+
         async def send_with_id(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 MutableHeaders(scope=message).append("X-Request-Id", rid)
             await send(message)
 
         with structlog.contextvars.bound_contextvars(request_id=rid):
-            if error is None and self._keys and scope["path"] not in _OPEN_PATHS:
+            if error is None and self._keys and scope["path"] not in OPEN_PATHS:
                 error = self._authorized(headers)
             if error is not None:
                 await error.response()(scope, receive, send_with_id)
                 return
-            await self.app(scope, receive, send_with_id)
+            try:
+                await self.app(scope, receive, send_with_id)
+            except Exception as exc:
+                # A bug, not a client mistake: one JSON log line with the traceback; the client
+                # gets an OpenAI error object (or, mid-response, a closed connection).
+                log.error("unhandled error", path=scope["path"], exc_info=exc)
+                if not started:
+                    await internal().response()(scope, receive, send_with_id)

@@ -6,12 +6,13 @@ believes a setting took effect when it did not.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import from_json
 
+from engine.types import MAX_STOP_STRINGS
 from gateway.errors import APIError, bad_request
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -22,88 +23,136 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="send a last chunk carrying `usage`")
 
 
+# Limits that depend on the served model (max_tokens, token ids) and those SamplingParams
+# enforces are added to the published schema by gateway.openapi, from the same constants.
 class _Common(_Strict):
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None  # None: 1.0, as OpenAI
-    top_p: float | None = None
-    top_k: int | None = None  # extension; -1 or 0 disables
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # extension
-    user: str | None = None  # accepted and ignored
-    latency_class: str | None = None  # extension; the X-Latency-Class header also sets it
+    model: str | None = Field(None, description="the served model's id or an alias; "
+                              "omitted: the served model")
+    max_tokens: int | None = Field(None, description="most tokens to generate; prompt tokens + "
+                                   "max_tokens must not exceed the context (max_model_len); "
+                                   "omitted: default_max_tokens, clamped to the context left")
+    temperature: float | None = Field(None, description="0 is greedy; omitted: 1.0")
+    top_p: float | None = Field(None, description="nucleus sampling mass; omitted: 1.0 (off)")
+    top_k: int | None = Field(None, description="extension: keep the k most likely tokens; "
+                              "-1 or 0 disables")
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX,
+                             description="per-request sampling seed")
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description="stop strings, not included in the output")
+    stream: bool = Field(False, description="stream chunks as server-sent events")
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
+    ignore_eos: bool = Field(False, description="extension: keep generating past EOS")
+    user: str | None = Field(None, description="accepted and ignored")
+    latency_class: str | None = Field(None, description="extension: scheduling priority; the "
+                                      "X-Latency-Class header also sets it (they must agree)")
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="a string, token ids, or a batch of exactly one of those")
+    logprobs: int | None = Field(None, description="return the log probability of each token "
+                                 "and of this many alternatives")
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    messages: list[dict[str, Any]] = Field(description="the conversation, oldest turn first, "
+                                           "rendered with the model's chat template")
+    max_completion_tokens: int | None = Field(None, description="same as max_tokens (send one, "
+                                              "or both equal)")
+    logprobs: bool = Field(False, description="return the log probability of each token")
+    top_logprobs: int | None = Field(None, description="with logprobs: alternatives per token")
 
 
-def _is(*neutral: object) -> Callable[[Any], bool]:
-    return lambda v: any(v == n and type(v) is type(n) for n in neutral) or v is None
+class Neutral:
+    """Accepts None or one of ``values`` with the same type (``0`` does not stand for ``False``).
+    The values are also what the OpenAPI schema lists for the field."""
+
+    def __init__(self, *values: object):
+        self.values = values
+
+    def __call__(self, v: Any) -> bool:
+        return v is None or any(v == n and type(v) is type(n) for n in self.values)
 
 
 # Fields from OpenAI's API we do not implement: accepted only at their no-op value.
-_UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
-    "n": _is(1),
-    "logit_bias": _is({}),
-    "presence_penalty": _is(0, 0.0),
-    "frequency_penalty": _is(0, 0.0),
+_UNSUPPORTED_COMMON: dict[str, Neutral] = {
+    "n": Neutral(1),
+    "logit_bias": Neutral({}),
+    "presence_penalty": Neutral(0, 0.0),
+    "frequency_penalty": Neutral(0, 0.0),
 }
 UNSUPPORTED_COMPLETION = {
     **_UNSUPPORTED_COMMON,
-    "best_of": _is(1),
-    "echo": _is(False),
-    "suffix": _is(""),
+    "best_of": Neutral(1),
+    "echo": Neutral(False),
+    "suffix": Neutral(""),
 }
 UNSUPPORTED_CHAT = {
     **_UNSUPPORTED_COMMON,
-    "tools": _is([]),
-    "tool_choice": _is("none"),
-    "functions": _is([]),
-    "function_call": _is("none"),
-    "parallel_tool_calls": _is(),
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "modalities": lambda v: v is None or v == ["text"],
-    "audio": _is(),
-    "prediction": _is(),
-    "reasoning_effort": _is(),
-    "web_search_options": _is(),
-    "store": _is(False),
-    "metadata": _is({}),
-    "service_tier": _is("auto", "default"),
+    "tools": Neutral([]),
+    "tool_choice": Neutral("none"),
+    "functions": Neutral([]),
+    "function_call": Neutral("none"),
+    "parallel_tool_calls": Neutral(),
+    "response_format": Neutral({"type": "text"}),
+    "modalities": Neutral(["text"]),
+    "audio": Neutral(),
+    "prediction": Neutral(),
+    "reasoning_effort": Neutral(),
+    "web_search_options": Neutral(),
+    "store": Neutral(False),
+    "metadata": Neutral({}),
+    "service_tier": Neutral("auto", "default"),
 }
 
 M = TypeVar("M", bound=BaseModel)
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
+# What the JSON parser itself refuses, whatever the configuration (pydantic_core's parser is
+# iterative in Rust and stops here, so no body can exhaust the Python stack).
+PARSER_MAX_DEPTH = 200
+
+
+def parse_json_object(raw: bytes, max_depth: int = 32) -> dict[str, Any]:
+    """The body as a JSON object, nested at most ``max_depth`` levels (the object itself is
+    level 1); anything else is a 400 ``invalid_json`` / ``json_too_deep``. Strict RFC 8259:
+    no NaN or Infinity literals, no lone surrogates."""
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        body = from_json(raw, allow_inf_nan=False)
+    except ValueError as exc:
+        if "recursion limit" in str(exc):
+            raise _too_deep(max_depth) from None
         raise bad_request(f"the request body is not valid JSON: {exc}",
                           code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}",
                           code="invalid_json")
+    if json_depth(body) > max_depth:
+        raise _too_deep(max_depth)
     return body
 
 
-def validate(body: dict[str, Any], model: type[M],
-             unsupported: Mapping[str, Callable[[Any], bool]]) -> M:
+def _too_deep(max_depth: int) -> APIError:
+    return bad_request(f"the request body is nested deeper than {max_depth} levels",
+                       code="json_too_deep")
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value (a scalar is 0, ``[]`` is 1), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return deepest
+
+
+def validate(body: dict[str, Any], model: type[M], unsupported: Mapping[str, Neutral]) -> M:
     """Check `body` against `model`, refusing unsupported fields by name (400)."""
     for name, neutral in unsupported.items():
         if name in body:

@@ -3,8 +3,10 @@
 The one place where `engine.types` meets the generated `pdserve.v1` stubs:
 
 - errors: `ErrorInterceptor` turns `engine.types` exceptions raised by a servicer into gRPC
-  statuses carrying the stable error code in trailing metadata; `error_from_rpc` and
-  `translate_rpc_errors` turn them back into the same exception types on the client;
+  statuses carrying the stable error code in trailing metadata, and refuses what no handler
+  should see (an undecodable message, an invalid `x-request-id`) with INVALID_ARGUMENT;
+  `error_from_rpc` and `translate_rpc_errors` turn them back into the same exception types on
+  the client;
 - health: `add_health` plus `set_serving` / `set_not_serving` (grpc.health.v1);
 - conversion between domain dataclasses and proto messages (`sampling_to_proto`, ...);
 - `x-request-id` metadata, and channel/server options (keepalive, 64 MB messages).
@@ -25,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as _health_aio
 
 from engine.types import (
+    MAX_REQUEST_ID_LEN,
     CapacityError,
     FinishReason,
     GenerateRequest,
@@ -38,6 +41,8 @@ from engine.types import (
     StageTimings,
     TokenEvent,
     TokenLogprob,
+    check_request_id,
+    fit_max_tokens,
 )
 from pdserve.v1 import common_pb2, decode_pb2
 
@@ -47,6 +52,7 @@ ERROR_CODE_KEY = "pdserve-error-code"  # trailing metadata: PdserveError.code
 ERROR_PARAM_KEY = "pdserve-error-param"  # trailing metadata: PdserveError.param, when set
 REQUEST_ID_KEY = "x-request-id"  # invocation metadata; echoed in error trailers
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_ERROR_MESSAGE_CHARS = 1024  # status details may quote client input; trailers stay small
 
 # --------------------------------------------------------------------------- errors
 
@@ -93,10 +99,16 @@ def _error_metadata(exc: BaseException, request_id: str | None) -> tuple[tuple[s
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions escaping a handler to a gRPC status with `pdserve-error-code` trailers.
 
-    PdserveError subclasses and TimeoutError keep their message; any other exception is logged
-    and reported as INTERNAL. A handler's own `context.abort(...)` and client cancellation pass
-    through untouched. Works for every handler kind, async generators included (an error after
-    some streamed messages ends the stream with the mapped status).
+    PdserveError subclasses and TimeoutError keep their message (clipped to
+    MAX_ERROR_MESSAGE_CHARS); any other exception is logged and reported as INTERNAL. A
+    handler's own `context.abort(...)` and client cancellation pass through untouched. Works for
+    every handler kind, async generators included (an error after some streamed messages ends
+    the stream with the mapped status).
+
+    Client mistakes that no handler gets to see are INVALID_ARGUMENT too: a request message
+    that does not parse (e.g. a string field that is not UTF-8; code `invalid_message`), and
+    an `x-request-id` that breaks the request id rule of `engine.types.check_request_id`
+    (code `invalid_request_id`; it is then neither logged nor echoed).
     """
 
     async def intercept_service(
@@ -109,29 +121,81 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         request_id = _metadata_value(handler_call_details.invocation_metadata, REQUEST_ID_KEY)
         method = handler_call_details.method
+        refusal: InvalidRequestError | None = None
+        if request_id is not None and _invalid_request_id(request_id):
+            request_id = None
+            refusal = InvalidRequestError(
+                f"{REQUEST_ID_KEY} metadata must be 1-{MAX_REQUEST_ID_LEN} printable ASCII "
+                "characters", code="invalid_request_id", param=REQUEST_ID_KEY)
+
+        def behavior(kind: Callable[..., Any]) -> Callable[..., Any]:
+            return kind if refusal is None else _raiser(refusal)
+
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method, request_id),
-                request_deserializer=handler.request_deserializer,
+                _wrap_unary(behavior(handler.unary_unary), method, request_id),
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method, request_id),
-                request_deserializer=handler.request_deserializer,
+                _wrap_stream(behavior(handler.unary_stream), method, request_id),
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, method, request_id),
+                _wrap_unary(behavior(handler.stream_unary), method, request_id),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
         return grpc.stream_stream_rpc_method_handler(
-            _wrap_stream(handler.stream_stream, method, request_id),
+            _wrap_stream(behavior(handler.stream_stream), method, request_id),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+
+
+def _invalid_request_id(request_id: str) -> bool:
+    try:
+        check_request_id(request_id)
+    except InvalidRequestError:
+        return True
+    return False
+
+
+def _raiser(exc: Exception) -> Callable[..., Any]:
+    def fail(request: Any, context: grpc.aio.ServicerContext) -> None:
+        raise exc
+
+    return fail
+
+
+class _Undecodable:
+    """What a request message that failed to parse becomes; the wrapped handler refuses it."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """A deserializer that never raises: grpc would report its exception as a server fault."""
+    if deserialize is None:
+        return None
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except Exception as exc:  # protobuf's DecodeError, or anything a custom codec raises
+            return _Undecodable(exc)
+
+    return parse
+
+
+def _check_decoded(request: Any) -> None:
+    if isinstance(request, _Undecodable):
+        raise InvalidRequestError(f"the request message does not parse: {request.error}",
+                                  code="invalid_message")
 
 
 async def _abort(
@@ -139,17 +203,24 @@ async def _abort(
 ) -> None:
     status, code, _ = status_for(exc)
     if isinstance(exc, PdserveError | TimeoutError | NotImplementedError):
-        message = str(exc) or code
+        message = _clip(str(exc) or code)
         log.info("%s failed: %s (%s, request_id=%s)", method, message, code, request_id)
     else:
-        message = f"internal error: {type(exc).__name__}: {exc}"
+        message = _clip(f"internal error: {type(exc).__name__}: {exc}")
         log.exception("%s failed unexpectedly (request_id=%s)", method, request_id)
     await context.abort(status, message, trailing_metadata=_error_metadata(exc, request_id))
+
+
+def _clip(message: str) -> str:
+    if len(message) <= MAX_ERROR_MESSAGE_CHARS:
+        return message
+    return message[:MAX_ERROR_MESSAGE_CHARS] + f"... ({len(message)} characters)"
 
 
 def _wrap_unary(behavior: Callable[..., Any], method: str, request_id: str | None):
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            _check_decoded(request)
             result = behavior(request, context)
             return await result if inspect.isawaitable(result) else result
         except grpc.aio.AbortError:
@@ -165,6 +236,7 @@ def _wrap_stream(behavior: Callable[..., Any], method: str, request_id: str | No
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
+                _check_decoded(request)
                 async for message in behavior(request, context):
                     yield message
             except grpc.aio.AbortError:
@@ -177,6 +249,7 @@ def _wrap_stream(behavior: Callable[..., Any], method: str, request_id: str | No
     async def write_stream(request: Any, context: grpc.aio.ServicerContext) -> None:
         # A coroutine that writes with context.write(), or a plain function returning an iterable.
         try:
+            _check_decoded(request)
             result = behavior(request, context)
             if inspect.isawaitable(result):
                 await result
@@ -249,8 +322,10 @@ def request_id_metadata(
 
 
 def request_id_from_context(context: grpc.aio.ServicerContext) -> str | None:
-    """The caller's `x-request-id`, if it sent one."""
-    return _metadata_value(context.invocation_metadata(), REQUEST_ID_KEY)
+    """The caller's `x-request-id`, if it sent a valid one (servers built with `new_server`
+    refuse calls carrying an invalid one)."""
+    rid = _metadata_value(context.invocation_metadata(), REQUEST_ID_KEY)
+    return None if rid is None or _invalid_request_id(rid) else rid
 
 
 # --------------------------------------------------------------------------- health
@@ -480,15 +555,20 @@ def request_fields(request: GenerateRequest) -> dict[str, Any]:
     }
 
 
-def request_from_proto(msg: Any) -> GenerateRequest:
+def request_from_proto(msg: Any, max_model_len: int | None = None) -> GenerateRequest:
     """GenerateRequest from any message with request_id, prompt_token_ids, sampling and
-    latency_class; raises InvalidRequestError on invalid values."""
-    return GenerateRequest(
+    latency_class; raises InvalidRequestError on invalid values, and PromptTooLongError when
+    the prompt plus max_tokens exceed `max_model_len` (when given)."""
+    req = GenerateRequest(
         request_id=msg.request_id,
         prompt_token_ids=tuple(msg.prompt_token_ids),
         sampling=sampling_from_proto(msg.sampling if msg.HasField("sampling") else None),
         latency_class=latency_from_proto(msg.latency_class),
     )
+    if max_model_len is not None:
+        fit_max_tokens(len(req.prompt_token_ids), req.sampling.max_tokens, max_model_len,
+                       default=req.sampling.max_tokens)
+    return req
 
 
 def token_event_to_chunk(

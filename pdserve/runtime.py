@@ -17,6 +17,7 @@ import grpc
 import structlog
 from prometheus_client import CollectorRegistry, start_http_server
 
+from engine.types import InvalidRequestError, check_request_id
 from pdserve.grpc_util import request_id_from_context
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -61,7 +62,13 @@ async def start_server(server: grpc.aio.Server, host: str, port: int) -> str:
 
 
 def _request_id(request: Any, context: grpc.aio.ServicerContext) -> str:
-    return request_id_from_context(context) or getattr(request, "request_id", "") or ""
+    """The id to log: the caller's valid x-request-id, else the message's request_id when it
+    is a valid id (an invalid one is refused by the handler, and never logged verbatim)."""
+    rid = request_id_from_context(context) or getattr(request, "request_id", "")
+    try:
+        return check_request_id(rid) if isinstance(rid, str) and rid else ""
+    except InvalidRequestError:
+        return ""
 
 
 def logs_request_id(method: F) -> F:

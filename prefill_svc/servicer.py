@@ -20,7 +20,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     @logs_request_id
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
-        req = gu.request_from_proto(request)
+        req = gu.request_from_proto(request, self.worker.engine.engine.max_model_len)
         dest = None
         if request.HasField("destination"):
             d = request.destination

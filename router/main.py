@@ -32,6 +32,9 @@ class RouterProcessConfig:
     grpc_port: int = 0
     http_port: int | None = None  # None: no HTTP gateway
     api_keys: frozenset[str] = frozenset()
+    # The largest request either API takes: an HTTP body (else 413) or a gRPC message (else
+    # RESOURCE_EXHAUSTED), so a prompt too big for one is too big for the other.
+    max_request_bytes: int = 1 << 20
     router: RouterConfig = field(default_factory=RouterConfig)
     drain_timeout_s: float = 30.0
 
@@ -53,7 +56,7 @@ async def run_router(config: RouterProcessConfig, stop: asyncio.Event,
                 Router(reg, tokenizer, model_name=model_dir.name,
                        max_model_len=model_config.max_position_embeddings,
                        config=config.router) as router):
-        server = gu.new_server()
+        server = gu.new_server(max_message_bytes=config.max_request_bytes)
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
         health = await gu.add_health(server, SERVICE)
         addresses.grpc = await start_server(server, config.host, config.grpc_port)
@@ -64,6 +67,7 @@ async def run_router(config: RouterProcessConfig, stop: asyncio.Event,
             from gateway.server import make_server
 
             app = create_app(router, GatewayConfig(api_keys=config.api_keys,
+                                                   max_body_bytes=config.max_request_bytes,
                                                    served_model_name=model_dir.name))
             http_server = make_server(app, host=config.host, port=config.http_port)
             http_task = asyncio.create_task(http_server.serve())

