@@ -257,7 +257,7 @@ class LocalCluster:
         self.wait_ready(max(0.0, deadline - time.monotonic()))
         return self
 
-    def _readiness_headers(self) -> dict[str, str]:
+    def auth_headers(self) -> dict[str, str]:
         """The router's gateway wants a key on every route but /health when it has keys
         (--api-keys in router_args, else PDSERVE_API_KEYS in the environment it inherits)."""
         args, flag = list(self.router_args), None
@@ -275,7 +275,7 @@ class LocalCluster:
 
         deadline = time.monotonic() + timeout_s
         want = self.n_decode + self.n_prefill
-        headers = self._readiness_headers()
+        headers = self.auth_headers()
         while True:
             for name, p in self.procs.items():
                 if p.poll() is not None:
@@ -326,7 +326,8 @@ class LocalCluster:
         self.close()
 
 
-def _stream_completion(url: str, prompt: str, max_tokens: int, out: Any = sys.stdout) -> None:
+def _stream_completion(url: str, prompt: str, max_tokens: int, out: Any = sys.stdout,
+                       headers: Mapping[str, str] | None = None) -> None:
     """Send one chat request to the gateway and stream the answer to ``out``."""
     import json
 
@@ -334,7 +335,8 @@ def _stream_completion(url: str, prompt: str, max_tokens: int, out: Any = sys.st
 
     body = {"model": "default", "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "stream": True, "temperature": 0}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120,
+                      headers=dict(headers or {})) as r:
         if r.status_code != 200:
             r.read()
             raise RuntimeError(f"request failed: HTTP {r.status_code}: {r.text}")
@@ -361,7 +363,8 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
               f"redis {cluster.redis_url}", file=sys.stderr)
         if args.demo:
             print(f"> {args.demo}", file=sys.stderr)
-            _stream_completion(cluster.http_url, args.demo, args.max_tokens)
+            _stream_completion(cluster.http_url, args.demo, args.max_tokens,
+                               headers=cluster.auth_headers())
             return 0
         stop = False
 
@@ -379,7 +382,9 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def _cmd_ask(args: argparse.Namespace) -> int:
-    _stream_completion(args.url, args.prompt, args.max_tokens)
+    keys = [args.api_key] if args.api_key else _api_keys(None, os.environ)
+    _stream_completion(args.url, args.prompt, args.max_tokens,
+                       headers={"Authorization": f"Bearer {keys[0]}"} if keys else None)
     return 0
 
 
@@ -444,4 +449,7 @@ def register(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], None
     a.add_argument("prompt")
     a.add_argument("--url", default="http://127.0.0.1:8000")
     a.add_argument("--max-tokens", type=int, default=128)
+    a.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="bearer key for a keyed gateway (default: PDSERVE_API_KEY, else the "
+                   "first of PDSERVE_API_KEYS)")
     a.set_defaults(func=_cmd_ask)

@@ -71,6 +71,11 @@ def test_cluster_up_with_api_keys_stays_up(model_dir: Path) -> None:
         r = _chat(url, "sk-first")
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"]
+        # `pdserve ask` takes the key from the environment as the cluster does.
+        ask = subprocess.run([sys.executable, "-m", "pdserve.cli", "ask", "Say hi.", "--url", url,
+                              "--max-tokens", "4"], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PDSERVE_API_KEYS": KEYS})
+        assert ask.returncode == 0 and ask.stdout.strip(), ask.stderr
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
