@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from setuptools import Command, setup
+from setuptools import Command, find_packages, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
@@ -83,4 +83,27 @@ class BuildPyWithProtos(build_py):
         super().run()
 
 
-setup(cmdclass={"build_protos": BuildProtos, "build_py": BuildPyWithProtos})
+# Installed import names live under one namespace, `pdserve.*`, while the repository keeps the
+# top-level directories the project was specified with: each maps onto a subpackage.
+SUBPACKAGE_DIRS = ("engine", "router", "prefill_svc", "decode_svc", "kvxfer", "gateway", "control")
+
+
+def package_layout() -> tuple[list[str], dict[str, str]]:
+    """(packages, package_dir): `pdserve` from pdserve/, `pdserve.<dir>[.*]` from <dir>/."""
+    packages = ["pdserve", *(f"pdserve.{p}" for p in find_packages("pdserve"))]
+    package_dir = {"pdserve": "pdserve"}
+    for top in SUBPACKAGE_DIRS:
+        package_dir[f"pdserve.{top}"] = top
+        packages.append(f"pdserve.{top}")
+        packages.extend(f"pdserve.{top}.{p}" for p in find_packages(top))
+    return packages, package_dir
+
+
+PACKAGES, PACKAGE_DIR = package_layout()
+
+setup(
+    packages=PACKAGES,
+    package_dir=PACKAGE_DIR,
+    package_data={"pdserve.engine.kernels": ["*.cpp"], "pdserve.v1": ["*.pyi", "py.typed"]},
+    cmdclass={"build_protos": BuildProtos, "build_py": BuildPyWithProtos},
+)

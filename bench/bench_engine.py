@@ -54,14 +54,14 @@ def _peak_rss_mb() -> float:
 
 class _Ours:
     def __init__(self, model_dir: Path, threads: int, max_batch: int):
-        from engine.config import EngineConfig, ModelConfig
-        from engine.llm_engine import LLMEngine
-        from engine.model_runner import kv_block_nbytes
+        from pdserve.engine.config import EngineConfig, ModelConfig
+        from pdserve.engine.llm_engine import LLMEngine
+        from pdserve.engine.model_runner import kv_layout
 
         # A pool just big enough for the largest batch: the KV cache is part of peak RSS.
         tokens = max(max_batch * (PROMPT_LEN + OUTPUT_LEN), max(PREFILL_LENS)) + 256
         config = EngineConfig(num_threads=threads, max_num_seqs=max(max_batch, 1))
-        block_bytes = kv_block_nbytes(ModelConfig.from_dir(model_dir), config)
+        block_bytes = kv_layout(ModelConfig.from_dir(model_dir), config, "").block_nbytes
         config = EngineConfig(num_threads=threads, max_num_seqs=max(max_batch, 1),
                               kv_cache_bytes=block_bytes * (tokens // config.block_size + 1))
         self.engine = LLMEngine.from_dir(model_dir, config)
@@ -69,7 +69,7 @@ class _Ours:
         self._n = 0
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
-        from engine.types import GenerateRequest, SamplingParams
+        from pdserve.engine.types import GenerateRequest, SamplingParams
 
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         t0 = time.perf_counter()
@@ -207,7 +207,7 @@ def main() -> None:
     concurrency = [int(c) for c in args.concurrency.split(",") if c]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from engine.model_store import pull_default_model
+    from pdserve.engine.model_store import pull_default_model
 
     model_dir = pull_default_model(progress=False)
     if args.side:

@@ -36,10 +36,9 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 import numpy as np
 import structlog
 import torch
-
-from control import KVDescriptor
-from engine.types import KVLayout
-from kvxfer import KVReceiver, KVSender, pool_shape
+from pdserve.control import KVDescriptor
+from pdserve.engine.types import KVLayout
+from pdserve.kvxfer import KVReceiver, KVSender
 
 # 512 KiB blocks, a realistic size (8 layers x K/V x 16 tokens x 8 heads x 128 dims, fp16).
 BLOCK = dict(num_layers=8, block_size=16, num_kv_heads=8, head_dim=128, dtype="float16")
@@ -71,7 +70,7 @@ async def _receiver(conn: Connection, nbytes: int) -> None:
     import ucxx
 
     layout, _ = layout_for(nbytes)
-    pool = torch.zeros(pool_shape(layout), dtype=torch.float16)
+    pool = torch.zeros(layout.shape, dtype=torch.float16)
     raw_buf = np.empty(nbytes, dtype=np.uint8)
 
     async def raw_handler(ep: Any) -> None:
@@ -133,7 +132,7 @@ async def bench_kvxfer(
     conn: Connection, address: str, nbytes: int, iters: int, scattered: bool
 ) -> list[float]:
     layout, nblocks = layout_for(nbytes)
-    src_pool = torch.randn(pool_shape(layout), dtype=torch.float32).to(torch.float16)
+    src_pool = torch.randn(layout.shape, dtype=torch.float32).to(torch.float16)
     rng = np.random.default_rng(1)
     if scattered:  # no two neighbours stay neighbours on both sides: one run per block
         src_ids = rng.permutation(layout.num_blocks)[:nblocks].tolist()

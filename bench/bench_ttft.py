@@ -11,11 +11,12 @@ time, after one unmeasured warm-up request per length. The first token's time sp
 - prefill compute: the prompt's forward pass on the prefill worker;
 - KV transfer: the KV pages over UCX into the decode worker's pool;
 - decode admission: router-measured first-token time minus the three above, i.e. everything
-  else: the decode allocation RPC, dispatching the prefill RPC, admitting the request into
-  the decode batch and the first token's trip back to the router.
+  else: choosing workers, the decode allocation RPC, dispatching the prefill RPC, admitting
+  the request into the decode batch and the first token's trip back to the router (the
+  router reports these as route_ms + decode_allocate_ms + handoff_ms; the stages add up).
 
-The router measures `first_token_ms` from the start of its remote path (after tokenizing and
-choosing workers); the client-side TTFT below includes that and the client's gRPC hop. Then
+The router measures `first_token_ms` from its arrival (after tokenizing); the client-side
+TTFT below includes that and the client's gRPC hop. Then
 the same prompts are prefilled locally on the decode worker (a second cluster whose remote
 threshold no prompt reaches), for comparison. Every prompt is fresh random token ids, so no
 prefix cache helps.
@@ -59,7 +60,7 @@ class Sample:
 
 async def generate(address: str, ids: list[int], max_tokens: int, mode: str) -> Sample:
     """One request through the router; the client TTFT is the first response with a token."""
-    from pdserve import grpc_util as gu
+    from pdserve.rpc import transport as gu
     from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
     routes = {
@@ -135,11 +136,15 @@ def run_mode(args: argparse.Namespace, mode: str, rng: np.random.Generator) -> l
 
 
 def kv_bytes_per_token(model_path: str | None) -> int:
-    from engine.config import ModelConfig
-    from engine.model_store import resolve_model
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.model_store import resolve_model
 
     model = ModelConfig.from_dir(resolve_model(model_path or "default", progress=False))
-    return model.num_layers * 2 * model.num_kv_heads * model.head_dim * 4  # float32 pool
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.model_runner import kv_layout
+
+    layout = kv_layout(model, EngineConfig(block_size=1), "")  # the float32 pool's geometry
+    return layout.block_nbytes
 
 
 def table(samples: Sequence[Sample], kv_per_token: int) -> str:

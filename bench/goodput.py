@@ -7,7 +7,7 @@
 One command starts each system itself, sweeps it, and stops it before starting the next, so
 the two never compete for the machine:
 
-- **colocated**: `python -m gateway` (one engine doing prefill and decode, chunked prefill)
+- **colocated**: `python -m pdserve.gateway` (one engine doing prefill and decode, chunked prefill)
   pinned to all of `--cores` with one torch thread per core;
 - **disaggregated** (1P1D): a `LocalCluster` whose prefill worker is pinned to
   `--prefill-cores` and decode worker to `--decode-cores` (one torch thread per core each);
@@ -162,10 +162,10 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: P
 
 @contextmanager
 def colocated(setup: Setup) -> Iterator[StartedSystem]:
-    """`python -m gateway`: one engine with one torch thread per core, pinned by taskset."""
+    """`python -m pdserve.gateway`: one engine with one torch thread per core, pinned by taskset."""
     port = _free_port()
     argv = [
-        "taskset", "-c", _cpus(setup.cores), sys.executable, "-m", "gateway",
+        "taskset", "-c", _cpus(setup.cores), sys.executable, "-m", "pdserve.gateway",
         "--port", str(port), "--log-level", "WARNING", *setup.engine_args(len(setup.cores)),
     ]  # fmt: skip
     log = setup.log_dir / "colocated.log"
@@ -176,7 +176,7 @@ def colocated(setup: Setup) -> Iterator[StartedSystem]:
     try:
         _wait_http(url, proc, setup.start_timeout_s, log)
         shown = " ".join(argv[argv.index("--log-level") :])
-        layout = f"`taskset -c {_cpus(setup.cores)} python -m gateway {shown}`"
+        layout = f"`taskset -c {_cpus(setup.cores)} python -m pdserve.gateway {shown}`"
         yield StartedSystem(BASELINE, url, layout, {"engine+gateway": allowed_cpus(proc.pid)})
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -190,7 +190,7 @@ def colocated(setup: Setup) -> Iterator[StartedSystem]:
 @contextmanager
 def disaggregated(setup: Setup) -> Iterator[StartedSystem]:
     """1P1D LocalCluster: each worker pinned to its cores with one torch thread per core."""
-    from pdserve.services_cli import LocalCluster
+    from pdserve.cluster import LocalCluster
 
     if len(setup.prefill_cores) != len(setup.decode_cores):
         # One --threads flag goes to every worker; different core counts would need two.
@@ -272,13 +272,12 @@ async def calibrate(config: RunConfig, n: int) -> list[Unloaded]:
     return out
 
 
-# Stage timings the router reports for a remote prefill, in ms from the start of its remote
-# path: the decode worker's allocation RPC, then the prefill worker's queue, compute and KV
-# transfer. The transfer as the prefill worker times it also covers releasing its blocks
-# through its engine thread, which can wait for another prompt's prefill step, while the
-# decode worker starts as soon as the KV lands; so per request "rest" (dispatching the
-# prefill RPC, admission into the decode batch, the first token's trip back) can come out
-# negative. Medians keep such outliers from dominating. Local prefills report no stages.
+# Stage timings the router reports for a remote prefill, in ms from its arrival: choosing
+# workers (route_ms), the decode worker's allocation RPC, the prefill worker's queue, compute
+# and KV transfer (no longer covering the release of its blocks), and the hand-off (dispatching
+# the prefill RPC, admission into the decode batch, the first token's trip back). They add up
+# to ttft_ms, so "rest" below (ttft minus the four stages listed here) is route_ms +
+# handoff_ms and never negative. Local prefills report route_ms and local_prefill_ms.
 _STAGES = ("decode_allocate_ms", "prefill_queued_ms", "prefill_compute_ms", "kv_transfer_ms")
 
 
@@ -386,7 +385,8 @@ def interactive_table(results: Mapping[str, SweepResult]) -> str:
 def stage_table(results: Mapping[str, SweepResult]) -> str:
     lines = [
         "| system | rate | class | route | n | TTFT (client) | decode alloc | prefill queue "
-        "| prefill compute | KV transfer | rest (dispatch, admission, first token back) | KV MB |",
+        "| prefill compute | KV transfer | rest (route, dispatch, admission, first token back) "
+        "| KV MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, res in results.items():
@@ -574,7 +574,7 @@ async def _main(args: argparse.Namespace) -> int:
     if unknown or not systems:
         raise LoadgenError(f"--systems: expected {BASELINE} and/or {DISAGG}, got {args.systems!r}")
     if args.tokenizer is None:  # exact prompt lengths with the served model's tokenizer
-        from engine.model_store import resolve_model
+        from pdserve.engine.model_store import resolve_model
 
         args.tokenizer = str(resolve_model(args.model_path or "default", progress=False))
     headers = [*args.header, f"{TIMINGS_HEADER}:1"]

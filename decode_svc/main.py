@@ -3,25 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import structlog
+from pdserve.control.descriptors import make_descriptor_id
+from pdserve.control.directory import WorkerDirectory
+from pdserve.control.load import WorkerLoad
+from pdserve.control.registry import ControlPlaneError, WorkerRegistry
+from pdserve.control.workers import WorkerInfo
+from pdserve.decode_svc import servicer
+from pdserve.decode_svc.metrics import DecodeMetrics
+from pdserve.decode_svc.worker import DecodeWorker
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.metrics import labelled_registry
+from pdserve.engine.model_store import resolve_model
+from pdserve.kvxfer.auth import KVAuth
+from pdserve.kvxfer.receiver import KVReceiver
 from prometheus_client import CollectorRegistry
 
-from control.descriptors import make_descriptor_id
-from control.registry import WorkerRegistry
-from control.workers import WorkerInfo
-from decode_svc.metrics import DecodeMetrics
-from decode_svc.servicer import DecodeServicer
-from decode_svc.worker import DecodeWorker
-from engine.async_engine import AsyncEngine
-from engine.llm_engine import LLMEngine
-from engine.model_store import resolve_model
-from kvxfer.receiver import KVReceiver
-from pdserve import grpc_util as gu
+from pdserve.rpc import auth, transport
 from pdserve.runtime import metrics_server, start_server
-from pdserve.v1 import decode_pb2_grpc
 from pdserve.worker_config import WorkerConfig
 
 log = structlog.get_logger(__name__)
@@ -37,6 +41,24 @@ class DecodeConfig(WorkerConfig):
     max_pending_kv_fraction: float = 0.5  # of the pool, at most this waits for transfers
 
 
+def _kv_auth(config: DecodeConfig, registry: WorkerRegistry,
+             prefills: WorkerDirectory) -> KVAuth | None:
+    """KV writes are taken from registered prefill workers of this cluster only (kvxfer.auth)."""
+    if config.cluster_secret is None:
+        return None
+
+    async def is_prefill_worker(sender_id: str) -> bool:
+        info = prefills.get(sender_id)
+        if info is None:  # registered since the last directory poll: ask Redis
+            try:
+                info = await registry.get_worker(sender_id)
+            except ControlPlaneError:
+                return False
+        return info is not None and info.role == "prefill"
+
+    return KVAuth(config.cluster_secret.kv_key, authorize_sender=is_prefill_worker)
+
+
 async def run_decode(config: DecodeConfig, stop: asyncio.Event,
                      ready: asyncio.Event | None = None) -> None:
     """Serve until ``stop`` is set, then drain: leave the registry first (no new requests),
@@ -44,30 +66,34 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
     model_dir = resolve_model(config.model)
     engine = await asyncio.to_thread(LLMEngine.from_dir, model_dir, config.engine)
     metrics = DecodeMetrics(CollectorRegistry())
+    auth.warn_unauthenticated(config.cluster_secret, "decode_worker")
     async with (AsyncEngine(engine) as aengine,
-                WorkerRegistry.from_url(config.redis_url, namespace=config.namespace) as registry):
+                WorkerRegistry.from_url(config.redis_url, namespace=config.namespace) as registry,
+                WorkerDirectory(registry, role="prefill") as prefills):
         epoch = await registry.next_epoch(config.worker_id)
         descriptor_id = make_descriptor_id(config.worker_id, epoch)
         async with KVReceiver(engine.kv_pool, engine.layout, descriptor_id,
-                              host=config.ucx_host) as receiver:
+                              host=config.ucx_host,
+                              auth=_kv_auth(config, registry, prefills)) as receiver:
             worker = DecodeWorker(aengine, receiver, worker_id=config.worker_id,
                                   alloc_lease_s=config.alloc_lease_s,
                                   max_alloc_lease_s=config.max_alloc_lease_s,
                                   max_kv_wait_s=config.max_kv_wait_s,
                                   max_pending_kv_fraction=config.max_pending_kv_fraction,
-                                  metrics=metrics)
-            with metrics_server(metrics.registry, config.host, config.metrics_port) as mport:
-                server = gu.new_server()
-                decode_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker),
-                                                                   server)
-                health = await gu.add_health(server, SERVICE)
+                                  max_requests=config.max_requests, metrics=metrics)
+            with metrics_server(labelled_registry(metrics.registry,
+                                              model_name=config.model_name(model_dir.name)),
+                                config.host, config.metrics_port) as mport:
+                server = transport.new_server(
+                    auth=auth.cluster_interceptor(config.cluster_secret))
+                servicer.add_to_server(worker, server)
+                health = await transport.add_health(server, SERVICE)
                 bound = await start_server(server, config.host, config.port)
                 port = bound.rpartition(":")[2]
                 address = f"{config.advertise_host or config.host}:{port}"
 
-                def load() -> dict[str, float]:
-                    extra = {} if mport is None else {"metrics_port": mport}
-                    return {**worker.load(), **extra}
+                def load() -> WorkerLoad:
+                    return dataclasses.replace(worker.load(), metrics_port=mport)
 
                 info = WorkerInfo(worker_id=config.worker_id, role="decode",
                                   grpc_address=address, model_id=engine.layout.model_id,
@@ -78,7 +104,7 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
                                         heartbeat_s=config.heartbeat_s, load_fn=load)
                 await registry.publish_descriptor(descriptor_id, engine.layout,
                                                   receiver.address, config.worker_id, epoch)
-                await gu.set_serving(health, SERVICE)
+                await transport.set_serving(health, SERVICE)
                 log.info("decode_worker_ready", worker_id=config.worker_id, grpc=address,
                          ucx=receiver.address, metrics_port=mport,
                          blocks=engine.layout.num_blocks)
@@ -87,8 +113,11 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
                 await stop.wait()
                 log.info("decode_worker_draining", worker_id=config.worker_id,
                          streams=worker.active_streams)
-                await registry.deregister()
-                await gu.set_not_serving(health, SERVICE)
+                try:  # leave the directory; a dead Redis costs one bounded attempt, and the
+                    await registry.deregister()  # lease lapses by itself within its TTL
+                except ControlPlaneError as err:
+                    log.warning("deregister_failed", error=str(err))
+                await transport.set_not_serving(health, SERVICE)
                 # Routers drop us within one directory poll; requests already routed here
                 # (and every running stream) are still served until they finish.
                 await asyncio.sleep(config.heartbeat_s)

@@ -1,7 +1,7 @@
 """Prometheus metrics of a decode worker, in a registry of its own (no global registry).
 
-Engine queues and KV blocks are read from the engine's latest stats at scrape time (the
-gateway's `EngineStatsCollector`); request outcomes, remote admissions, KV waits and fenced
+Engine queues and KV blocks are read from the engine's latest stats at scrape time
+(`engine.metrics.EngineStatsCollector`); request outcomes, remote admissions, KV waits and fenced
 transfers are counted by `DecodeWorker` as they happen.
 """
 
@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from pdserve.engine.metrics import EngineStatsCollector
+from pdserve.engine.types import EngineStats
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-from engine.llm_engine import EngineStats
-from gateway.local_backend import EngineStatsCollector
 
 _KV_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 
@@ -29,6 +28,9 @@ class DecodeMetrics:
             "pdserve_decode_requests", "Requests by prefill kind (local, remote) and outcome "
             "(stop, length, abort, error: finish reasons; cancelled: the caller went away; "
             "failed: ended by an exception).", ["kind", "outcome"], registry=r)
+        self.refused = Counter(
+            "pdserve_decode_requests_refused", "Requests refused at the worker's own limit "
+            "(--max-requests): UNAVAILABLE, the router places them elsewhere.", registry=r)
         self.remote_admissions = Counter(
             "pdserve_decode_remote_admissions", "Remotely prefilled requests admitted into "
             "the running batch.", registry=r)
@@ -50,18 +52,14 @@ class DecodeMetrics:
               streams: Callable[[], int], pending: Callable[[], int]) -> None:
         """Register scrape-time gauges: engine queues and blocks (``stats``), open token
         streams and remote allocations still waiting for their KV."""
-        self.registry.register(EngineStatsCollector(stats, worker_id))
-        self.registry.register(_DecodeStateCollector(worker_id, stats, streams, pending))
+        self.registry.register(EngineStatsCollector(stats, worker_id, "decode"))
+        self.registry.register(_DecodeStateCollector(worker_id, streams, pending))
 
 
 class _DecodeStateCollector(Collector):
-    def __init__(self, worker_id: str, stats: Callable[[], EngineStats],
-                 streams: Callable[[], int], pending: Callable[[], int]):
+    def __init__(self, worker_id: str, streams: Callable[[], int], pending: Callable[[], int]):
         self._worker = worker_id
         self._gauges: tuple[tuple[str, str, Callable[[], float]], ...] = (
-            ("pdserve_engine_awaiting_kv_requests",
-             "Requests whose blocks are allocated and whose KV is still being written.",
-             lambda: stats().awaiting_kv),
             ("pdserve_decode_active_streams", "Token streams open on this worker.", streams),
             ("pdserve_decode_pending_remote_allocations",
              "Remote allocations not yet admitted.", pending),

@@ -1,6 +1,6 @@
 """gRPC adapter for DecodeWorker: protobuf in, domain call, protobuf out.
 
-Requests are validated like the router's (`gu.request_from_proto`: request id, sampling,
+Requests are validated like the router's (`convert.request_from_proto`: request id, sampling,
 prompt plus max_tokens within this engine's context); client mistakes are INVALID_ARGUMENT.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import grpc
+from pdserve.decode_svc.worker import DecodeWorker
+from pdserve.engine.types import GenerateRequest, check_request_id
 
-from decode_svc.worker import DecodeWorker
-from engine.types import GenerateRequest, check_request_id
-from pdserve import grpc_util as gu
+from pdserve.rpc import convert
 from pdserve.runtime import logs_request_id
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
@@ -23,14 +23,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
 
     def _request(self, msg: decode_pb2.DecodeGenerateRequest | decode_pb2.AllocateRequest
                  ) -> GenerateRequest:
-        return gu.request_from_proto(msg, self.worker.engine.engine.max_model_len)
+        return convert.request_from_proto(msg.input, self.worker.engine.max_model_len)
 
     @logs_request_id
     async def Generate(self, request: decode_pb2.DecodeGenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.TokenChunk]:
         req = self._request(request)
         async for ev in self.worker.generate(req):
-            yield gu.token_event_to_chunk(ev)
+            yield convert.token_event_to_chunk(ev)
 
     @logs_request_id
     async def AllocateRemote(self, request: decode_pb2.AllocateRequest,
@@ -42,21 +42,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             block_ids=list(slot.allocation.block_ids),
             num_cached_tokens=slot.allocation.num_cached_tokens,
             descriptor_id=slot.descriptor_id, transfer_id=slot.transfer_id,
-            layout=gu.kv_layout_to_proto(self.worker.engine.layout))
+            layout=convert.kv_layout_to_proto(self.worker.engine.layout))
 
     @logs_request_id
     async def GenerateRemote(self, request: decode_pb2.RemoteGenerateRequest,
                              context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[decode_pb2.TokenChunk]:
         check_request_id(request.request_id)
-        first = request.first_token_id if request.HasField("first_token_id") else None
-        lp = (gu.logprob_from_proto(request.first_token_logprob)
-              if request.HasField("first_token_logprob") else None)
         timeout = request.transfer_timeout_ms / 1000 if request.transfer_timeout_ms else 30.0
         async for ev in self.worker.generate_remote(request.request_id, request.transfer_id,
-                                                    first_token=first, first_logprob=lp,
                                                     timeout_s=timeout):
-            yield gu.token_event_to_chunk(ev)
+            yield convert.token_event_to_chunk(ev)
 
     @logs_request_id
     async def Abort(self, request: common_pb2.AbortRequest,
@@ -72,10 +68,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     async def Stats(self, request: common_pb2.StatsRequest,
                     context: grpc.aio.ServicerContext) -> decode_pb2.DecodeStats:
         s = await self.worker.engine.stats()
-        bm = self.worker.engine.engine.block_manager
         return decode_pb2.DecodeStats(
             worker_id=self.worker.worker_id, num_running=s.running, num_waiting=s.waiting,
             num_awaiting_transfer=s.awaiting_kv, num_total_blocks=s.total_blocks,
-            num_free_blocks=s.free_blocks, prefix_query_tokens=bm.prefix_query_tokens,
-            prefix_hit_tokens=bm.prefix_hit_tokens,
-            layout=gu.kv_layout_to_proto(self.worker.engine.layout))
+            num_free_blocks=s.free_blocks, prefix_query_tokens=s.prefix_cache_queries,
+            prefix_hit_tokens=s.prefix_cache_hits,
+            layout=convert.kv_layout_to_proto(self.worker.engine.layout))
+
+
+def add_to_server(worker: DecodeWorker, server: grpc.aio.Server) -> None:
+    """Serve ``worker`` as the pdserve.v1.DecodeWorker API on ``server``."""
+    decode_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker), server)

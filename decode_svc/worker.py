@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -23,11 +24,12 @@ from dataclasses import dataclass
 from typing import cast
 
 import structlog
-
-from decode_svc.metrics import DecodeMetrics
-from engine.async_engine import AsyncEngine
-from engine.llm_engine import RemoteAllocation
-from engine.types import (
+from pdserve.control.load import WorkerLoad
+from pdserve.decode_svc.metrics import DecodeMetrics
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.llm_engine import RemoteAllocation
+from pdserve.engine.metrics import engine_load
+from pdserve.engine.types import (
     CapacityError,
     GenerateRequest,
     InvalidRequestError,
@@ -35,9 +37,10 @@ from engine.types import (
     PdserveError,
     RequestAbortedError,
     TokenEvent,
-    TokenLogprob,
 )
-from kvxfer.receiver import KVReceiver
+from pdserve.kvxfer.receiver import KVReceiver
+
+from pdserve.handover import FirstToken
 
 log = structlog.get_logger(__name__)
 
@@ -68,14 +71,17 @@ class DecodeWorker:
     def __init__(self, engine: AsyncEngine, receiver: KVReceiver, *, worker_id: str,
                  alloc_lease_s: float = 30.0, max_alloc_lease_s: float = 120.0,
                  max_kv_wait_s: float = 120.0, max_pending_kv_fraction: float = 0.5,
-                 metrics: DecodeMetrics | None = None):
+                 max_requests: int = 256, metrics: DecodeMetrics | None = None):
         if not 0 < alloc_lease_s <= max_alloc_lease_s or not max_kv_wait_s > 0:
             raise ValueError("need 0 < alloc_lease_s <= max_alloc_lease_s and max_kv_wait_s > 0")
         if not 0.0 < max_pending_kv_fraction <= 1.0:
             raise ValueError("max_pending_kv_fraction must be in (0, 1]")
+        if max_requests < 1:
+            raise ValueError("max_requests must be >= 1")
         self.engine = engine
         self.receiver = receiver
         self.worker_id = worker_id
+        self.max_requests = max_requests
         self.alloc_lease_s = alloc_lease_s
         self.max_alloc_lease_s = max_alloc_lease_s
         self.max_kv_wait_s = max_kv_wait_s
@@ -85,7 +91,6 @@ class DecodeWorker:
         self._pending: dict[str, _Pending] = {}
         self._releasing: dict[str, asyncio.Task[None]] = {}
         self.active_streams = 0
-        self._tasks: set[asyncio.Task[None]] = set()
         self.metrics = metrics if metrics is not None else DecodeMetrics()
         self.metrics.watch(worker_id, lambda: engine.last_stats,
                            lambda: self.active_streams, lambda: len(self._pending))
@@ -94,15 +99,29 @@ class DecodeWorker:
     def block_size(self) -> int:
         return self.engine.layout.block_size
 
-    def load(self) -> dict[str, float]:
+    def load(self) -> WorkerLoad:
+        """The record published on every heartbeat (the engine's numbers included)."""
         s = self.engine.last_stats
-        return {"running": s.running, "waiting": s.waiting, "awaiting_kv": s.awaiting_kv,
-                "free_blocks": s.free_blocks, "total_blocks": s.total_blocks,
-                "streams": self.active_streams}
+        return dataclasses.replace(WorkerLoad.from_dict(engine_load(s)), running=s.running,
+                                   waiting=s.waiting, streams=self.active_streams)
+
+    @property
+    def num_requests(self) -> int:
+        """Streams open here plus remote allocations no stream has claimed yet."""
+        return self.active_streams + sum(1 for p in self._pending.values() if not p.claimed)
+
+    def _admit(self) -> None:
+        """The worker's own bound, whatever its callers do: past `max_requests` a new request
+        is refused (UNAVAILABLE: the router places it elsewhere) instead of queueing."""
+        if self.num_requests >= self.max_requests:
+            self.metrics.refused.inc()
+            raise CapacityError(f"decode worker {self.worker_id} holds {self.num_requests} "
+                                f"requests, its limit", code="worker_full")
 
     # ------------------------------------------------------------------ local prefill
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        self._admit()
         self.active_streams += 1
         outcome, last = "cancelled", None
         try:
@@ -132,7 +151,8 @@ class DecodeWorker:
                               ) -> RemoteSlot:
         """Reserve blocks for `req`'s KV. The lease is `lease_s` (None or 0: the default),
         at most `max_alloc_lease_s`; CapacityError when the blocks cannot be had now."""
-        need = -(-len(req.prompt_token_ids) // self.block_size)
+        self._admit()
+        need = -(-len(req.token_ids) // self.block_size)
         if self.pending_kv_blocks + need > self.max_pending_kv_blocks:
             raise CapacityError(
                 f"{self.pending_kv_blocks} KV blocks already wait for transfers; another "
@@ -165,14 +185,12 @@ class DecodeWorker:
             self._release_soon(request_id, "allocation lease expired")
 
     async def generate_remote(self, request_id: str, transfer_id: str, *,
-                              first_token: int | None = None,
-                              first_logprob: TokenLogprob | None = None,
                               timeout_s: float = 30.0) -> AsyncIterator[TokenEvent]:
         """Wait for the request's KV to land (at most `timeout_s`, capped by `max_kv_wait_s`),
         then decode it in the running batch.
 
-        The first token comes from the caller or, when it has none, from the transfer's
-        completion notice, so decoding starts the moment the KV is in place.
+        The first token (with its logprob) comes in the transfer's completion notice
+        (`pdserve.handover.FirstToken`), so decoding starts the moment the KV is in place.
         """
         timeout_s = min(timeout_s, self.max_kv_wait_s)
         p = self._pending.get(request_id)
@@ -194,14 +212,7 @@ class DecodeWorker:
                 raise KVTransferError(
                     f"KV for {request_id!r} did not arrive within {timeout_s:.1f}s",
                     code="kv_timeout") from None
-            notice = notice or {}
-            if first_token is None:
-                if "first_token" not in notice:
-                    raise KVTransferError("transfer completed without a first token",
-                                          code="kv_protocol")
-                first_token = int(notice["first_token"])
-                if first_logprob is None and notice.get("logprob") is not None:
-                    first_logprob = TokenLogprob(first_token, float(notice["logprob"]))
+            first = FirstToken.from_notice(notice)
             if request_id in self._releasing:  # aborted while the KV was landing
                 raise RequestAbortedError(f"request {request_id!r} was aborted")
             if p.lease is not None:
@@ -213,7 +224,8 @@ class DecodeWorker:
             counted = False
             log.debug("remote_kv_ready", request_id=request_id, wait_ms=round(waited * 1000, 2))
             async with contextlib.aclosing(_agen(
-                    self.engine.admit_remote(request_id, first_token, first_logprob))) as events:
+                    self.engine.admit_remote(request_id, first.token_id, first.logprob))
+            ) as events:
                 async for ev in events:
                     if not counted:  # the first event means the engine took the request
                         counted = True
@@ -237,24 +249,10 @@ class DecodeWorker:
         """Count a request that ended and log one line about it (never its text); the
         request id comes from the RPC's log context."""
         self.metrics.requests.labels(kind, outcome).inc()
-        if outcome in ("cancelled", "failed"):
-            self._refresh_stats_soon()
         log.info("decode_request_finished", kind=kind, outcome=outcome,
                  prompt_tokens=last.num_prompt_tokens if last else None,
                  cached_tokens=last.num_cached_tokens if last else None,
                  output_tokens=last.num_output_tokens if last else 0)
-
-    def _refresh_stats_soon(self) -> None:
-        """AsyncEngine refreshes `last_stats` only after a step, but aborts run between steps:
-        without this, the load we report (and the gauges) would show an aborted request's
-        blocks in use until the next step. Queued after the abort, so it sees its effect."""
-        task = asyncio.get_running_loop().create_task(self._refresh_stats())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _refresh_stats(self) -> None:
-        with contextlib.suppress(PdserveError):  # the engine is closing
-            self.engine.last_stats = await self.engine.stats()
 
     def _release_soon(self, request_id: str, reason: str) -> asyncio.Task[None] | None:
         """Fence and free a pending remote request, once; callers may await the task."""
@@ -269,7 +267,6 @@ class DecodeWorker:
         p = self._pending.pop(request_id, None)
         if p is None:  # admitted since this task was created: a plain abort frees it
             await self.engine.abort(request_id)
-            await self._refresh_stats()
             return
         if p.lease is not None:
             p.lease.cancel()
@@ -286,7 +283,6 @@ class DecodeWorker:
         self.metrics.fenced_transfers.inc()
         self.metrics.fenced_blocks.inc(blocks)
         await self.engine.abort(request_id)
-        await self._refresh_stats()
 
     async def abort(self, request_id: str) -> bool:
         """End a request in any state; returns once its blocks are fenced and freed."""
@@ -295,7 +291,6 @@ class DecodeWorker:
             await asyncio.shield(task)
             return True
         await self.engine.abort(request_id)
-        await self._refresh_stats()
         return True
 
     async def drained(self, timeout_s: float) -> bool:

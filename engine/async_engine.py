@@ -3,6 +3,11 @@ computes.
 
 Every call into the LLMEngine is a command executed on the engine thread between steps, so
 the engine stays single-threaded. Token events are handed back to the loop once per step.
+
+This class is the engine's boundary: services (decode_svc, prefill_svc, gateway) use only its
+public properties and coroutines, never the LLMEngine behind it. The properties are safe to
+read from any thread: they are immutable (`layout`, `max_model_len`, `kv_pool`'s identity) or
+a snapshot replaced atomically by the engine thread (`last_stats`).
 """
 
 from __future__ import annotations
@@ -16,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import structlog
-
-from engine.llm_engine import EngineStats, LLMEngine, RemoteAllocation
-from engine.types import (
+import torch
+from pdserve.engine.llm_engine import EngineStats, LLMEngine, RemoteAllocation
+from pdserve.engine.types import (
     GenerateRequest,
     InvalidRequestError,
     KVLayout,
@@ -50,7 +55,7 @@ class AsyncEngine:
     """Owns an LLMEngine and the thread that drives it. Use `async with` or start/close."""
 
     def __init__(self, engine: LLMEngine):
-        self.engine = engine
+        self._engine = engine
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
         self._commands = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -58,7 +63,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.last_stats: EngineStats = engine.stats()
+        # Written by the engine thread only (and here, before it starts); readers on other
+        # threads see either the old or the new snapshot, both consistent.
+        self._stats: EngineStats = engine.stats()
         self.step_listeners: list[Callable[[EngineStats], None]] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -84,14 +91,48 @@ class AsyncEngine:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    # ------------------------------------------------------------------ read-only views
+
+    @property
+    def running(self) -> bool:
+        """True between `start()` and `close()` while the engine thread is alive."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
     @property
     def layout(self) -> KVLayout:
-        return self.engine.layout
+        """Geometry and identity of this engine's KV pool (immutable)."""
+        return self._engine.layout
+
+    @property
+    def kv_pool(self) -> torch.Tensor:
+        """The KV pool tensor laid out as `layout`, for KV transfer to read or write blocks.
+
+        The tensor object never changes; its contents belong to whoever holds the blocks (a
+        prefill result until `release`, a remote allocation until `admit_remote` or `abort`).
+        """
+        return self._engine.kv_pool
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output tokens) this engine accepts."""
+        return self._engine.max_model_len
+
+    @property
+    def last_stats(self) -> EngineStats:
+        """The engine's latest stats snapshot: refreshed after every step and after every
+        batch of commands (an abort or release between steps) *before* their results are
+        handed back, so a caller that awaited an abort already sees its blocks free."""
+        return self._stats
+
+    @property
+    def num_streams(self) -> int:
+        """Requests whose token stream is open here (a consumer may still read it)."""
+        return len(self._streams)
 
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
-        eng = self.engine
+        eng = self._engine
         while True:
             self._drain_commands()
             if self._stopping:
@@ -111,25 +152,32 @@ class AsyncEngine:
             self._deliver(events)
 
     def _drain_commands(self) -> None:
-        ran = 0
+        done: list[tuple[concurrent.futures.Future[Any], Any, BaseException | None]] = []
         while True:
             try:
                 fn, fut = self._commands.get_nowait()
             except queue.Empty:
-                if ran:  # aborts and releases change the numbers between steps too
-                    self.last_stats = self.engine.stats()
-                return
-            ran += 1
+                break
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                fut.set_result(fn())
+                done.append((fut, fn(), None))
             except BaseException as exc:
+                done.append((fut, None, exc))
+        if not done:
+            return
+        # Aborts and releases change the numbers between steps too; refresh before any caller
+        # resumes, so what it reads next already shows its command's effect.
+        self._stats = self._engine.stats()
+        for fut, result, exc in done:
+            if exc is None:
+                fut.set_result(result)
+            else:
                 fut.set_exception(exc)
 
     def _deliver(self, events: list[TokenEvent]) -> None:
-        stats = self.engine.stats()
-        self.last_stats = stats
+        stats = self._engine.stats()
+        self._stats = stats
         if self._loop is not None and not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(self._dispatch, events, stats)
@@ -160,7 +208,7 @@ class AsyncEngine:
 
     def _abort_soon(self, request_id: str) -> None:
         if self._thread is not None and not self._stopping:
-            self._submit(lambda: self.engine.abort(request_id))
+            self._submit(lambda: self._engine.abort(request_id))
 
     def _open_stream(self, request_id: str) -> asyncio.Queue[TokenEvent]:
         # Checked here, before touching state: a refused duplicate must not disturb the live
@@ -202,7 +250,7 @@ class AsyncEngine:
         """
         q = self._open_stream(req.request_id)
         try:
-            await self.call(lambda: self.engine.add_request(req))
+            await self.call(lambda: self._engine.add_request(req))
         except BaseException as exc:
             self._undo_open(req.request_id, exc)
             raise
@@ -213,7 +261,7 @@ class AsyncEngine:
         """Compute ``req``'s prompt KV and first token; the blocks stay held until release."""
         q = self._open_stream(req.request_id)
         try:
-            await self.call(lambda: self.engine.add_request(req, prefill_only=True))
+            await self.call(lambda: self._engine.add_request(req, prefill_only=True))
         except BaseException as exc:
             self._undo_open(req.request_id, exc)
             raise
@@ -227,19 +275,22 @@ class AsyncEngine:
         if ev.finish_reason is not None and ev.token_id is None:
             raise PdserveError(ev.error or f"prefill ended: {ev.finish_reason}")
         try:
-            blocks = await self.call(lambda: self.engine.held_blocks(req.request_id))
+            blocks = await self.call(lambda: self._engine.held_blocks(req.request_id))
         except BaseException:
             self._abort_soon(req.request_id)  # releases the held blocks
             raise
         return PrefillResult(ev, blocks)
 
     async def release(self, request_id: str) -> None:
-        await self.call(lambda: self.engine.release(request_id))
+        """Free a prefill-only request's held blocks. It is carried out even if the caller is
+        cancelled meanwhile (a cancelled call would otherwise be dropped before the engine
+        thread ran it, and the blocks stay held for ever)."""
+        await asyncio.shield(self.call(lambda: self._engine.release(request_id)))
 
     async def allocate_remote(self, req: GenerateRequest) -> RemoteAllocation:
         self._open_stream(req.request_id)
         try:
-            return await self.call(lambda: self.engine.allocate_remote(req))
+            return await self.call(lambda: self._engine.allocate_remote(req))
         except BaseException as exc:
             self._undo_open(req.request_id, exc)
             raise
@@ -255,7 +306,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
 
         def admit() -> None:
-            ev = self.engine.admit_remote(request_id, first_token, logprob)
+            ev = self._engine.admit_remote(request_id, first_token, logprob)
             # Queued on the loop before any later step's events, so the first token leads.
             loop.call_soon_threadsafe(q.put_nowait, ev)
 
@@ -269,15 +320,16 @@ class AsyncEngine:
             yield ev
 
     async def abort(self, request_id: str) -> None:
-        """End a request (any state) and free its blocks, then return."""
-        ev = await self.call(lambda: self.engine.abort(request_id))
+        """End a request (any state) and free its blocks, then return. Carried out even if the
+        caller is cancelled meanwhile (see `release`)."""
+        ev = await asyncio.shield(self.call(lambda: self._engine.abort(request_id)))
         # A consumer still iterating holds its queue; the id itself is free for reuse now.
         q = self._streams.pop(request_id, None)
         if ev is not None and q is not None:
             q.put_nowait(ev)
 
     async def num_cached_tokens(self, token_ids: list[int] | tuple[int, ...]) -> int:
-        return await self.call(lambda: self.engine.num_cached_tokens(token_ids))
+        return await self.call(lambda: self._engine.num_cached_tokens(token_ids))
 
     async def stats(self) -> EngineStats:
-        return await self.call(self.engine.stats)
+        return await self.call(self._engine.stats)

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from engine.kernels import TorchKernels, gather_blocks
+from pdserve.engine.kernels import TorchKernels, gather_blocks
 
 try:  # pragma: no cover - only on CUDA machines with flash-attn installed
     from flash_attn import flash_attn_varlen_func

@@ -4,6 +4,12 @@ Blocks are ids into the engine's KV pool. A block is *in use* while its ref coun
 block whose tokens are complete gets a chained hash (parent hash, its tokens, extra keys such
 as the model identity), so a later prompt with the same prefix can share it. Free blocks that
 still hold a hashed prefix stay in the cache and are evicted least-recently-freed first.
+
+Hashes are work done once per sequence (as vLLM v1 keeps ``block_hashes`` on the request): a
+sequence owns the list of its full blocks' hashes (`Sequence.block_hashes`) and this manager
+extends it lazily, block by block, as lookups, allocation and registration need more. A
+preempted and re-admitted sequence, or one that is looked up then allocated, never hashes a
+block twice.
 """
 
 from __future__ import annotations
@@ -53,8 +59,10 @@ class BlockManager:
         self._cached: dict[BlockHash, int] = {}
         # Free blocks in eviction order: first = evicted first. Values unused.
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        # Per-sequence hashes of full blocks already registered, by request id.
+        # Per live sequence: its hash list (the sequence's own, extended here) and how many
+        # of its leading blocks are accounted for (shared from the cache or registered).
         self._seq_hashes: dict[str, list[BlockHash]] = {}
+        self._num_registered: dict[str, int] = {}
         self.prefix_queries = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
@@ -71,20 +79,41 @@ class BlockManager:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
 
-    def _matched_blocks(self, token_ids: Seq[int]) -> list[int]:
+    def extend_hashes(self, hashes: list[BlockHash], token_ids: Seq[int],
+                      num_blocks: int) -> list[BlockHash]:
+        """Extend ``hashes`` (in place) to the first ``num_blocks`` full blocks of
+        ``token_ids``; the hashes already there are trusted, never recomputed."""
+        bs = self.block_size
+        num_blocks = min(num_blocks, len(token_ids) // bs)
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None,
+                                     token_ids[i * bs : (i + 1) * bs], self.hash_extra))
+        return hashes
+
+    def _matched_blocks(self, token_ids: Seq[int], hashes: list[BlockHash],
+                        max_blocks: int) -> list[int]:
+        """Cached blocks holding the leading full blocks of ``token_ids`` (at most
+        ``max_blocks``). Hashes only up to the first miss."""
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        for h in block_hashes(token_ids, self.block_size, self.hash_extra):
-            block = self._cached.get(h)
+        while len(hits) < max_blocks:
+            if len(self.extend_hashes(hashes, token_ids, len(hits) + 1)) <= len(hits):
+                break  # no further full block
+            block = self._cached.get(hashes[len(hits)])
             if block is None:
                 break
             hits.append(block)
         return hits
 
-    def num_cached_tokens(self, token_ids: Seq[int]) -> int:
-        """How many leading tokens of ``token_ids`` are in the prefix cache (block aligned)."""
-        return len(self._matched_blocks(token_ids)) * self.block_size
+    def num_cached_tokens(self, token_ids: Seq[int],
+                          block_hashes: list[BlockHash] | None = None) -> int:
+        """How many leading tokens of ``token_ids`` are in the prefix cache (block aligned).
+
+        ``block_hashes``: the sequence's hash list, extended as far as the lookup goes."""
+        hashes = [] if block_hashes is None else block_hashes
+        return len(self._matched_blocks(token_ids, hashes, len(token_ids))) * self.block_size
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -95,14 +124,18 @@ class BlockManager:
     # ------------------------------------------------------------------ allocation
 
     def allocate_prompt(self, request_id: str, token_ids: Seq[int], num_tokens: int,
-                        *, max_cached: int) -> tuple[list[int], int] | None:
+                        *, max_cached: int, block_hashes: list[BlockHash] | None = None
+                        ) -> tuple[list[int], int] | None:
         """Blocks for the first ``num_tokens`` tokens, reusing cached prefix blocks.
 
         At most ``max_cached`` tokens are taken from the cache (callers keep at least one token
         to compute so they get logits). Returns (block_table, num_cached_tokens), or None when
-        there are not enough free blocks (nothing is changed then).
+        there are not enough free blocks (nothing is changed then). ``block_hashes`` is the
+        sequence's own hash list: it is extended here and by `register_full_blocks`, and kept
+        by the caller across preemptions (the tokens do not change).
         """
-        hits = self._matched_blocks(token_ids)[: max(0, max_cached) // self.block_size]
+        hashes = [] if block_hashes is None else block_hashes
+        hits = self._matched_blocks(token_ids, hashes, max(0, max_cached) // self.block_size)
         need_total = self.blocks_needed(num_tokens)
         # Hit blocks that are free right now leave the free list when we take them.
         free_hits = sum(1 for b in hits if self._ref[b] == 0)
@@ -112,9 +145,8 @@ class BlockManager:
             self._take(b)
         table = hits + [self._pop_free() for _ in range(need_total - len(hits))]
         num_cached = len(hits) * self.block_size
-        self._seq_hashes[request_id] = [h for h, _ in zip(
-            block_hashes(token_ids[:num_cached], self.block_size, self.hash_extra), hits,
-            strict=True)]
+        self._seq_hashes[request_id] = hashes
+        self._num_registered[request_id] = len(hits)
         self.prefix_queries += 1
         self.prefix_query_tokens += len(token_ids)
         self.prefix_hit_tokens += num_cached
@@ -136,14 +168,12 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self._seq_hashes.setdefault(request_id, [])
+        done = self._num_registered.get(request_id, 0)
         num_full = num_computed // self.block_size
-        while len(hashes) < num_full:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            h = hash_block(parent, token_ids[i * self.block_size : (i + 1) * self.block_size],
-                           self.hash_extra)
-            hashes.append(h)
-            block = block_table[i]
+        self.extend_hashes(hashes, token_ids, num_full)
+        self._num_registered[request_id] = max(done, num_full)
+        for i in range(done, num_full):
+            h, block = hashes[i], block_table[i]
             if h not in self._cached and self._hash_of[block] is None:
                 self._cached[h] = block
                 self._hash_of[block] = h
@@ -151,6 +181,7 @@ class BlockManager:
     def free(self, request_id: str, block_table: Seq[int]) -> None:
         """Drop one reference to each block; blocks reaching zero become free (tail first)."""
         self._seq_hashes.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
         for b in reversed(block_table):
             self._ref[b] -= 1
             assert self._ref[b] >= 0, f"block {b} freed twice"

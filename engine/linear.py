@@ -108,7 +108,7 @@ class Int8DynamicLinear(LinearKernel):
         self._anchor = torch.zeros(1, self.in_features)
         self._anchor[0, 0], self._anchor[0, -1] = -1.0, 1.0
         self._nbytes = self.out_features * self.in_features
-        from engine.kernels import cpu_extension
+        from pdserve.engine.kernels import cpu_extension
 
         self._ext = cpu_extension()  # the row split and merge as two fused loops, if built
 

@@ -6,21 +6,24 @@ Not thread-safe: exactly one thread drives an LLMEngine (see engine.async_engine
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, ModelConfig
-from engine.loader import load_model
-from engine.model_runner import _DTYPES, ModelRunner
-from engine.sampler import Sampler
-from engine.scheduler import Scheduler
-from engine.sequence import SeqMode, SeqStatus, Sequence
-from engine.types import (
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.loader import load_model
+from pdserve.engine.model_runner import _DTYPES, ModelRunner
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import SeqMode, SeqStatus, Sequence
+from pdserve.engine.types import (
+    QUEUE_TIME_BUCKETS,
     CapacityError,
+    DurationHistogram,
+    EngineStats,
     FinishReason,
     GenerateRequest,
     InvalidRequestError,
@@ -31,7 +34,8 @@ from engine.types import (
 )
 
 if TYPE_CHECKING:
-    from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+    from pdserve.engine.grammar import GrammarCompiler, GrammarState
+    from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass(frozen=True)
@@ -41,19 +45,6 @@ class RemoteAllocation:
     request_id: str
     block_ids: tuple[int, ...]
     num_cached_tokens: int  # leading tokens already in the prefix cache: no transfer needed
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    running: int
-    waiting: int
-    awaiting_kv: int
-    held: int
-    free_blocks: int
-    total_blocks: int
-    prefix_cache_hit_rate: float
-    steps: int
-    preemptions: int
 
 
 class LLMEngine:
@@ -72,22 +63,25 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             hash_extra=model_id.encode())
         self.scheduler = Scheduler(config, self.block_manager)
-        self.sampler = Sampler()
         self.eos_token_ids = frozenset(
             tokenizer.eos_token_ids if tokenizer is not None else model_config.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids)
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammars: dict[str, GrammarState] = {}
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
         self.num_preemptions = 0
+        self.queue_time = DurationHistogram(QUEUE_TIME_BUCKETS)
 
     @classmethod
     def from_dir(cls, model_dir: Path, config: EngineConfig | None = None) -> LLMEngine:
-        from engine.model_store import model_id as compute_model_id
-        from engine.tokenizer import Tokenizer
+        from pdserve.engine.model_store import model_id as compute_model_id
+        from pdserve.engine.tokenizer import Tokenizer
 
         config = config or EngineConfig()
         if config.device == "cpu" and config.dtype in ("bfloat16", "float16"):
-            from engine.cpu import cpu_info
+            from pdserve.engine.cpu import cpu_info
 
             if not cpu_info().native_bf16:
                 raise InvalidRequestError(
@@ -119,7 +113,10 @@ class LLMEngine:
             held=len(s.held), free_blocks=self.block_manager.num_free_blocks,
             total_blocks=self.layout.num_blocks,
             prefix_cache_hit_rate=self.block_manager.prefix_hit_rate,
-            steps=self.num_steps, preemptions=self.num_preemptions)
+            steps=self.num_steps, preemptions=self.num_preemptions,
+            prefix_cache_queries=self.block_manager.prefix_query_tokens,
+            prefix_cache_hits=self.block_manager.prefix_hit_tokens,
+            queue_time=self.queue_time.snapshot())
 
     def num_cached_tokens(self, token_ids: list[int] | tuple[int, ...]) -> int:
         return self.block_manager.num_cached_tokens(token_ids)
@@ -133,13 +130,13 @@ class LLMEngine:
         if req.request_id in self._seqs:
             raise InvalidRequestError(f"duplicate request id {req.request_id!r}",
                                       param="request_id")
-        n = len(req.prompt_token_ids)
+        n = len(req.token_ids)
         if n >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {n} tokens; this model's context is {self.max_model_len} tokens "
                 "and at least one must remain for the output", param="prompt")
         vocab = self.model_config.vocab_size
-        for t in req.prompt_token_ids:
+        for t in req.token_ids:
             # A non-int would only fail inside a step (hashing, tensors) and take the batch down.
             if isinstance(t, bool) or not isinstance(t, int):
                 raise InvalidRequestError(f"token id {t!r} is not an integer", param="prompt")
@@ -153,14 +150,23 @@ class LLMEngine:
 
     def _new_seq(self, req: GenerateRequest, mode: SeqMode) -> Sequence:
         self._validate(req)
+        grammar = self._grammar_state(req.sampling.json_schema)
         seq = Sequence(req.request_id, list(req.prompt_token_ids), req.sampling,
                        latency_class=req.latency_class, mode=mode)
         self._seqs[req.request_id] = seq
+        if grammar is not None:
+            self._grammars[req.request_id] = grammar
         if self.tokenizer is not None:
-            from engine.tokenizer import IncrementalDetokenizer
+            from pdserve.engine.tokenizer import IncrementalDetokenizer
 
-            self._detok[req.request_id] = IncrementalDetokenizer(
-                self.tokenizer, seq.prompt_token_ids, req.sampling.stop)
+            detok = self._detok[req.request_id] = IncrementalDetokenizer(
+                self.tokenizer, seq.prompt_token_ids, req.sampling.stop,
+                include_stop=req.sampling.include_stop_str_in_output,
+                skip_special_tokens=req.sampling.skip_special_tokens)
+            for tok in req.resume_output_ids:  # their text was streamed already
+                detok.feed(tok)
+        for tok in req.resume_output_ids:  # a migrated request: as if preempted after them
+            seq.append_token(tok)
         return seq
 
     def add_request(self, req: GenerateRequest, *, prefill_only: bool = False) -> None:
@@ -227,14 +233,14 @@ class LLMEngine:
         for s in out.scheduled:
             if not s.seq.timings.scheduled:
                 s.seq.timings.scheduled = now
+                self.queue_time.observe(now - s.seq.arrival)
         sampling, logits = self.runner.run(out)
         self.scheduler.postprocess(out)
         self.num_steps += 1
         if not sampling:
             return events
         seqs = [s.seq for s in sampling]
-        tokens, logprobs = self.sampler.sample(
-            logits, [s.request_id for s in seqs], [s.sampling for s in seqs])
+        tokens, logprobs = self.sampler.sample(logits, seqs, self._constraint(seqs))
         for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True):
             events.append(self._process_token(seq, tok, lp))
         return events
@@ -282,9 +288,9 @@ class LLMEngine:
         detok = self._detok.pop(seq.request_id, None)
         if detok is not None:
             text += detok.flush()
+        self._grammars.pop(seq.request_id, None)
         self.scheduler.finish(seq, reason)
         seq.timings.finished = time.monotonic()
-        self.sampler.forget(seq.request_id)
         if seq.status is not SeqStatus.HELD:
             self._seqs.pop(seq.request_id, None)
         return self._event(seq, token, text, logprob, reason, error)
@@ -292,6 +298,34 @@ class LLMEngine:
     def _forget(self, seq: Sequence) -> None:
         self._seqs.pop(seq.request_id, None)
         self._detok.pop(seq.request_id, None)
+        self._grammars.pop(seq.request_id, None)
+
+    # ------------------------------------------------------------------ structured output
+
+    def _grammar_state(self, schema: str | None) -> GrammarState | None:
+        """A fresh matcher for ``schema`` (compiled once per schema; the first compile of a
+        schema takes the engine thread for a moment)."""
+        if schema is None:
+            return None
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured output needs the engine's tokenizer",
+                                          code="unsupported_parameter",
+                                          param="response_format")
+            from pdserve.engine.grammar import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer.hf_tokenizer,
+                                                     self.model_config.vocab_size)
+        return self._grammar_compiler.state(schema)
+
+    def _constraint(self, seqs: list[Sequence]) -> Callable[[torch.Tensor], None] | None:
+        rows = [(i, g, seq.output_token_ids) for i, seq in enumerate(seqs)
+                if (g := self._grammars.get(seq.request_id)) is not None]
+        if not rows:
+            return None
+        from pdserve.engine.grammar import constrain
+
+        return lambda logits: constrain(logits, rows)
 
     @staticmethod
     def _event(seq: Sequence, token: int | None, text: str, lp: TokenLogprob | None,

@@ -5,11 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.types import ModelLoadError
 from safetensors import safe_open
-
-from engine.config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
-from engine.types import ModelLoadError
 
 
 def load_model(model_dir: Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
@@ -54,7 +53,7 @@ def load_model(model_dir: Path, *, dtype: torch.dtype = torch.float32, device: s
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         # Buffers were on the meta device: recompute them for real.
-        from engine.models.llama import _inv_freq
+        from pdserve.engine.models.llama import _inv_freq
 
         model.model.rotary_emb.inv_freq = _inv_freq(
             config.head_dim, config.rope_theta, config.rope_scaling).to(device)

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
-import torch
+import dataclasses
 
-from engine.attention import HAVE_FLASH_ATTN, AttentionMetadata
-from engine.config import EngineConfig, ModelConfig
-from engine.models.llama import LlamaForCausalLM
-from engine.scheduler import ScheduledSeq, SchedulerOutput
-from engine.types import KVLayout
+import torch
+from pdserve.engine.attention import HAVE_FLASH_ATTN, AttentionMetadata
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.engine.types import KVLayout
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def kv_block_nbytes(model: ModelConfig, config: EngineConfig) -> int:
-    itemsize = torch.empty((), dtype=_DTYPES[config.activation_dtype]).element_size()
-    return model.num_layers * 2 * config.block_size * model.num_kv_heads * model.head_dim * itemsize
+def kv_layout(model: ModelConfig, config: EngineConfig, model_id: str) -> KVLayout:
+    """The KV pool this engine config gives ``model``: ``config.num_kv_blocks`` blocks, or as
+    many as fit in ``config.kv_cache_bytes``."""
+    layout = KVLayout.for_budget(
+        config.kv_cache_bytes, num_layers=model.num_layers, block_size=config.block_size,
+        num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+        dtype=config.activation_dtype, model_id=model_id)
+    if config.num_kv_blocks:
+        return dataclasses.replace(layout, num_blocks=config.num_kv_blocks)
+    return layout
 
 
 class ModelRunner:
@@ -25,22 +33,10 @@ class ModelRunner:
         self.model_config = model_config
         self.config = config
         self.device = torch.device(config.device)
-        num_blocks = config.num_kv_blocks or max(
-            2, config.kv_cache_bytes // kv_block_nbytes(model_config, config))
-        self.layout = KVLayout(
-            num_blocks=num_blocks,
-            num_layers=model_config.num_layers,
-            block_size=config.block_size,
-            num_kv_heads=model_config.num_kv_heads,
-            head_dim=model_config.head_dim,
-            dtype=config.activation_dtype,
-            model_id=model_id,
-        )
+        self.layout = kv_layout(model_config, config, model_id)
         # One contiguous allocation for the whole pool: kvxfer addresses it by byte range.
-        self.kv_pool = torch.zeros(
-            (num_blocks, model_config.num_layers, 2, config.block_size,
-             model_config.num_kv_heads, model_config.head_dim),
-            dtype=_DTYPES[config.activation_dtype], device=self.device)
+        self.kv_pool = torch.zeros(self.layout.shape, dtype=_DTYPES[self.layout.dtype],
+                                   device=self.device)
         self.use_flash = HAVE_FLASH_ATTN and self.device.type == "cuda"
 
     def _metadata(self, pieces: list[ScheduledSeq], decodes: list[ScheduledSeq]) -> tuple[

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.types import ModelLoadError, UnsupportedArchitectureError
+from pdserve.engine.types import ModelLoadError, UnsupportedArchitectureError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = frozenset({"default", DEFAULT_MODEL_NAME})

@@ -13,10 +13,10 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.sequence import SeqMode, SeqStatus, Sequence
-from engine.types import FinishReason
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sequence import SeqMode, SeqStatus, Sequence
+from pdserve.engine.types import FinishReason
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,8 @@ class Scheduler:
             seq = self._waiting[0][2]
             total = seq.num_tokens
             alloc = self.bm.allocate_prompt(seq.request_id, seq.token_ids, total,
-                                            max_cached=total - 1)
+                                            max_cached=total - 1,
+                                            block_hashes=seq.block_hashes)
             if alloc is None:
                 break
             heapq.heappop(self._waiting)
@@ -160,9 +161,10 @@ class Scheduler:
 
     def allocate_remote(self, seq: Sequence) -> bool:
         """Reserve blocks for a prompt whose KV will be written from outside the engine."""
-        total = seq.num_prompt_tokens
+        total = seq.num_tokens  # the prompt, and the output of a migrated request
         # Keep at least one block to write, so every transfer carries the completion notice.
-        alloc = self.bm.allocate_prompt(seq.request_id, seq.token_ids, total, max_cached=total - 1)
+        alloc = self.bm.allocate_prompt(seq.request_id, seq.token_ids, total, max_cached=total - 1,
+                                        block_hashes=seq.block_hashes)
         if alloc is None:
             return False
         seq.block_table, seq.num_cached_tokens = alloc
@@ -174,7 +176,7 @@ class Scheduler:
     def admit_remote(self, seq: Sequence, first_token: int) -> None:
         """The prompt's KV is in place: join the running batch at the first decode step."""
         del self.awaiting_kv[seq.request_id]
-        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_computed_tokens = seq.num_tokens
         self.bm.register_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens,
                                      seq.block_table)
         seq.append_token(first_token)

@@ -6,7 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.types import FinishReason, LatencyClass, SamplingParams, StageTimings
+from pdserve.engine.block_manager import BlockHash
+from pdserve.engine.types import FinishReason, LatencyClass, SamplingParams, StageTimings
 
 
 class SeqStatus(enum.Enum):
@@ -45,6 +46,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     timings: StageTimings = field(default_factory=StageTimings)
+    # Chained hashes of the full blocks of token_ids, computed once each, lazily, by the
+    # BlockManager (lookups, allocation, registration); valid across preemptions.
+    block_hashes: list[BlockHash] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)

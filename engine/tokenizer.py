@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.model_store import import_transformers_offline
-from engine.types import InvalidRequestError, ModelLoadError
+from pdserve.engine.model_store import import_transformers_offline
+from pdserve.engine.types import InvalidRequestError, ModelLoadError
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -58,10 +58,27 @@ class Tokenizer:
             )
         return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
 
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer underneath (structured output builds its tables)."""
+        return self._hf
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._hf.decode(
             list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
+
+    def decode_stream(self, context_ids: Sequence[int] = (), skip_special_tokens: bool = True
+                      ) -> Callable[[int], str | None]:
+        """A `tokenizers.decoders.DecodeStream` over this tokenizer, primed with
+        ``context_ids``: call it with each new id; it returns the next final text chunk, or
+        None while the ids so far end inside a UTF-8 character (or decode to nothing)."""
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(ids=[int(t) for t in context_ids] or None,
+                              skip_special_tokens=skip_special_tokens)
+        backend = self._hf.backend_tokenizer
+        return lambda token_id: stream.step(backend, int(token_id))
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """The prompt text for `messages`, ending with the assistant turn's opening."""
@@ -116,9 +133,12 @@ def validate_chat_messages(messages: Any) -> list[dict[str, str]]:
 class IncrementalDetokenizer:
     """Turns one request's output token ids, fed one at a time, into final text pieces.
 
-    Multi-byte characters: only a small window of ids is decoded per token (the prefix/read
-    offsets of vLLM and TGI), and text is not released while it ends in U+FFFD, i.e. while the
-    last tokens hold an incomplete UTF-8 sequence. Cost per token is independent of length.
+    Multi-byte characters: `tokenizers`' DecodeStream decodes a small window of ids per token
+    (the prefix/read offsets of vLLM and TGI) and releases no text while it ends in U+FFFD,
+    i.e. while the last tokens hold an incomplete UTF-8 sequence. Cost per token is
+    independent of length. The last few prompt tokens are its left context (leading-space
+    handling), unless they end inside a character: then the output starts on its own, as
+    ``tokenizer.decode(output_ids)`` does.
 
     Stop strings: text that could still become the start of a stop string is held back. When a
     stop string completes, the text before it is returned with ``True``; the stop string and
@@ -128,15 +148,23 @@ class IncrementalDetokenizer:
     ``tokenizer.decode(output_ids)`` (special tokens skipped).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = ()):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (),
+                 *, include_stop: bool = False, skip_special_tokens: bool = True):
         if any(not isinstance(s, str) or not s for s in stop):
             raise InvalidRequestError("stop strings must be non-empty strings", param="stop")
         self._tokenizer = tokenizer
         self._stop = tuple(stop)
-        # Window of ids: [0, _read_offset) is already-released context, the rest is pending.
-        self._ids = [int(t) for t in prompt_ids[-_INITIAL_PREFIX_TOKENS:]]
-        self._read_offset = len(self._ids)
-        self._prefix_text: str | None = None  # decode of the context part, cached
+        self._include_stop = include_stop  # a hit stop string ends the text instead of cutting it
+        self._skip_special = skip_special_tokens
+        context = [int(t) for t in prompt_ids[-_INITIAL_PREFIX_TOKENS:]]
+        if context and self._decode(context).endswith("\ufffd"):
+            context = []  # DecodeStream would mis-slice a context ending mid-character
+        self._step: Callable[[int], str | None] | None = tokenizer.decode_stream(
+            context, skip_special_tokens)
+        # For flush(): the ids of the last released chunk (its left context) and the ids fed
+        # since, which DecodeStream holds while they end inside a character.
+        self._context = context
+        self._pending: list[int] = []
         self._held = ""  # decoded text that may be the start of a stop string
         self.stopped = False
 
@@ -144,16 +172,11 @@ class IncrementalDetokenizer:
         """Add one output token; return (newly final text, whether a stop string was hit)."""
         if self.stopped:
             return "", True
-        self._ids.append(int(token_id))
-        if self._prefix_text is None:
-            self._prefix_text = self._tokenizer.decode(self._ids[: self._read_offset])
-        text = self._tokenizer.decode(self._ids)
-        if len(text) <= len(self._prefix_text) or text.endswith("\ufffd"):
+        self._pending.append(int(token_id))
+        piece = self._next_piece(int(token_id))
+        if not piece:
             return "", False  # nothing new yet (special token or incomplete character)
-        piece = text[len(self._prefix_text) :]
-        self._ids = self._ids[self._read_offset :]  # the new piece's tokens become the context
-        self._read_offset = len(self._ids)
-        self._prefix_text = None
+        self._context, self._pending = self._pending, []
         return self._release(piece)
 
     def flush(self) -> str:
@@ -161,27 +184,44 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         tail = ""
-        if len(self._ids) > self._read_offset:  # an incomplete character at the very end
-            prefix_text = self._tokenizer.decode(self._ids[: self._read_offset])
-            tail = self._tokenizer.decode(self._ids)[len(prefix_text) :]
-            self._ids = self._ids[self._read_offset :]
-            self._read_offset = len(self._ids)
-            self._prefix_text = None
+        if self._pending:  # an incomplete character at the very end
+            prefix_text = self._decode(self._context)
+            tail = self._decode(self._context + self._pending)[len(prefix_text) :]
+            self._context, self._pending = self._context + self._pending, []
         text, hit = self._release(tail)
         if hit:
             return text
         text, self._held = text + self._held, ""
         return text
 
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def _next_piece(self, token_id: int) -> str | None:
+        if self._step is not None:
+            try:
+                return self._step(token_id)
+            except Exception:
+                # DecodeStream refuses a window whose context decodes differently once
+                # extended; an exception here would fail the whole engine step, so this
+                # request goes on with the same window decoded by hand.
+                self._step = None
+        prefix = self._decode(self._context)
+        text = self._decode(self._context + self._pending)
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return None
+        return text[len(prefix) :]
+
     def _release(self, piece: str) -> tuple[str, bool]:
         if not self._stop:
             return piece, False
         buf = self._held + piece
-        hits = [i for i in (buf.find(s) for s in self._stop) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((buf.find(s), s) for s in self._stop) if i >= 0]
         if hits:
             self.stopped = True
             self._held = ""
-            return buf[: min(hits)], True
+            at, length = min(hits)
+            return buf[: at + length if self._include_stop else at], True
         keep = _longest_suffix_prefix(buf, self._stop)
         self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], False

@@ -5,9 +5,12 @@ This module imports nothing from the project, so any package may import it witho
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class LatencyClass(enum.StrEnum):
@@ -102,6 +105,11 @@ MAX_REQUEST_ID_LEN = 256
 MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_PENALTY = 2.0  # presence/frequency, as OpenAI
+MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 1024
+MAX_N = 16  # choices per request (n, best_of)
+MAX_JSON_SCHEMA_CHARS = 65536
 
 
 def check_request_id(request_id: str, *, param: str = "request_id") -> str:
@@ -144,6 +152,15 @@ class SamplingParams:
     `temperature == 0` means greedy. `top_k == 0` and `top_p == 1` disable those filters.
     `logprobs` is None (off) or the number of top alternatives to return (0 = only the sampled
     token's logprob).
+
+    Penalties follow vLLM (and OpenAI for presence/frequency): `presence_penalty` and
+    `frequency_penalty` subtract from the logits of tokens already in the *output*;
+    `repetition_penalty` (HF/CTRL style: divide positive logits, multiply negative ones)
+    applies to tokens in the prompt or the output. `logit_bias` adds to given token ids before
+    everything else. `min_p` drops tokens whose probability is below ``min_p`` times the top
+    token's. Until `min_tokens` tokens are out, EOS and `stop_token_ids` cannot be sampled.
+    All of them are functions of the token ids alone, so any worker holding the request's
+    tokens (e.g. a decode worker after remote prefill) can apply them.
     """
 
     max_tokens: int = 16
@@ -155,6 +172,15 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    min_p: float = 0.0
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    json_schema: str | None = None  # structured output: the text must match this JSON schema
 
     def __post_init__(self) -> None:
         def bad(param: str, message: str) -> InvalidRequestError:
@@ -196,12 +222,63 @@ class SamplingParams:
         ):
             raise bad("logprobs",
                       f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        self._check_extended(bad)
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    def _check_extended(self, bad: Any) -> None:
+        def number(v: object) -> bool:
+            return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise bad(name, f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                          f"got {v!r}")
+        rp = self.repetition_penalty
+        if not number(rp) or not 1 / MAX_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY:
+            raise bad("repetition_penalty", "repetition_penalty must be in "
+                      f"[{1 / MAX_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
+                      f"got {rp!r}")
+        if not number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+        mt = self.min_tokens
+        if isinstance(mt, bool) or not isinstance(mt, int) or mt < 0:
+            raise bad("min_tokens", f"min_tokens must be an integer >= 0, got {mt!r}")
+        if isinstance(self.max_tokens, int) and mt > self.max_tokens:
+            raise bad("min_tokens", f"min_tokens ({mt}) must not exceed max_tokens "
+                      f"({self.max_tokens})")
+        if isinstance(self.logit_bias, dict | str) or not isinstance(self.logit_bias,
+                                                                      tuple | list):
+            raise bad("logit_bias", "logit_bias must be a sequence of (token id, bias) pairs")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} logit_bias entries, "
+                      f"got {len(self.logit_bias)}")
+        pairs = []
+        for pair in self.logit_bias:
+            if not isinstance(pair, tuple | list) or len(pair) != 2:
+                raise bad("logit_bias", "logit_bias entries must be (token id, bias) pairs")
+            t, b = pair
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise bad("logit_bias", f"logit_bias token ids must be integers >= 0, got {t!r}")
+            if not number(b) or not -100.0 <= b <= 100.0:
+                raise bad("logit_bias", f"logit_bias values must be in [-100, 100], got {b!r}")
+            pairs.append((t, float(b)))
+        object.__setattr__(self, "logit_bias", tuple(pairs))
+        if self.json_schema is not None and (
+                not isinstance(self.json_schema, str) or not self.json_schema
+                or len(self.json_schema) > MAX_JSON_SCHEMA_CHARS):
+            raise bad("json_schema", "json_schema must be a non-empty string of at most "
+                      f"{MAX_JSON_SCHEMA_CHARS} characters")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
 
 @dataclass(frozen=True)
@@ -241,9 +318,16 @@ class TokenEvent:
         return self.finish_reason is not None
 
 
+_KV_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """Shape of a KV block pool: enough to address any block's bytes from outside the engine.
+
+    The one source of KV geometry: the engine allocates its pool as `shape`, KV transfer
+    addresses blocks by `block_nbytes`, and descriptors (Redis JSON) and protos carry it as
+    `to_wire()` / `from_wire()`.
 
     The pool is ONE contiguous tensor of shape
     ``[num_blocks, num_layers, 2 (k, v), block_size, num_kv_heads, head_dim]`` (block-major),
@@ -259,20 +343,39 @@ class KVLayout:
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
     model_id: str  # identity of the weights; KV from another model must never be mixed in
 
+    @classmethod
+    def for_budget(cls, nbytes: int, *, num_layers: int, block_size: int, num_kv_heads: int,
+                   head_dim: int, dtype: str, model_id: str, min_blocks: int = 2) -> KVLayout:
+        """The layout with as many blocks as fit in ``nbytes`` (at least ``min_blocks``)."""
+        one = cls(1, num_layers, block_size, num_kv_heads, head_dim, dtype, model_id)
+        return dataclasses.replace(one, num_blocks=max(min_blocks, nbytes // one.block_nbytes))
+
     @property
     def itemsize(self) -> int:
-        return {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
+        return _KV_ITEMSIZE[self.dtype]
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """One block: ``(num_layers, 2, block_size, num_kv_heads, head_dim)``."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        """The whole pool tensor's shape."""
+        return (self.num_blocks, *self.block_shape)
 
     @property
     def block_nbytes(self) -> int:
-        return (
-            self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-            * self.itemsize
-        )
+        return math.prod(self.block_shape) * self.itemsize
 
     @property
     def pool_nbytes(self) -> int:
         return self.num_blocks * self.block_nbytes
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the whole pool can hold."""
+        return self.num_blocks * self.block_size
 
     def compatible_with(self, other: KVLayout) -> bool:
         """Same per-block layout and model: blocks may be copied between the two pools."""
@@ -284,6 +387,44 @@ class KVLayout:
             and self.dtype == other.dtype
             and self.model_id == other.model_id
         )
+
+    # ------------------------------------------------------------------ the one codec
+
+    def to_wire(self) -> dict[str, int | str]:
+        """Field name -> value, the form every encoding carries (JSON, protobuf fields)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> KVLayout:
+        """The inverse of `to_wire`, validated: raises ValueError naming the bad field.
+
+        Accepts a mapping (decoded JSON) or any object with the fields as attributes (a
+        protobuf message), so every encoding is read and checked the same way.
+        """
+        def get(name: str) -> Any:
+            if isinstance(data, Mapping):
+                if name not in data:
+                    raise ValueError(f"layout is missing field {name!r}")
+                return data[name]
+            if not hasattr(data, name):
+                raise ValueError(f"layout is missing field {name!r}")
+            return getattr(data, name)
+
+        if data is None or isinstance(data, str | bytes | int | float | list):
+            raise ValueError(f"layout must be an object, got {type(data).__name__}")
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            v = get(f.name)
+            if f.type == "int":
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise ValueError(f"layout field {f.name!r} must be an integer >= 0")
+            elif not isinstance(v, str):
+                raise ValueError(f"layout field {f.name!r} must be a string")
+            values[f.name] = v
+        if values["dtype"] not in _KV_ITEMSIZE:
+            raise ValueError(f"layout dtype {values['dtype']!r} is not one of "
+                             f"{sorted(_KV_ITEMSIZE)}")
+        return cls(**values)
 
 
 @dataclass
@@ -308,6 +449,11 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     latency_class: LatencyClass = LatencyClass.STANDARD
+    # Output tokens already generated (and streamed) elsewhere: a request migrated from a
+    # decode worker that died resumes after them. The engine treats them as its own output
+    # (max_tokens, penalties, seeds by position, stop strings, grammar), so the continuation
+    # is what the interrupted stream would have produced.
+    resume_output_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
@@ -316,3 +462,91 @@ class GenerateRequest:
                 "prompt must not be empty", code="empty_prompt", param="prompt"
             )
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+        object.__setattr__(self, "resume_output_ids", tuple(self.resume_output_ids))
+        if self.resume_output_ids and len(self.resume_output_ids) >= self.sampling.max_tokens:
+            raise InvalidRequestError(
+                f"{len(self.resume_output_ids)} resumed output tokens leave none of max_tokens="
+                f"{self.sampling.max_tokens} to generate", param="resume_output_ids")
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Everything whose KV a worker computes: the prompt, then any resumed output."""
+        if not self.resume_output_ids:
+            return self.prompt_token_ids
+        return self.prompt_token_ids + self.resume_output_ids
+
+
+@dataclass(frozen=True)
+class HistogramSnapshot:
+    """Cumulative histogram counts: ``counts[i]`` observations were <= ``bounds[i]``; the
+    last bound is +inf, so ``counts[-1]`` is the number of observations."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    total: float = 0.0  # the sum of the observations
+
+    @property
+    def count(self) -> int:
+        return self.counts[-1] if self.counts else 0
+
+
+class DurationHistogram:
+    """A histogram kept by the one thread that observes it; readers get `snapshot()`s.
+
+    Plain Python (no prometheus-client) so the engine thread owns it; a collector turns the
+    snapshots into Prometheus histograms.
+    """
+
+    def __init__(self, bounds: tuple[float, ...]):
+        if list(bounds) != sorted(bounds) or not bounds:
+            raise ValueError("histogram bounds must be sorted and non-empty")
+        self.bounds = tuple(bounds) if bounds[-1] == math.inf else (*bounds, math.inf)
+        self._counts = [0] * len(self.bounds)  # per bucket, not cumulative
+        self._total = 0.0
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self._counts[i] += 1
+                break
+        self._total += value
+
+    def snapshot(self) -> HistogramSnapshot:
+        cumulative, running = [], 0
+        for n in self._counts:
+            running += n
+            cumulative.append(running)
+        return HistogramSnapshot(self.bounds, tuple(cumulative), self._total)
+
+
+# Seconds a request waits in the engine's queue before its first step (vLLM's buckets).
+QUEUE_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                      50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of one engine, taken on the engine thread (counters are cumulative).
+
+    Prefix-cache queries and hits count prompt tokens, as vLLM does: every admission of a
+    prompt queries its tokens, and the leading tokens found in the cache are hits.
+    """
+
+    running: int
+    waiting: int
+    awaiting_kv: int
+    held: int
+    free_blocks: int
+    total_blocks: int
+    prefix_cache_hit_rate: float
+    steps: int
+    preemptions: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    queue_time: HistogramSnapshot = field(
+        default_factory=lambda: DurationHistogram(QUEUE_TIME_BUCKETS).snapshot())
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use, 0..1."""
+        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0

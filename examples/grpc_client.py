@@ -12,8 +12,10 @@ import argparse
 import asyncio
 import sys
 
-from engine.types import LatencyClass, PdserveError, SamplingParams
-from pdserve import grpc_util
+from pdserve.engine.types import LatencyClass, PdserveError, SamplingParams
+
+from pdserve.rpc import convert, errors, transport
+from pdserve.rpc.metadata import request_id_metadata
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
@@ -30,15 +32,15 @@ async def generate(
     request = router_pb2.GenerateRequest(
         request_id=request_id,
         text=prompt,
-        sampling=grpc_util.sampling_to_proto(sampling),
-        latency_class=grpc_util.latency_to_proto(latency_class),
+        sampling=convert.sampling_to_proto(sampling),
+        latency_class=convert.latency_to_proto(latency_class),
         return_timings=timings,
     )
-    metadata = grpc_util.request_id_metadata(request_id) if request_id else ()
+    metadata = request_id_metadata(request_id) if request_id else ()
     last = router_pb2.GenerateResponse()
-    async with grpc_util.insecure_channel(target) as channel:
+    async with transport.insecure_channel(target) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
-        with grpc_util.translate_rpc_errors():
+        with errors.translate_rpc_errors():
             async for response in stub.Generate(request, metadata=metadata):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
@@ -86,7 +88,7 @@ def main() -> int:
     if last.error:
         print(f"error: {last.error}", file=sys.stderr)
     if args.timings and last.HasField("timings"):
-        for name, ms in grpc_util.timings_ms(last.timings).items():
+        for name, ms in convert.timings_ms(last.timings).items():
             print(f"  {name:>22} {ms:9.2f} ms", file=sys.stderr)
     return 1 if last.error else 0
 

@@ -20,11 +20,10 @@ import structlog
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
-
-from engine.types import (
+from pdserve.engine.metrics import MODEL_LABEL, labelled_registry
+from pdserve.engine.types import (
+    MAX_N,
+    MAX_REQUEST_ID_LEN,
     CapacityError,
     FinishReason,
     GenerateRequest,
@@ -33,12 +32,11 @@ from engine.types import (
     PdserveError,
     SamplingParams,
     TokenEvent,
-    TokenLogprob,
     fit_max_tokens,
 )
-from gateway.backend import GenerationBackend, ListsWorkers
-from gateway.config import GatewayConfig
-from gateway.errors import (
+from pdserve.gateway.backend import GenerationBackend, ListsWorkers
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.errors import (
     SERVER_ERROR,
     APIError,
     bad_request,
@@ -47,19 +45,43 @@ from gateway.errors import (
     timed_out,
     unavailable,
 )
-from gateway.metrics import GatewayMetrics, Outcome, RequestTracker
-from gateway.middleware import RequestContextMiddleware, request_id_of
-from gateway.openai_format import ChatFormat, CompletionFormat, ResponseFormat, usage
-from gateway.openapi import ROUTE_DOCS, install_openapi
-from gateway.schemas import (
+from pdserve.gateway.metrics import GatewayMetrics, Outcome, RequestTracker
+from pdserve.gateway.middleware import (
+    METRICS_PATH,
+    OPEN_PATHS,
+    RequestContextMiddleware,
+    request_id_of,
+)
+from pdserve.gateway.openai_format import (
+    ChatFormat,
+    Choice,
+    CompletionFormat,
+    ResponseFormat,
+    merged_usage,
+)
+from pdserve.gateway.openapi import ROUTE_DOCS, install_openapi
+from pdserve.gateway.schemas import (
+    INT64_MAX,
+    INT64_MIN,
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETION,
     ChatCompletionRequest,
     CompletionRequest,
+    OutputFormat,
     parse_json_object,
     validate,
 )
-from gateway.streaming import ClientDisconnected, SSEResponse, aclose, next_event, race
+from pdserve.gateway.streaming import (
+    ClientDisconnected,
+    MergedStream,
+    SSEResponse,
+    aclose,
+    next_event,
+    race,
+)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 __all__ = ["GatewayConfig", "create_app"]
 
@@ -69,6 +91,7 @@ LATENCY_CLASS_HEADER = "X-Latency-Class"
 TIMINGS_HEADER = "X-Pdserve-Timings"
 _MESSAGE_KEYS = frozenset({"role", "content", "name"})
 _ROLES = ("prefill", "decode")
+MAX_CHOICES = 4 * MAX_N  # generations per request: prompts x best_of
 
 Kind = Literal["completion", "chat"]
 
@@ -80,7 +103,8 @@ def create_app(backend: GenerationBackend, config: GatewayConfig | None = None) 
     gw = _Gateway(backend, config, GatewayMetrics(backend.metrics_registry))
     app = FastAPI(title="pdserve", docs_url="/docs", redoc_url="/redoc",
                   openapi_url="/openapi.json")
-    app.add_middleware(RequestContextMiddleware, api_keys=config.api_keys)
+    open_paths = OPEN_PATHS if config.metrics_require_auth else OPEN_PATHS | {METRICS_PATH}
+    app.add_middleware(RequestContextMiddleware, api_keys=config.api_keys, open_paths=open_paths)
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
@@ -103,10 +127,28 @@ def create_app(backend: GenerationBackend, config: GatewayConfig | None = None) 
 
 @dataclass(frozen=True)
 class _Prepared:
-    gen: GenerateRequest
+    """A validated request: ``best_of`` generations per prompt, prompts in order
+    (generation ``k`` is sample ``k % best_of`` of prompt ``k // best_of``)."""
+
+    gens: tuple[GenerateRequest, ...]
     fmt: ResponseFormat
     stream: bool
     include_usage: bool
+    n: int = 1
+    best_of: int = 1
+    echo: tuple[str, ...] = ()  # per prompt: text put before each of its choices
+    continuous_usage: bool = False
+    hide_logprobs: bool = False  # logprobs asked for internally (best_of), not by the client
+
+    @property
+    def gen(self) -> GenerateRequest:
+        return self.gens[0]
+
+    def index_of(self) -> dict[str, int]:
+        return {g.request_id: k for k, g in enumerate(self.gens)}
+
+    def echo_for(self, k: int) -> str:
+        return self.echo[k // self.best_of] if self.echo else ""
 
 
 class _Gateway:
@@ -116,6 +158,8 @@ class _Gateway:
         self.config = config
         self.metrics = metrics
         self.model_name = config.served_model_name or backend.model_name
+        self.metrics_page_registry = labelled_registry(backend.metrics_registry,
+                                                       **{MODEL_LABEL: self.model_name})
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ simple routes
@@ -146,7 +190,7 @@ class _Gateway:
             else w for w in found]}
 
     async def metrics_page(self) -> Response:
-        return Response(generate_latest(self.backend.metrics_registry),
+        return Response(generate_latest(self.metrics_page_registry),
                         media_type=CONTENT_TYPE_LATEST)
 
     async def completions(self, request: Request) -> Response:
@@ -181,23 +225,30 @@ class _Gateway:
             "1", "true", "yes")
         tracker = self.metrics.track(lc.value, arrived)
         try:
-            events = self.backend.generate(prep.gen)
+            events: AsyncIterator[TokenEvent]
+            if len(prep.gens) == 1:
+                events = self.backend.generate(prep.gen)
+            else:
+                events = MergedStream([
+                    [(g.request_id, self.backend.generate(g))
+                     for g in prep.gens[i : i + prep.best_of]]
+                    for i in range(0, len(prep.gens), prep.best_of)])
         except Exception as exc:  # a backend whose generate() is not itself a generator
             return self._failed(exc, tracker, headers)
 
         if not prep.stream:
             try:
-                collect = _collect(events, tracker, self.config.retry_after_s)
-                last, text, lps = await race(request.receive, collect, deadline)
+                collect = _collect(events, prep, tracker, self.config.retry_after_s)
+                choices = await race(request.receive, collect, deadline)
             except BaseException as exc:
                 await aclose(events)
                 return self._failed(exc, tracker, headers)
             await aclose(events)
             tracker.finish("success")
-            out = prep.fmt.response(text, lps, _finish_reason(last),
-                                    usage(last, len(prep.gen.prompt_token_ids)))
+            used = _usage(prep, choices)
+            out = prep.fmt.response(_best(prep, choices), used)
             if want_timings:
-                out["pdserve"] = info = _pdserve_info(last)
+                out["pdserve"] = info = _pdserve_info(choices[0].last)
                 headers[TIMINGS_HEADER] = json.dumps(info, separators=(",", ":"))
             return JSONResponse(out, headers=headers)
 
@@ -261,30 +312,47 @@ class _Gateway:
                            deadline: float, want_timings: bool) -> AsyncGenerator[bytes, None]:
         fmt = prep.fmt
         outcome: Outcome = "aborted"
+        index_of = prep.index_of()
+        lasts: dict[int, TokenEvent] = {}
         try:
             for chunk in fmt.opening_chunks():
+                if prep.continuous_usage:
+                    chunk["usage"] = _usage(prep, lasts)
                 yield _sse_data(chunk)
+            for k in range(len(prep.gens)):
+                if prep.echo_for(k):
+                    yield _sse_data(fmt.chunk(prep.echo_for(k), [], None, k))
             ev = first
             while True:
                 tracker.on_event(ev)
+                k = index_of.get(ev.request_id, 0)
+                lasts[k] = ev
                 lps = [ev.logprob] if ev.logprob is not None and fmt.logprobs else []
+                chunk = None
                 if ev.finished:
                     err = _finish_error(ev, self.config.retry_after_s)
                     if err is not None:
                         outcome = "error"
                         yield _sse_data(err.body())
                         break
-                    tail = [fmt.chunk(ev.text, lps, _finish_reason(ev))]
+                    chunk = fmt.chunk(ev.text, lps, _finish_reason(ev), k)
+                elif ev.text or lps:
+                    chunk = fmt.chunk(ev.text, lps, None, k)
+                all_done = ev.finished and len(lasts) == len(prep.gens) and all(
+                    e.finished for e in lasts.values())
+                tail = [] if chunk is None else [chunk]
+                if chunk is not None and prep.continuous_usage:
+                    chunk["usage"] = _usage(prep, lasts)
+                if all_done:
                     if prep.include_usage:
-                        tail.append(fmt.usage_chunk(usage(ev, len(prep.gen.prompt_token_ids))))
-                    if want_timings:
+                        tail.append(fmt.usage_chunk(_usage(prep, lasts)))
+                    if want_timings and tail:
                         tail[-1]["pdserve"] = _pdserve_info(ev)
-                    for chunk in tail:
-                        yield _sse_data(chunk)
+                for c in tail:
+                    yield _sse_data(c)
+                if all_done:
                     outcome = "success"
                     break
-                if ev.text or lps:
-                    yield _sse_data(fmt.chunk(ev.text, lps, None))
                 async with asyncio.timeout_at(deadline):
                     ev = await anext(events)
         except TimeoutError:
@@ -334,15 +402,22 @@ class _Gateway:
             raise bad_request("stream_options is only allowed when stream is true",
                               param="stream_options")
         logprobs: int | None
+        echo = False
         if isinstance(req, CompletionRequest):
             prompt_param = "prompt"
-            ids = await asyncio.to_thread(self._prompt_ids, req.prompt)
+            prompts = await asyncio.to_thread(self._prompts_ids, req.prompt)
             requested = req.max_tokens
             logprobs = req.logprobs
+            best_of = req.n if req.best_of is None else req.best_of
+            echo = req.echo
+            if echo and logprobs is not None:
+                raise bad_request("echo with logprobs (prompt logprobs) is not supported",
+                                  param="echo", code="unsupported_parameter")
         else:
             prompt_param = "messages"
             ids = await asyncio.to_thread(self.backend.tokenizer.apply_chat_template,
                                           _chat_messages(req.messages))
+            prompts = [(ids, "")]
             if (req.max_tokens is not None and req.max_completion_tokens is not None
                     and req.max_tokens != req.max_completion_tokens):
                 raise bad_request("max_tokens and max_completion_tokens disagree; send one",
@@ -352,39 +427,90 @@ class _Gateway:
                 raise bad_request("top_logprobs requires logprobs to be true",
                                   param="top_logprobs")
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        sampling = SamplingParams(
-            max_tokens=self._max_tokens(len(ids), requested, prompt_param),
+            best_of = req.n
+        if best_of < req.n:
+            raise bad_request(f"best_of ({best_of}) must be at least n ({req.n})",
+                              param="best_of")
+        if best_of > req.n and req.stream:
+            raise bad_request("best_of > n cannot be streamed", param="best_of")
+        if len(prompts) * best_of > MAX_CHOICES:
+            raise bad_request(f"at most {MAX_CHOICES} generations per request (prompts x "
+                              f"best_of), got {len(prompts) * best_of}", param="prompt")
+        hide_logprobs = best_of > req.n and logprobs is None
+        common = dict(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k is None or req.top_k == -1 else req.top_k,
-            seed=req.seed,
             stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
             ignore_eos=req.ignore_eos,
-            logprobs=logprobs,
+            logprobs=0 if hide_logprobs else logprobs,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=self._logit_bias(req.logit_bias),
+            min_p=req.min_p,
+            min_tokens=req.min_tokens,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            json_schema=_json_schema(req.response_format),
         )
         rid = request_id_of(request.scope)
-        gen = GenerateRequest(rid, tuple(ids), sampling, latency_class)
+        total = len(prompts) * best_of
+        gens = []
+        for p, (ids, _) in enumerate(prompts):
+            max_tokens = self._max_tokens(len(ids), requested, prompt_param)
+            for j in range(best_of):
+                seed = None if req.seed is None else _wrap_int64(req.seed + j)
+                sampling = SamplingParams(max_tokens=max_tokens, seed=seed,
+                                          **common)  # type: ignore[arg-type]
+                child = rid if total == 1 else f"{rid[:MAX_REQUEST_ID_LEN - 8]}-{p * best_of + j}"
+                gens.append(GenerateRequest(child, tuple(ids), sampling, latency_class))
         fmt_cls = CompletionFormat if kind == "completion" else ChatFormat
         fmt = fmt_cls(rid, self.model_name, int(time.time()), self.backend.tokenizer,
-                      logprobs is not None)
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return _Prepared(gen, fmt, req.stream, include_usage)
+                      logprobs is not None, num_choices=len(prompts) * req.n)
+        options = req.stream_options
+        return _Prepared(tuple(gens), fmt, req.stream,
+                         include_usage=options is not None and options.include_usage,
+                         n=req.n, best_of=best_of,
+                         echo=tuple(text for _, text in prompts) if echo else (),
+                         continuous_usage=options is not None and options.continuous_usage_stats,
+                         hide_logprobs=hide_logprobs)
 
-    def _prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]  # a batch of one
+    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        vocab = self.backend.tokenizer.vocab_size
+        out = []
+        for key, value in (bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {key[:32]!r}",
+                                  param="logit_bias") from None
+            if not 0 <= token < vocab:
+                raise bad_request(f"logit_bias token id {token} is outside the vocabulary "
+                                  f"[0, {vocab})", param="logit_bias")
+            out.append((token, value))
+        return tuple(out)
+
+    def _prompts_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[
+            tuple[list[int], str]]:
+        """Each prompt's token ids and text (the text only matters for echo)."""
+        tok = self.backend.tokenizer
         if isinstance(prompt, str):
-            return self.backend.tokenizer.encode(prompt)
-        if not all(isinstance(t, int) for t in prompt):
-            raise bad_request("batched prompts are not supported; send one prompt per request",
-                              param="prompt", code="unsupported_parameter")
-        ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+            return [(tok.encode(prompt), prompt)]
+        if prompt and all(isinstance(p, str) for p in prompt):
+            return [(tok.encode(p), p) for p in prompt]  # type: ignore[arg-type]
+        if prompt and all(isinstance(p, list) for p in prompt):
+            return [self._token_prompt(p) for p in prompt]  # type: ignore[arg-type]
+        return [self._token_prompt(prompt)]  # type: ignore[arg-type]
+
+    def _token_prompt(self, ids: list[int]) -> tuple[list[int], str]:
         vocab = self.backend.tokenizer.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})",
                               param="prompt")
-        return ids
+        return [int(t) for t in ids], self.backend.tokenizer.decode(ids)
 
     def _max_tokens(self, num_prompt: int, requested: int | None, param: str) -> int:
         return fit_max_tokens(num_prompt, requested, self.backend.max_model_len,
@@ -451,21 +577,74 @@ def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-async def _collect(events: AsyncIterator[TokenEvent], tracker: RequestTracker,
-                   retry_after_s: int) -> tuple[TokenEvent, str, list[TokenLogprob]]:
-    parts: list[str] = []
-    lps: list[TokenLogprob] = []
+async def _collect(events: AsyncIterator[TokenEvent], prep: _Prepared, tracker: RequestTracker,
+                   retry_after_s: int) -> list[Choice]:
+    """Every generation of ``prep`` to its end, as choices in generation order."""
+    index_of = prep.index_of()
+    parts: list[list[str]] = [[prep.echo_for(k)] for k in range(len(prep.gens))]
+    choices = [Choice(k, "") for k in range(len(prep.gens))]
+    left = len(choices)
     async for ev in events:
         tracker.on_event(ev)
-        parts.append(ev.text)
+        k = index_of.get(ev.request_id, 0)
+        parts[k].append(ev.text)
         if ev.logprob is not None:
-            lps.append(ev.logprob)
+            choices[k].logprobs.append(ev.logprob)
         if ev.finished:
             err = _finish_error(ev, retry_after_s)
             if err is not None:
                 raise err
-            return ev, "".join(parts), lps
+            choices[k].text = "".join(parts[k])
+            choices[k].finish_reason = _finish_reason(ev)
+            choices[k].last = ev
+            left -= 1
+            if not left:
+                return choices
     raise StopAsyncIteration
+
+
+def _best(prep: _Prepared, choices: list[Choice]) -> list[Choice]:
+    """The ``n`` choices returned per prompt: with best_of > n, those of highest cumulative
+    logprob (ties: first generated); choice index = prompt index * n + rank."""
+    if prep.best_of == prep.n:
+        return choices
+    out = []
+    for p in range(0, len(choices), prep.best_of):
+        group = choices[p : p + prep.best_of]
+        ranked = sorted(group, key=lambda c: -sum(lp.logprob for lp in c.logprobs))[: prep.n]
+        for rank, c in enumerate(ranked):
+            c.index = p // prep.best_of * prep.n + rank
+            out.append(c)
+    return out
+
+
+def _usage(prep: _Prepared, lasts: list[Choice] | dict[int, TokenEvent]) -> dict[str, Any]:
+    """Usage so far: each prompt once, the completion tokens of every generation."""
+    events = dict(enumerate(c.last for c in lasts)) if isinstance(lasts, list) else lasts
+    prompts = []
+    for p in range(0, len(prep.gens), prep.best_of):
+        ev = next((e for k in range(p, p + prep.best_of) if (e := events.get(k)) is not None),
+                  None)
+        n = len(prep.gens[p].prompt_token_ids)
+        prompts.append((ev.num_prompt_tokens or n, ev.num_cached_tokens) if ev else (n, 0))
+    done = sum(e.num_output_tokens for e in events.values() if e is not None)
+    return merged_usage(prompts, done)
+
+
+def _json_schema(fmt: OutputFormat | None) -> str | None:
+    """response_format -> the JSON schema text the engine constrains the output to."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return '{"type": "object"}'
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise bad_request("response_format json_schema needs json_schema.schema",
+                          param="response_format")
+    return json.dumps(fmt.json_schema.schema_, separators=(",", ":"))
+
+
+def _wrap_int64(v: int) -> int:
+    return (v - INT64_MIN) % (INT64_MAX - INT64_MIN + 1) + INT64_MIN
 
 
 def _finish_error(ev: TokenEvent, retry_after_s: int) -> APIError | None:

@@ -9,10 +9,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.types import GenerateRequest, TokenEvent
 from prometheus_client import CollectorRegistry
-
-from engine.tokenizer import Tokenizer
-from engine.types import GenerateRequest, TokenEvent
 
 
 @runtime_checkable

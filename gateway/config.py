@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.types import InvalidRequestError
-from gateway.schemas import PARSER_MAX_DEPTH
+from pdserve.engine.types import InvalidRequestError
+from pdserve.gateway.schemas import PARSER_MAX_DEPTH
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
     """REST gateway settings. Environment variables and flags are read by `main()`, not here.
 
-    `api_keys` empty means no authentication. `served_model_name` None serves the backend's
+    `api_keys` empty means no authentication; /metrics needs a key only with
+    `metrics_require_auth`. `served_model_name` None serves the backend's
     `model_name`; requests may also name the model by one of `model_aliases`.
     `default_max_tokens` applies when a request names no limit, clamped to the context left
     after the prompt. `request_timeout_s` bounds a whole generation, arrival to last token.
@@ -29,6 +30,7 @@ class GatewayConfig:
     served_model_name: str | None = None
     model_aliases: frozenset[str] = frozenset({"default"})
     retry_after_s: int = 1
+    metrics_require_auth: bool = False  # /metrics is open (Prometheus scrapes) unless set
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", frozenset(self.api_keys))

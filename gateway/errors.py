@@ -1,7 +1,8 @@
 """HTTP-facing errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 Every failure a client can see is an `APIError`; `from_pdserve` translates the project's
-exception tree at this boundary.
+exception tree at this boundary, reading the same table as the gRPC mapping
+(`pdserve.errors`), so an error has the same meaning on both APIs.
 """
 
 from __future__ import annotations
@@ -9,14 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from pdserve.engine.types import PdserveError
 
-from engine.types import CapacityError, InvalidRequestError, PdserveError
+from pdserve.errors import ErrorKind, kind_of
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
+RATE_LIMIT = "rate_limit_error"
 
-# PdserveError codes that mean "not now" rather than "never" or "broken".
-_UNAVAILABLE_CODES = frozenset({"no_capacity", "engine_closed", "aborted"})
 MAX_MESSAGE_CHARS = 1024  # messages may quote client input (a field name, a value)
 
 
@@ -64,9 +65,22 @@ def internal(message: str = "internal server error", code: str = "internal_error
     return APIError(500, message, type=SERVER_ERROR, code=code)
 
 
+def overloaded(message: str, *, code: str, retry_after_s: int) -> APIError:
+    """429 in OpenAI's rate-limit shape: the client backs off for Retry-After seconds."""
+    return APIError(429, message, type=RATE_LIMIT, code=code,
+                    headers={"Retry-After": str(retry_after_s)})
+
+
 def from_pdserve(exc: PdserveError, *, retry_after_s: int) -> APIError:
-    if isinstance(exc, InvalidRequestError):
+    """The HTTP error for `exc`: its status comes from `pdserve.errors.kind_of`; the "retry"
+    kinds (503, 429) carry Retry-After (an admission refusal's own, else `retry_after_s`)."""
+    kind = kind_of(exc)
+    if kind is ErrorKind.INVALID_ARGUMENT:
         return bad_request(exc.message, param=exc.param, code=exc.code)
-    if isinstance(exc, CapacityError) or exc.code in _UNAVAILABLE_CODES:
+    if kind is ErrorKind.RESOURCE_EXHAUSTED:
+        own = getattr(exc, "retry_after_s", None)
+        return overloaded(exc.message, code=exc.code,
+                          retry_after_s=retry_after_s if own is None else own)
+    if kind.http_status == 503:
         return unavailable(exc.message, code=exc.code, retry_after_s=retry_after_s)
-    return internal(exc.message, exc.code)
+    return APIError(kind.http_status, exc.message, type=SERVER_ERROR, code=exc.code)

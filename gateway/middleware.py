@@ -12,17 +12,17 @@ import hmac
 import uuid
 
 import structlog
+from pdserve.engine.types import MAX_REQUEST_ID_LEN, InvalidRequestError, check_request_id
+from pdserve.gateway.errors import APIError, bad_request, internal
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from engine.types import MAX_REQUEST_ID_LEN, InvalidRequestError, check_request_id
-from gateway.errors import APIError, bad_request, internal
 
 log = structlog.get_logger(__name__)
 
 REQUEST_ID_SCOPE_KEY = "pdserve.request_id"
 # Readable without an API key: liveness, and the API's contract (not a secret).
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+METRICS_PATH = "/metrics"  # open too unless the gateway is configured otherwise
 
 
 def request_id_of(scope: Scope) -> str:
@@ -43,9 +43,11 @@ def _valid_request_id(rid: str) -> bool:
 
 
 class RequestContextMiddleware:
-    def __init__(self, app: ASGIApp, api_keys: frozenset[str] = frozenset()):
+    def __init__(self, app: ASGIApp, api_keys: frozenset[str] = frozenset(), *,
+                 open_paths: frozenset[str] = OPEN_PATHS | {METRICS_PATH}):
         self.app = app
         self._keys = [k.encode() for k in api_keys]
+        self._open_paths = open_paths
 
     def _authorized(self, headers: Headers) -> APIError | None:
         auth = headers.get("authorization", "")
@@ -84,7 +86,7 @@ class RequestContextMiddleware:
             await send(message)
 
         with structlog.contextvars.bound_contextvars(request_id=rid):
-            if error is None and self._keys and scope["path"] not in OPEN_PATHS:
+            if error is None and self._keys and scope["path"] not in self._open_paths:
                 error = self._authorized(headers)
             if error is not None:
                 await error.response()(scope, receive, send_with_id)

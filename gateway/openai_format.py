@@ -1,12 +1,17 @@
-"""TokenEvents -> OpenAI response objects and stream chunks (completions and chat)."""
+"""TokenEvents -> OpenAI response objects and stream chunks (completions and chat).
+
+A response has one or more choices (``n`` per prompt, prompts in order); each carries its
+``index``. Usage counts every choice's completion tokens and each prompt once.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from engine.tokenizer import Tokenizer
-from engine.types import TokenEvent, TokenLogprob
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.types import TokenEvent, TokenLogprob
 
 
 def usage(last: TokenEvent | None, prompt_tokens: int) -> dict[str, Any]:
@@ -19,20 +24,41 @@ def usage(last: TokenEvent | None, prompt_tokens: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def merged_usage(prompts: Sequence[tuple[int, int]], completion_tokens: int) -> dict[str, Any]:
+    """Usage of a whole response: ``prompts`` holds (prompt tokens, cached tokens) once per
+    prompt; ``completion_tokens`` is the sum over every choice."""
+    prompt = sum(p for p, _ in prompts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(c for _, c in prompts)}}
+
+
+@dataclass
+class Choice:
+    """One finished choice of a non-streamed response."""
+
+    index: int
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str = "stop"
+    last: TokenEvent | None = None
+
+
 class _Format:
-    """Shared state of one response: identity, and the running text offset for logprobs."""
+    """Shared state of one response: identity, and each choice's text offset for logprobs."""
 
     object_name = ""
     chunk_object_name = ""
 
     def __init__(self, request_id: str, model: str, created: int, tokenizer: Tokenizer,
-                 logprobs: bool):
+                 logprobs: bool, num_choices: int = 1):
         self.request_id = request_id
         self.model = model
         self.created = created
         self.tokenizer = tokenizer
         self.logprobs = logprobs
-        self._offset = 0
+        self.num_choices = num_choices
+        self._offsets: dict[int, int] = {}
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created,
@@ -53,30 +79,33 @@ class _Format:
 class CompletionFormat(_Format):
     object_name = chunk_object_name = "text_completion"
 
-    def _logprobs(self, lps: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+    def _logprobs(self, lps: Sequence[TokenLogprob], index: int) -> dict[str, Any] | None:
         if not self.logprobs:
             return None
         tokens = [self._token(lp.token_id) for lp in lps]
         offsets = []
+        offset = self._offsets.get(index, 0)
         for t in tokens:
-            offsets.append(self._offset)
-            self._offset += len(t)
+            offsets.append(offset)
+            offset += len(t)
+        self._offsets[index] = offset
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
                 "top_logprobs": [{self._token(i): v for i, v in lp.top} for lp in lps],
                 "text_offset": offsets}
 
-    def _choice(self, text: str, lps: Sequence[TokenLogprob],
-                finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": self._logprobs(lps),
+    def _choice(self, text: str, lps: Sequence[TokenLogprob], finish_reason: str | None,
+                index: int) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": self._logprobs(lps, index),
                 "finish_reason": finish_reason}
 
-    def chunk(self, text: str, lps: Sequence[TokenLogprob],
-              finish_reason: str | None) -> dict[str, Any]:
-        return self._envelope(self.chunk_object_name, [self._choice(text, lps, finish_reason)])
+    def chunk(self, text: str, lps: Sequence[TokenLogprob], finish_reason: str | None,
+              index: int = 0) -> dict[str, Any]:
+        return self._envelope(self.chunk_object_name,
+                              [self._choice(text, lps, finish_reason, index)])
 
-    def response(self, text: str, lps: Sequence[TokenLogprob], finish_reason: str,
-                 usage: dict[str, Any]) -> dict[str, Any]:
-        out = self._envelope(self.object_name, [self._choice(text, lps, finish_reason)])
+    def response(self, choices: Sequence[Choice], usage: dict[str, Any]) -> dict[str, Any]:
+        out = self._envelope(self.object_name, [
+            self._choice(c.text, c.logprobs, c.finish_reason, c.index) for c in choices])
         out["usage"] = usage
         return out
 
@@ -98,21 +127,21 @@ class ChatFormat(_Format):
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         return [self._envelope(self.chunk_object_name, [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-             "finish_reason": None}])]
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+             "finish_reason": None}]) for i in range(self.num_choices)]
 
-    def chunk(self, text: str, lps: Sequence[TokenLogprob],
-              finish_reason: str | None) -> dict[str, Any]:
+    def chunk(self, text: str, lps: Sequence[TokenLogprob], finish_reason: str | None,
+              index: int = 0) -> dict[str, Any]:
         delta = {"content": text} if text else {}
         return self._envelope(self.chunk_object_name, [
-            {"index": 0, "delta": delta, "logprobs": self._logprobs(lps),
+            {"index": index, "delta": delta, "logprobs": self._logprobs(lps),
              "finish_reason": finish_reason}])
 
-    def response(self, text: str, lps: Sequence[TokenLogprob], finish_reason: str,
-                 usage: dict[str, Any]) -> dict[str, Any]:
+    def response(self, choices: Sequence[Choice], usage: dict[str, Any]) -> dict[str, Any]:
         out = self._envelope(self.object_name, [
-            {"index": 0, "message": {"role": "assistant", "content": text},
-             "logprobs": self._logprobs(lps), "finish_reason": finish_reason}])
+            {"index": c.index, "message": {"role": "assistant", "content": c.text},
+             "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason}
+            for c in choices])
         out["usage"] = usage
         return out
 

@@ -14,18 +14,17 @@ from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, Field
-
-from engine.tokenizer import CHAT_ROLES
-from engine.types import MAX_LOGPROBS, MAX_REQUEST_ID_LEN, MAX_TEMPERATURE
-from gateway.config import GatewayConfig
-from gateway.schemas import (
+from pdserve.engine.tokenizer import CHAT_ROLES
+from pdserve.engine.types import MAX_LOGPROBS, MAX_REQUEST_ID_LEN, MAX_TEMPERATURE
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.schemas import (
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETION,
     ChatCompletionRequest,
     CompletionRequest,
     Neutral,
 )
+from pydantic import BaseModel, Field
 
 # --------------------------------------------------------------------------- response bodies
 
@@ -264,10 +263,9 @@ def _completion(props: dict[str, Any], token_id: dict[str, Any]) -> None:
     props["prompt"] = {"description": props["prompt"].get("description", ""), "anyOf": [
         {"type": "string", "minLength": 1},
         {"type": "array", "items": token_id, "minItems": 1},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
-         "maxItems": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
         {"type": "array", "items": {"type": "array", "items": token_id, "minItems": 1},
-         "minItems": 1, "maxItems": 1}]}
+         "minItems": 1}]}
 
 
 def _chat(props: dict[str, Any]) -> None:
@@ -332,7 +330,9 @@ def _add_common(schema: dict[str, Any], config: GatewayConfig) -> None:
                 if applies(path):
                     op["responses"].setdefault(status, {"description": description,
                                                         "content": _ERROR_REF})
-            if config.api_keys and path != "/health":
+            open_path = path == "/health" or (path == "/metrics"
+                                              and not config.metrics_require_auth)
+            if config.api_keys and not open_path:
                 op["security"] = [{"bearer": []}]
     for unused in ("HTTPValidationError", "ValidationError"):
         components["schemas"].pop(unused, None)

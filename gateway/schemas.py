@@ -1,29 +1,50 @@
 """OpenAI request bodies: pydantic models, plus the fields we refuse rather than ignore.
 
-Bodies are parsed strictly (no "16" for 16) and unknown fields are errors, so a client never
-believes a setting took effect when it did not.
+Known fields are parsed strictly (no "16" for 16). Unknown fields are ignored with a debug log,
+as vLLM does, so the load tools' vendor extensions (`max_completion_tokens` on completions,
+`nvext`, ...) do not fail every request. Fields of OpenAI's API whose semantics we do not
+implement (tools, functions, audio, ...) are refused by name unless at their no-op value, so
+a client never believes such a setting took effect when it did not.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
+import structlog
+from pdserve.engine.types import MAX_N, MAX_STOP_STRINGS
+from pdserve.gateway.errors import APIError, bad_request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import from_json
 
-from engine.types import MAX_STOP_STRINGS
-from gateway.errors import APIError, bad_request
+log = structlog.get_logger(__name__)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Strict):
     include_usage: bool = Field(False, description="send a last chunk carrying `usage`")
+    continuous_usage_stats: bool = Field(False, description="extension (vLLM): every chunk "
+                                         "carries `usage` so far")
+
+
+class JSONSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class OutputFormat(_Strict):
+    """The `response_format` field."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 # Limits that depend on the served model (max_tokens, token ids) and those SamplingParams
@@ -45,6 +66,28 @@ class _Common(_Strict):
     stream: bool = Field(False, description="stream chunks as server-sent events")
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     ignore_eos: bool = Field(False, description="extension: keep generating past EOS")
+    n: int = Field(1, ge=1, le=MAX_N, description="choices to return per prompt")
+    presence_penalty: float = Field(0.0, description="subtracted from the logit of every token "
+                                    "already in the output")
+    frequency_penalty: float = Field(0.0, description="subtracted once per occurrence in the "
+                                     "output")
+    repetition_penalty: float = Field(1.0, description="extension (vLLM): > 1 discourages "
+                                      "tokens of the prompt and output; 1 is off")
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> "
+                                                "bias in [-100, 100] added to its logit")
+    min_p: float = Field(0.0, description="extension: drop tokens below min_p times the top "
+                         "token's probability")
+    min_tokens: int = Field(0, ge=0, description="extension: EOS and stop_token_ids cannot "
+                            "end the output before this many tokens")
+    stop_token_ids: list[int] | None = Field(None, description="extension: token ids that end "
+                                             "the output")
+    include_stop_str_in_output: bool = Field(False, description="extension: keep the stop "
+                                             "string that ended the output")
+    skip_special_tokens: bool = Field(True, description="extension: leave special tokens out "
+                                      "of the text")
+    response_format: OutputFormat | None = Field(
+        None, description="`text`, `json_object` (any JSON object) or `json_schema` "
+        "(`json_schema.schema` is the schema the output must match)")
     user: str | None = Field(None, description="accepted and ignored")
     latency_class: str | None = Field(None, description="extension: scheduling priority; the "
                                       "X-Latency-Class header also sets it (they must agree)")
@@ -52,9 +95,14 @@ class _Common(_Strict):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="a string, token ids, or a batch of exactly one of those")
+        description="a string, token ids, or a batch (list) of either; choice `index` is "
+        "prompt index * n + sample index")
     logprobs: int | None = Field(None, description="return the log probability of each token "
                                  "and of this many alternatives")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="generate this many per "
+                                "prompt (>= n) and return the n with the highest cumulative "
+                                "logprob; not with stream")
+    echo: bool = Field(False, description="prepend the prompt to each choice's text")
 
 
 class ChatCompletionRequest(_Common):
@@ -78,26 +126,15 @@ class Neutral:
 
 
 # Fields from OpenAI's API we do not implement: accepted only at their no-op value.
-_UNSUPPORTED_COMMON: dict[str, Neutral] = {
-    "n": Neutral(1),
-    "logit_bias": Neutral({}),
-    "presence_penalty": Neutral(0, 0.0),
-    "frequency_penalty": Neutral(0, 0.0),
-}
 UNSUPPORTED_COMPLETION = {
-    **_UNSUPPORTED_COMMON,
-    "best_of": Neutral(1),
-    "echo": Neutral(False),
     "suffix": Neutral(""),
 }
 UNSUPPORTED_CHAT = {
-    **_UNSUPPORTED_COMMON,
     "tools": Neutral([]),
     "tool_choice": Neutral("none"),
     "functions": Neutral([]),
     "function_call": Neutral("none"),
     "parallel_tool_calls": Neutral(),
-    "response_format": Neutral({"type": "text"}),
     "modalities": Neutral(["text"]),
     "audio": Neutral(),
     "prediction": Neutral(),
@@ -153,14 +190,17 @@ def json_depth(value: Any) -> int:
 
 
 def validate(body: dict[str, Any], model: type[M], unsupported: Mapping[str, Neutral]) -> M:
-    """Check `body` against `model`, refusing unsupported fields by name (400)."""
+    """Check `body` against `model`, refusing unsupported fields by name (400) and ignoring
+    unknown ones (logged at debug level, as vLLM does)."""
     for name, neutral in unsupported.items():
         if name in body:
             if not neutral(body[name]):
-                what = "only n=1 is supported" if name == "n" else f"'{name}' is not supported"
-                raise bad_request(f"{what} by this server", param=name,
+                raise bad_request(f"'{name}' is not supported by this server", param=name,
                                   code="unsupported_parameter")
             body = {k: v for k, v in body.items() if k != name}
+    ignored = sorted(k for k in body if k not in model.model_fields)
+    if ignored:
+        log.debug("ignoring unknown request fields", fields=[k[:64] for k in ignored[:32]])
     try:
         return model.model_validate(body)
     except ValidationError as exc:

@@ -7,13 +7,13 @@ shutdown), the backend's iterator is closed, which cancels the request on the wo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+from pdserve.engine.types import TokenEvent
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
-
-from engine.types import TokenEvent
 
 T = TypeVar("T")
 
@@ -91,3 +91,75 @@ class SSEResponse(StreamingResponse):
         if sender.done() and not sender.cancelled() and (exc := sender.exception()) is not None:
             if not isinstance(exc, OSError):  # OSError: the client went away mid-send
                 raise exc
+
+
+class MergedStream:
+    """The events of several backend streams, as they come, as one stream.
+
+    Streams come in groups (the choices of one prompt): a group's first stream starts alone
+    and the others start once it has produced its first event, i.e. once the prompt's KV is
+    in the prefix cache, so they share its blocks instead of each prefilling the prompt.
+    An error from any stream is raised from `__anext__`; `aclose()` closes every stream,
+    which aborts the requests still running.
+    """
+
+    def __init__(self, groups: list[list[tuple[str, AsyncIterator[TokenEvent]]]]):
+        """``groups``: per prompt, its (request id, stream) pairs; events are tagged with the
+        request id of the stream they came from."""
+        self._groups = groups
+        self._queue: asyncio.Queue[TokenEvent | BaseException | None] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._live = sum(len(g) for g in groups)
+        self._started = False
+        self._closing = False
+
+    def __aiter__(self) -> MergedStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if not self._started:
+            self._started = True
+            for group in self._groups:
+                self._tasks.append(asyncio.ensure_future(self._pump(*group[0], group[1:])))
+        while self._live:
+            item = await self._queue.get()
+            if item is None:
+                self._live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                return item
+        raise StopAsyncIteration
+
+    async def _pump(self, rid: str, it: AsyncIterator[TokenEvent],
+                    followers: list[tuple[str, AsyncIterator[TokenEvent]]]) -> None:
+        try:
+            async for ev in it:
+                if followers:
+                    self._tasks.extend(asyncio.ensure_future(self._pump(*f, []))
+                                       for f in followers)
+                    followers = []
+                if ev.request_id != rid:
+                    ev = dataclasses.replace(ev, request_id=rid)
+                self._queue.put_nowait(ev)
+            self._queue.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._queue.put_nowait(exc)
+        finally:
+            if followers and not self._closing:  # the leader ended without an event
+                self._tasks.extend(asyncio.ensure_future(self._pump(*f, [])) for f in followers)
+
+    async def aclose(self) -> None:
+        self._closing = True
+        while True:
+            pending = [t for t in self._tasks if not t.done()]
+            if not pending:
+                break
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        for group in self._groups:
+            for _, it in group:
+                await aclose(it)

@@ -6,19 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-
-from engine.types import KVLayout
-
-
-def pool_shape(layout: KVLayout) -> tuple[int, ...]:
-    return (
-        layout.num_blocks,
-        layout.num_layers,
-        2,
-        layout.block_size,
-        layout.num_kv_heads,
-        layout.head_dim,
-    )
+from pdserve.engine.types import KVLayout
 
 
 def check_blocks(block_ids: Iterable[int], num_blocks: int, what: str) -> None:
@@ -38,7 +26,7 @@ class PoolBytes:
     """
 
     def __init__(self, pool: torch.Tensor, layout: KVLayout) -> None:
-        expected = pool_shape(layout)
+        expected = layout.shape
         if tuple(pool.shape) != expected:
             raise ValueError(f"pool shape {tuple(pool.shape)} does not match layout {expected}")
         if str(pool.dtype).removeprefix("torch.") != layout.dtype:

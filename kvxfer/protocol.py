@@ -30,12 +30,12 @@ import struct
 from typing import Any
 
 import ucxx.exceptions
-
-from engine.types import KVTransferError
+from pdserve.engine.types import KVTransferError
 
 CTRL_TAG = 0
 MAX_FRAME_BYTES = 16 << 20
 _SEQ_MOD = 1 << 28  # keeps tags below 2**61, where Python's int hash is the identity
+SEQ_LIMIT = _SEQ_MOD  # a request's seq is in [1, SEQ_LIMIT)
 _LEN = struct.Struct("<Q")
 
 UCXError = ucxx.exceptions.UCXError
@@ -60,6 +60,7 @@ class Code(enum.StrEnum):
     CANCELLED = "kv_cancelled"
     FENCE_FAILED = "kv_fence_failed"
     CLOSED = "kv_closed"
+    UNAUTHENTICATED = "kv_unauthenticated"  # see kvxfer.auth
 
 
 def error(code: Code, message: str) -> KVTransferError:
@@ -95,32 +96,41 @@ async def send_frame(ep: Any, tag: int, message: dict[str, Any], timeout_s: floa
 
 
 async def recv_frame(
-    ep: Any, tag: int, timeout_s: float | None, *, idle_ok: bool = False
+    ep: Any,
+    tag: int,
+    timeout_s: float | None,
+    *,
+    idle_ok: bool = False,
+    max_bytes: int = MAX_FRAME_BYTES,
 ) -> dict[str, Any]:
     """Receive one frame. With `idle_ok` the wait for its first byte is unbounded (a server
     waiting for the next request); the rest of the frame must still arrive within
-    `timeout_s`.
+    `timeout_s`. A declared length above `max_bytes` is refused before anything is
+    allocated for it.
     """
     header = bytearray(_LEN.size)
     if idle_ok:
         await ep.recv(header, tag=tag)
         async with asyncio.timeout(timeout_s):
-            return await _recv_payload(ep, tag, header)
+            return await _recv_payload(ep, tag, header, max_bytes)
     async with asyncio.timeout(timeout_s):
         await ep.recv(header, tag=tag)
-        return await _recv_payload(ep, tag, header)
+        return await _recv_payload(ep, tag, header, max_bytes)
 
 
-async def _recv_payload(ep: Any, tag: int, header: bytearray) -> dict[str, Any]:
+async def _recv_payload(ep: Any, tag: int, header: bytearray, max_bytes: int) -> dict[str, Any]:
     (length,) = _LEN.unpack(header)
-    if not 0 < length <= MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame length {length} is outside (0, {MAX_FRAME_BYTES}]")
+    limit = min(max_bytes, MAX_FRAME_BYTES)
+    if not 0 < length <= limit:
+        raise ProtocolError(f"frame length {length} is outside (0, {limit}]")
     payload = bytearray(length)
     await ep.recv(payload, tag=tag)
     try:
-        message = json.loads(payload)
-    except ValueError as exc:
-        raise ProtocolError(f"frame is not JSON: {exc}") from None
+        # Strict UTF-8 (json.loads would guess UTF-16/32 from the first bytes); nesting too
+        # deep for the decoder is a bad frame, not a crash of the connection's handler.
+        message = json.loads(payload.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(f"frame is not JSON: {str(exc)[:200]}") from None
     if not isinstance(message, dict) or not isinstance(message.get("op"), str):
         raise ProtocolError("frame must be a JSON object with a string 'op'")
     return message

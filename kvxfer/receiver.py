@@ -29,12 +29,12 @@ from typing import Any, Self
 import structlog
 import torch
 import ucxx
-
-from control.descriptors import DescriptorFormatError, layout_from_dict
-from engine.types import KVLayout, KVTransferError
-from kvxfer.pool import PoolBytes, check_blocks
-from kvxfer.protocol import (
+from pdserve.engine.types import KVLayout, KVTransferError
+from pdserve.kvxfer.auth import KVAuth
+from pdserve.kvxfer.pool import PoolBytes, check_blocks
+from pdserve.kvxfer.protocol import (
     CTRL_TAG,
+    SEQ_LIMIT,
     Code,
     ProtocolError,
     UCXError,
@@ -44,12 +44,14 @@ from kvxfer.protocol import (
     reply_tag,
     send_frame,
 )
-from kvxfer.runs import expand_runs
+from pdserve.kvxfer.runs import expand_runs
 
 log = structlog.get_logger(__name__)
 
 _ABORT_PERIOD_NS = 1_000_000_000  # bound on ucxx's blocking endpoint close
 _FINISHED_MEMORY = 4096  # finished transfer ids remembered, for clearer late-writer errors
+_FRAME_BASE_BYTES = 64 << 10  # a request's fixed part (ids, layout, notice) fits in this ...
+_FRAME_BYTES_PER_BLOCK = 32  # ... plus one "[start,count]," run per destination block
 
 
 class _State(enum.Enum):
@@ -128,7 +130,8 @@ class KVReceiver:
 
     `descriptor_id` names this pool incarnation (``"{worker_id}:{epoch}"``); writers that
     address another one are rejected. The UCX listener accepts on every interface; `host` is
-    the address advertised in `address`. Use as ``async with KVReceiver(...) as rx:``.
+    the address advertised in `address`. With `auth`, only signed writes from authorized
+    senders are served (`kvxfer.auth`). Use as ``async with KVReceiver(...) as rx:``.
     """
 
     def __init__(
@@ -142,6 +145,8 @@ class KVReceiver:
         frame_timeout_s: float = 5.0,
         fence_grace_s: float = 0.25,
         fence_timeout_s: float = 10.0,
+        auth: KVAuth | None = None,
+        max_connections: int = 256,
     ) -> None:
         self._pool = PoolBytes(pool, layout)
         self.layout = layout
@@ -151,6 +156,10 @@ class KVReceiver:
         self._frame_timeout_s = frame_timeout_s
         self._fence_grace_s = fence_grace_s
         self._fence_timeout_s = fence_timeout_s
+        self._auth = auth
+        self._max_connections = max_connections
+        # The largest request a writer can need: a write naming every block as its own run.
+        self._max_frame_bytes = _FRAME_BASE_BYTES + _FRAME_BYTES_PER_BLOCK * layout.num_blocks
         self._listener: Any = None
         self._bound_port: int | None = None
         self._closing = False
@@ -196,6 +205,10 @@ class KVReceiver:
             conn.abort("receiver closed")
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=self._fence_timeout_s)
+        for _ in range(100):  # ucxx retires each handler a moment after it returned
+            if self._listener is None or not self._listener.active_clients:
+                break
+            await asyncio.sleep(0.01)
         if self._listener is not None:
             self._listener.close()  # after the handlers returned, which ucxx expects
             self._listener = None  # ucxx unbinds the port once the last reference is gone
@@ -270,25 +283,39 @@ class KVReceiver:
     # ------------------------------------------------------------------ serving writers
 
     async def _serve(self, ep: Any) -> None:
-        """One connected sender: read requests until the endpoint goes away."""
+        """One connected sender: read requests until the endpoint goes away.
+
+        A sender sends its first request as soon as it connected, so that one must arrive
+        within `frame_timeout_s` (a connection that never speaks is dropped); after a valid
+        request the endpoint may stay idle for reuse. At most `max_connections` are served
+        at once; more are refused.
+        """
         conn = _Connection(ep, peer=f"ep-{ep.uid:#x}")
+        if len(self._conns) >= self._max_connections:
+            log.warning("kv_connection_refused", peer=conn.peer, reason="too many connections",
+                        limit=self._max_connections)
+            conn.abort("too many connections")
+            return
         self._conns.add(conn)
         serving = asyncio.current_task()
         if serving is not None:
             self._tasks.add(serving)
+        spoke = False
         try:
             while not self._closing:
                 try:
-                    msg = await recv_frame(ep, CTRL_TAG, self._frame_timeout_s, idle_ok=True)
+                    msg = await recv_frame(ep, CTRL_TAG, self._frame_timeout_s, idle_ok=spoke,
+                                           max_bytes=self._max_frame_bytes)
                 except (ProtocolError, TimeoutError) as exc:
                     log.warning("kv_bad_frame", peer=conn.peer, error=str(exc) or "timeout")
                     break
                 except UCXError:
                     break  # the sender closed or died
                 op, seq = msg.get("op"), msg.get("seq")
-                if not isinstance(seq, int) or seq <= 0:
-                    log.warning("kv_bad_frame", peer=conn.peer, error=f"bad seq {seq!r}")
+                if isinstance(seq, bool) or not isinstance(seq, int) or not 0 < seq < SEQ_LIMIT:
+                    log.warning("kv_bad_frame", peer=conn.peer, error=f"bad seq {seq!r:.40}")
                     break
+                spoke = True
                 if op == "ping":
                     pong = {"op": "pong", "descriptor_id": self.descriptor_id}
                     await conn.reply(seq, pong, self._frame_timeout_s)
@@ -308,6 +335,12 @@ class KVReceiver:
 
     async def _on_write(self, conn: _Connection, seq: int, msg: dict[str, Any]) -> None:
         transfer_id = msg.get("transfer_id")
+        if self._auth is not None and (problem := await self._auth.check(msg)) is not None:
+            # Refused before the transfer is even looked up: a forger changes nothing.
+            log.warning("kv_write_unauthenticated", peer=conn.peer, reason=problem)
+            reject = {"op": "reject", "code": Code.UNAUTHENTICATED, "message": problem}
+            await conn.reply(seq, reject, self._frame_timeout_s)
+            return
         try:
             transfer, runs = self._admit(msg)
         except KVTransferError as err:
@@ -361,8 +394,8 @@ class KVReceiver:
 
     def _check_request(self, msg: dict[str, Any], transfer: _Transfer) -> list[tuple[int, int]]:
         try:
-            layout = layout_from_dict(msg.get("layout"))
-        except DescriptorFormatError as exc:
+            layout = KVLayout.from_wire(msg.get("layout"))
+        except ValueError as exc:
             raise error(Code.PROTOCOL_ERROR, f"bad layout: {exc}") from None
         if not layout.compatible_with(self.layout):
             raise error(
@@ -384,6 +417,13 @@ class KVReceiver:
         runs = [(start, count) for start, count in raw_runs]
         if any(count < 1 for _, count in runs):
             raise error(Code.PROTOCOL_ERROR, "every run must hold at least one block")
+        if sum(count for _, count in runs) != len(transfer.dst_block_ids):
+            # Checked before expanding the runs: a declared count is never materialized.
+            raise error(
+                Code.BLOCK_MISMATCH,
+                f"transfer {transfer.transfer_id!r} expects {len(transfer.dst_block_ids)} "
+                "blocks, the writer's runs hold another number",
+            )
         blocks = expand_runs(runs)
         try:
             check_blocks(blocks, self.layout.num_blocks, "destination")

@@ -15,11 +15,11 @@ from typing import Any, Self
 import structlog
 import torch
 import ucxx
-
-from control.descriptors import KVDescriptor, layout_to_dict, split_address
-from engine.types import KVLayout, KVTransferError
-from kvxfer.pool import PoolBytes, check_blocks
-from kvxfer.protocol import (
+from pdserve.control.descriptors import KVDescriptor, split_address
+from pdserve.engine.types import KVLayout, KVTransferError
+from pdserve.kvxfer.auth import KVAuth
+from pdserve.kvxfer.pool import PoolBytes, check_blocks
+from pdserve.kvxfer.protocol import (
     CTRL_TAG,
     Code,
     ProtocolError,
@@ -31,7 +31,7 @@ from kvxfer.protocol import (
     reply_tag,
     send_frame,
 )
-from kvxfer.runs import merge_pairs
+from pdserve.kvxfer.runs import merge_pairs
 
 log = structlog.get_logger(__name__)
 
@@ -80,7 +80,8 @@ class KVSender:
 
     Keeps one endpoint per receiver address and reuses it; transfers to the same receiver
     run concurrently over it. Descriptors come from `resolve_descriptor` and are cached until
-    a receiver rejects one as stale. Use as ``async with KVSender(...) as tx:``.
+    a receiver rejects one as stale. With `auth`, every write is signed (`kvxfer.auth`).
+    Use as ``async with KVSender(...) as tx:``.
     """
 
     def __init__(
@@ -91,8 +92,10 @@ class KVSender:
         connect_timeout_s: float = 5.0,
         fence_timeout_s: float = 10.0,
         max_cached_descriptors: int = 4096,
+        auth: KVAuth | None = None,
     ) -> None:
         self.layout = layout
+        self._auth = auth
         self._resolve = resolve_descriptor
         self._connect_timeout_s = connect_timeout_s
         self._fence_timeout_s = fence_timeout_s
@@ -208,7 +211,7 @@ class KVSender:
                 "op": "write",
                 "transfer_id": transfer_id,
                 "descriptor_id": descriptor_id,
-                "layout": layout_to_dict(self.layout),
+                "layout": self.layout.to_wire(),
                 "runs": [[dst, count] for _, dst, count in runs],
                 "notice": notice,
             }
@@ -219,10 +222,11 @@ class KVSender:
                     self.forget_descriptor(descriptor_id)  # the worker may have moved
                     raise
                 seq = peer.next_seq()
+                frame = {**request, "seq": seq}
+                if self._auth is not None:
+                    frame = self._auth.sign(frame)
                 try:
-                    reply = await self._exchange(
-                        peer, {**request, "seq": seq}, remaining(), retry_ok=attempt == 0
-                    )
+                    reply = await self._exchange(peer, frame, remaining(), retry_ok=attempt == 0)
                     break
                 except _Retry:
                     continue

@@ -12,38 +12,17 @@ import sys
 import uuid
 from pathlib import Path
 
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=os.environ.get("PDSERVE_MODEL"),
-                   help="model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)")
-    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size in MiB")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-prefill-chunk", type=int, default=512)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: the CPUs this process may run on)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16",
-                                                          "int8"),
-                   help="weights: float32 (exact, default); bfloat16/float16 (needs native bf16 "
-                   "on CPU); int8 (per-channel int8 weights, per-token int8 activations)")
-
-
-def engine_config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from engine.config import EngineConfig
-
-    threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                               else None)
-    return EngineConfig(
-        block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_prefill_chunk=args.max_prefill_chunk, num_threads=threads, device=args.device,
-        dtype=args.dtype)
+from pdserve import services_cli
+from pdserve.cli_args import (
+    HelpFormatter,
+    add_engine_args,
+    engine_config_from_args,
+    version,
+)
 
 
 def _cmd_model_pull(args: argparse.Namespace) -> int:
-    from engine.model_store import convert_gguf, pull_default_model
+    from pdserve.engine.model_store import convert_gguf, pull_default_model
 
     if args.gguf:
         out = convert_gguf(Path(args.gguf), Path(args.out), progress=True)
@@ -53,7 +32,7 @@ def _cmd_model_pull(args: argparse.Namespace) -> int:
     # Build the fused CPU kernels now (once per machine) rather than in the first worker.
     import torch
 
-    from engine.kernels import kernels_for
+    from pdserve.engine.kernels import kernels_for
 
     print(f"CPU kernels: {kernels_for(torch.device('cpu'), torch.float32).name}",
           file=sys.stderr)
@@ -61,10 +40,10 @@ def _cmd_model_pull(args: argparse.Namespace) -> int:
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    from engine.async_engine import AsyncEngine
-    from engine.llm_engine import LLMEngine
-    from engine.model_store import resolve_model
-    from engine.types import GenerateRequest, SamplingParams
+    from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.model_store import resolve_model
+    from pdserve.engine.types import GenerateRequest, SamplingParams
 
     model_dir = resolve_model(args.model)
     engine = LLMEngine.from_dir(model_dir, engine_config_from_args(args))
@@ -85,6 +64,37 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__,
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pdserve {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(parent: argparse._SubParsersAction, name: str,  # type: ignore[type-arg]
+            help: str) -> argparse.ArgumentParser:
+        return parent.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+
+    model = add(sub, "model", "manage models")
+    model_sub = model.add_subparsers(dest="model_command", required=True, metavar="COMMAND")
+    pull = add(model_sub, "pull", "fetch and convert the default model (cached)")
+    pull.add_argument("--gguf", help="convert this local .gguf file instead")
+    pull.add_argument("--out", help="output directory for --gguf")
+    pull.set_defaults(func=_cmd_model_pull)
+
+    gen = add(sub, "generate", "run the engine alone and stream a completion")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="apply the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature (0: greedy)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    add_engine_args(gen)
+    gen.set_defaults(func=lambda a: asyncio.run(_generate(a)))
+
+    services_cli.register(sub, add)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     # UCX warns about variables other libraries set for it; those warnings are noise here.
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -92,32 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     # so a KV receiver with a receive always posted spins a core while idle; with Python
     # futures a notifier thread completes them instead. Must be set before ucxx is imported.
     os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    model = sub.add_parser("model", help="manage models")
-    model_sub = model.add_subparsers(dest="model_command", required=True)
-    pull = model_sub.add_parser("pull", help="fetch and convert the default model (cached)")
-    pull.add_argument("--gguf", help="convert this local .gguf file instead")
-    pull.add_argument("--out", help="output directory for --gguf")
-    pull.set_defaults(func=_cmd_model_pull)
-
-    gen = sub.add_parser("generate", help="run the engine alone and stream a completion")
-    gen.add_argument("prompt")
-    gen.add_argument("--chat", action="store_true", help="apply the chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
-    _add_engine_args(gen)
-    gen.set_defaults(func=lambda a: asyncio.run(_generate(a)))
-
-    try:
-        from pdserve import services_cli
-    except ImportError:  # services not installed in this build
-        services_cli = None  # type: ignore[assignment]
-    if services_cli is not None:
-        services_cli.register(sub, _add_engine_args)
-
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "model" and args.gguf and not args.out:
         parser.error("--gguf needs --out")

@@ -8,8 +8,10 @@ import contextlib
 import functools
 import inspect
 import logging
+import os
 import signal
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -17,14 +19,19 @@ import grpc
 import structlog
 from prometheus_client import CollectorRegistry, start_http_server
 
-from engine.types import InvalidRequestError, check_request_id
-from pdserve.grpc_util import request_id_from_context
+from pdserve.engine.types import InvalidRequestError, check_request_id
+from pdserve.rpc.metadata import request_id_from_context
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def configure_logging(level: str = "INFO", *, json: bool = True) -> None:
-    """structlog to stderr: JSON lines by default; request ids come from contextvars."""
+    """structlog to stderr: JSON lines by default; request ids come from contextvars.
+    ValueError for a level name logging does not know."""
+    levels = logging.getLevelNamesMapping()
+    if level.upper() not in levels:
+        raise ValueError(f"invalid log level {level!r} (choose from DEBUG, INFO, WARNING, "
+                         "ERROR, CRITICAL)")
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -34,19 +41,42 @@ def configure_logging(level: str = "INFO", *, json: bool = True) -> None:
             structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[level.upper()]),
+            levels[level.upper()]),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
 
 
-def stop_event_on_signals(*signals: signal.Signals) -> asyncio.Event:
-    """An event set on SIGTERM/SIGINT (or the given signals), for graceful shutdown."""
+def stop_event_on_signals(*signals: signal.Signals,
+                          exit_after_s: float | None = None) -> asyncio.Event:
+    """An event set on SIGTERM/SIGINT (or the given signals), for graceful shutdown.
+
+    With `exit_after_s`, the first signal also arms a watchdog thread: if the process is still
+    alive that many seconds later (a drain stuck on a dead peer, a library thread that never
+    ends), it exits with status 1 there and then, so a stop signal always stops the process
+    within its drain grace. Repeated signals change nothing (a process group signal and a
+    supervisor's own SIGTERM often both arrive)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            return
+        stop.set()
+        if exit_after_s is not None:
+            timer = threading.Timer(exit_after_s, _hard_exit, args=("drain_grace_exceeded",))
+            timer.daemon = True
+            timer.start()
+
     for sig in signals or (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     return stop
+
+
+def _hard_exit(reason: str) -> None:
+    structlog.get_logger(__name__).error("forced_exit", reason=reason)
+    sys.stderr.flush()
+    os._exit(1)
 
 
 async def start_server(server: grpc.aio.Server, host: str, port: int) -> str:

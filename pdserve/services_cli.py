@@ -1,30 +1,52 @@
-"""CLI subcommands for the services: workers, router, a local cluster, and a client."""
+"""CLI subcommands for the services: workers, router, a local cluster, a client and a
+health probe. Flags shared with other commands come from `pdserve.cli_args`; the cluster
+itself is `pdserve.cluster.LocalCluster`."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
-import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
-import uuid
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
+
+from pdserve.cli_args import (
+    add_admission_args,
+    add_api_key_args,
+    add_cluster_secret_arg,
+    add_engine_args,
+    add_log_level_arg,
+    add_model_arg,
+    admission_argv,
+    admission_config_from_args,
+    api_keys,
+    cluster_secret,
+    engine_argv,
+    engine_config_from_args,
+    positive_int,
+    served_name_default,
+)
+from pdserve.cluster import LocalCluster, new_cluster_secret, stream_completion
+
+__all__ = ["LocalCluster", "parse_cpus", "register"]
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL", DEFAULT_REDIS))
-    p.add_argument("--namespace", default=os.environ.get("PDSERVE_NAMESPACE", "default"))
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (internal ports)")
-    p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+    p.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL", DEFAULT_REDIS),
+                   help="control-plane Redis (env PDSERVE_REDIS_URL)")
+    p.add_argument("--namespace", default=os.environ.get("PDSERVE_NAMESPACE", "default"),
+                   help="Redis key prefix: one cluster per namespace (env PDSERVE_NAMESPACE)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address every listener binds (gRPC, HTTP, metrics; UCX: see "
+                   "docs/ARCHITECTURE.md, Security)")
+    add_cluster_secret_arg(p)
+    add_log_level_arg(p)
 
 
 def _advertise_host(args: argparse.Namespace) -> str:
@@ -41,14 +63,20 @@ def _worker_id(prefix: str) -> str:
     return f"{prefix}-{socket.gethostname()}-{os.getpid()}"
 
 
-def _run_until_signal(main: Callable[[asyncio.Event], Any], log_level: str) -> int:
+# After a stop signal a process gets its drain timeout plus this much (leaving the registry,
+# a directory poll, closing servers and clients) before the watchdog ends it.
+_STOP_SLACK_S = 15.0
+
+
+def _run_until_signal(main: Callable[[asyncio.Event], Any], log_level: str,
+                      grace_s: float | None = None) -> int:
     from pdserve.runtime import configure_logging, stop_event_on_signals
 
     configure_logging(log_level)
 
     async def runner() -> None:
         try:
-            await main(stop_event_on_signals())
+            await main(stop_event_on_signals(exit_after_s=grace_s))
         finally:
             # With UCXPY_ENABLE_PYTHON_FUTURE (see pdserve.cli) ucxx runs a notifier thread
             # that interpreter exit would wait on forever: stop it while the loop still runs.
@@ -82,374 +110,266 @@ def _place_process(args: argparse.Namespace) -> None:
         os.nice(args.nice)
 
 
-def _cmd_decode(args: argparse.Namespace, engine_cfg: Callable[..., Any]) -> int:
-    from decode_svc.main import DecodeConfig, run_decode
+def _served_name(args: argparse.Namespace) -> str | None:
+    return args.served_model_name or served_name_default(args.model)
+
+
+def _worker_settings(args: argparse.Namespace, role: str) -> dict[str, Any]:
+    """The WorkerConfig fields every worker takes from its flags (`_worker_parser`)."""
+    return dict(worker_id=args.worker_id or _worker_id(role), redis_url=args.redis_url,
+                model=args.model, engine=engine_config_from_args(args), host=args.host,
+                port=args.port, advertise_host=_advertise_host(args),
+                metrics_port=args.metrics_port, namespace=args.namespace,
+                served_model_name=_served_name(args), drain_timeout_s=args.drain_timeout,
+                cluster_secret=cluster_secret(args), max_requests=args.max_requests)
+
+
+def _cmd_decode(args: argparse.Namespace) -> int:
+    from pdserve.decode_svc.main import DecodeConfig, run_decode
 
     _place_process(args)
-    cfg = DecodeConfig(worker_id=args.worker_id or _worker_id("decode"), redis_url=args.redis_url,
-                       model=args.model, engine=engine_cfg(args), host=args.host, port=args.port,
-                       advertise_host=_advertise_host(args), metrics_port=args.metrics_port,
-                       ucx_host=_advertise_host(args), namespace=args.namespace)
-    return _run_until_signal(lambda stop: run_decode(cfg, stop), args.log_level)
+    cfg = DecodeConfig(**_worker_settings(args, "decode"), ucx_host=_advertise_host(args))
+    return _run_until_signal(lambda stop: run_decode(cfg, stop), args.log_level,
+                             cfg.drain_timeout_s + _STOP_SLACK_S)
 
 
-def _cmd_prefill(args: argparse.Namespace, engine_cfg: Callable[..., Any]) -> int:
-    from prefill_svc.main import PrefillConfig, run_prefill
+def _cmd_prefill(args: argparse.Namespace) -> int:
+    from pdserve.prefill_svc.main import PrefillConfig, run_prefill
 
     _place_process(args)
-    cfg = PrefillConfig(worker_id=args.worker_id or _worker_id("prefill"),
-                        redis_url=args.redis_url, model=args.model, engine=engine_cfg(args),
-                        host=args.host, port=args.port, advertise_host=_advertise_host(args),
-                        metrics_port=args.metrics_port, namespace=args.namespace)
-    return _run_until_signal(lambda stop: run_prefill(cfg, stop), args.log_level)
-
-
-def _api_keys(flag: str | None, env: Mapping[str, str]) -> list[str]:
-    """The router's API keys: the comma-separated --api-keys value, else PDSERVE_API_KEYS."""
-    return [k.strip() for k in (flag or env.get("PDSERVE_API_KEYS", "")).split(",") if k.strip()]
+    cfg = PrefillConfig(**_worker_settings(args, "prefill"))
+    return _run_until_signal(lambda stop: run_prefill(cfg, stop), args.log_level,
+                             cfg.drain_timeout_s + _STOP_SLACK_S)
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    from router.main import RouterProcessConfig, run_router
-    from router.policy import RouterPolicy
-    from router.router import RouterConfig
+    from pdserve.router.main import RouterProcessConfig, run_router
+    from pdserve.router.policy import RouterPolicy
+    from pdserve.router.router import RouterConfig
 
     cfg = RouterProcessConfig(
         redis_url=args.redis_url, model=args.model, namespace=args.namespace, host=args.host,
         grpc_port=args.port, http_port=args.http_port,
-        api_keys=frozenset(_api_keys(args.api_keys, os.environ)),
+        api_keys=frozenset(api_keys(args)), served_model_name=_served_name(args),
+        cluster_secret=cluster_secret(args),
+        drain_timeout_s=args.drain_timeout,
+        metrics_require_auth=args.metrics_require_auth,
         max_request_bytes=args.max_request_bytes,
         router=RouterConfig(policy=RouterPolicy(
             remote_min_uncached_tokens=args.remote_threshold,
-            max_prefill_backlog_tokens=args.max_prefill_backlog)))
-    return _run_until_signal(lambda stop: run_router(cfg, stop), args.log_level)
-
-
-# --------------------------------------------------------------------------- local cluster
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode} while starting")
-        with socket.socket() as s:
-            s.settimeout(0.2)
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"{what} did not open port {port} within {timeout_s:.0f}s")
-
-
-class LocalCluster:
-    """Redis (private unless a URL is given), router, N prefill and M decode workers, as
-    child processes on 127.0.0.1. Use as a context manager; stops everything on exit."""
-
-    def __init__(self, *, prefill: int = 1, decode: int = 1, redis_url: str | None = None,
-                 model: str | None = None, http_port: int = 0, grpc_port: int = 0,
-                 extra_worker_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (),
-                 log_dir: Path | None = None,
-                 namespace: str | None = None, env: dict[str, str] | None = None,
-                 place_workers: bool = True, prefill_nice: int = 5):
-        self.n_prefill, self.n_decode = prefill, decode
-        self.place_workers, self.prefill_nice = place_workers, prefill_nice
-        self.redis_url = redis_url
-        self.model = model
-        self.http_port = http_port or _free_port()
-        self.grpc_port = grpc_port or _free_port()
-        self.extra = extra_worker_args
-        self.router_args = router_args
-        self.ports: dict[str, int] = {}  # worker name -> gRPC port
-        self.metrics_ports: dict[str, int] = {}  # worker name -> Prometheus HTTP port
-        self.namespace = namespace or f"cluster{uuid.uuid4().hex[:8]}"
-        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="pdserve-cluster-"))
-        self.env = {**os.environ, **(env or {})}
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._redis: subprocess.Popen[bytes] | None = None
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    @property
-    def grpc_address(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    def metrics_url(self, name: str) -> str:
-        """Prometheus endpoint of a worker (the router's is ``{http_url}/metrics``)."""
-        return f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"
-
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "wb")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        self.procs[name] = proc
-        return proc
-
-    def _pdserve(self, *args: str) -> list[str]:
-        base = [sys.executable, "-m", "pdserve.cli", *args, "--redis-url", str(self.redis_url),
-                "--namespace", self.namespace]
-        return base + (["--model", self.model] if self.model else [])
-
-    def start_redis(self) -> None:
-        if self.redis_url:
-            return
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server not found; install it or pass --redis-url")
-        port = _free_port()
-        self._redis = subprocess.Popen(
-            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-             "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.log_dir)
-        _wait_port(port, self._redis, 10, "redis-server")
-        self.redis_url = f"redis://127.0.0.1:{port}/0"
-
-    def _placement(self, role: str, index: int) -> list[str]:
-        """Share the machine instead of oversubscribing it. Decode workers (latency) split the
-        CPUs between them; prefill workers (throughput) may use every CPU, at a lower priority,
-        so a decode step preempts prefill rather than running on half the cores (a hard split
-        halves decode speed on a small machine). Flags in extra_worker_args override these."""
-        if not self.place_workers:
-            return []
-        cpus = sorted(os.sched_getaffinity(0))
-        if role == "decode":
-            n = max(self.n_decode, index + 1)  # a worker added later takes its own share
-            if n >= len(cpus):
-                group = [cpus[index % len(cpus)]]
-            else:
-                size = len(cpus) // n
-                end = len(cpus) if index == n - 1 else (index + 1) * size
-                group = cpus[index * size:end]
-            return ["--cpus", ",".join(map(str, group))]
-        threads = max(1, len(cpus) // max(1, self.n_prefill))
-        return ["--threads", str(threads), "--nice", str(self.prefill_nice)]
-
-    def add_worker(self, role: str, index: int, wait: bool = True,
-                   timeout_s: float = 180) -> str:
-        name = f"{role}-{index}"
-        port = self.ports[name] = _free_port()
-        mport = self.metrics_ports[name] = _free_port()
-        proc = self._spawn(name, self._pdserve(f"{role}-worker", "--worker-id", name,
-                                               "--port", str(port), "--metrics-port",
-                                               str(mport), *self._placement(role, index),
-                                               *self.extra))
-        if wait:
-            _wait_port(port, proc, timeout_s, name)
-        return name
-
-    def start(self, timeout_s: float = 300) -> LocalCluster:
-        """Start everything; TimeoutError unless ready within `timeout_s` in all."""
-        deadline = time.monotonic() + timeout_s
-        self.start_redis()
-        for i in range(self.n_decode):
-            self.add_worker("decode", i, wait=False)
-        for i in range(self.n_prefill):
-            self.add_worker("prefill", i, wait=False)
-        router = self._spawn("router", self._pdserve(
-            "router", "--port", str(self.grpc_port), "--http-port", str(self.http_port),
-            *self.router_args))
-        _wait_port(self.http_port, router, max(0.0, deadline - time.monotonic()), "router")
-        self.wait_ready(max(0.0, deadline - time.monotonic()))
-        return self
-
-    def auth_headers(self) -> dict[str, str]:
-        """The router's gateway wants a key on every route but /health when it has keys
-        (--api-keys in router_args, else PDSERVE_API_KEYS in the environment it inherits)."""
-        args, flag = list(self.router_args), None
-        for i, arg in enumerate(args):  # the last one wins, as with argparse
-            if arg == "--api-keys" and i + 1 < len(args):
-                flag = args[i + 1]
-            elif arg.startswith("--api-keys="):
-                flag = arg.partition("=")[2]
-        keys = _api_keys(flag, self.env)
-        return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
-
-    def wait_ready(self, timeout_s: float = 300) -> None:
-        """Until every worker is registered with the router (its gateway's worker listing)."""
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        want = self.n_decode + self.n_prefill
-        headers = self.auth_headers()
-        while True:
-            for name, p in self.procs.items():
-                if p.poll() is not None:
-                    raise RuntimeError(f"{name} exited with code {p.returncode}; see "
-                                       f"{self.log_dir / (name + '.log')}")
-            try:
-                r = httpx.get(f"{self.http_url}/v1/pdserve/workers", headers=headers, timeout=2)
-                if r.status_code == 200 and len(r.json().get("workers", [])) >= want:
-                    return
-                if r.status_code in (401, 403):  # waiting would not change the answer
-                    raise RuntimeError(f"the gateway refused the readiness check (HTTP "
-                                       f"{r.status_code}): {r.text}")
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"cluster not ready within {timeout_s:.0f}s; logs in "
-                                   f"{self.log_dir}")
-            time.sleep(0.3)
-
-    def stop(self, name: str, sig: signal.Signals = signal.SIGTERM,
-             timeout_s: float = 60) -> int | None:
-        p = self.procs.get(name)
-        if p is None or p.poll() is not None:
-            return None if p is None else p.returncode
-        p.send_signal(sig)
-        try:
-            return p.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            return p.wait(timeout=10)
-
-    def close(self) -> None:
-        for name in [n for n in self.procs if n == "router"] + \
-                [n for n in self.procs if n != "router"]:
-            self.stop(name)
-        if self._redis is not None:
-            self._redis.terminate()
-            self._redis.wait(timeout=10)
-
-    def __enter__(self) -> LocalCluster:
-        try:
-            return self.start()
-        except BaseException:
-            self.close()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _stream_completion(url: str, prompt: str, max_tokens: int, out: Any = sys.stdout,
-                       headers: Mapping[str, str] | None = None) -> None:
-    """Send one chat request to the gateway and stream the answer to ``out``."""
-    import json
-
-    import httpx
-
-    body = {"model": "default", "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "stream": True, "temperature": 0}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120,
-                      headers=dict(headers or {})) as r:
-        if r.status_code != 200:
-            r.read()
-            raise RuntimeError(f"request failed: HTTP {r.status_code}: {r.text}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            for choice in data.get("choices", []):
-                out.write(choice.get("delta", {}).get("content") or "")
-                out.flush()
-    out.write("\n")
+            max_prefill_backlog_tokens=args.max_prefill_backlog),
+            admission=admission_config_from_args(args),
+            directory_max_staleness_s=args.max_directory_staleness))
+    return _run_until_signal(lambda stop: run_router(cfg, stop), args.log_level,
+                             cfg.drain_timeout_s + _STOP_SLACK_S)
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
+    router_args = ["--remote-threshold", str(args.remote_threshold)]
+    router_args += admission_argv(args)
+    router_args += ["--max-directory-staleness", str(args.max_directory_staleness)]
+    served = _served_name(args)
+    worker_args = engine_argv(args)
+    if served:
+        router_args += ["--served-model-name", served]
+        worker_args += ["--served-model-name", served]
+    # Secrets go to the children in their environment, never on a command line (ps shows it).
+    env = {"PDSERVE_LOG_LEVEL": args.log_level}
+    if args.api_key:
+        env["PDSERVE_API_KEY"] = ",".join(args.api_key)
+    secret = cluster_secret(args)  # --cluster-secret-file, else PDSERVE_CLUSTER_SECRET
     cluster = LocalCluster(prefill=args.prefill, decode=args.decode, redis_url=args.redis_url,
                            model=args.model, http_port=args.http_port, grpc_port=args.port,
-                           extra_worker_args=("--dtype", args.dtype),
-                           prefill_nice=args.prefill_nice)
+                           extra_worker_args=tuple(worker_args), router_args=tuple(router_args),
+                           prefill_nice=args.prefill_nice, env=env,
+                           cluster_secret=new_cluster_secret() if secret is None
+                           else secret.value.decode())
     print(f"starting cluster: {args.prefill} prefill, {args.decode} decode workers "
           f"(logs in {cluster.log_dir})", file=sys.stderr)
+    stop = started = False
+
+    def on_signal(*_: object) -> None:
+        nonlocal stop
+        stop = True
+        if not started:  # still starting: abandon the start; `finally` stops what runs
+            raise SystemExit(0)
+
+    # Installed before anything starts, so a signal at any point stops the children too
+    # (and if this process is SIGKILLed, PR_SET_PDEATHSIG stops them: see LocalCluster).
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         cluster.start(args.ready_timeout)
+        started = True
         print(f"ready: HTTP {cluster.http_url}  gRPC {cluster.grpc_address}  "
               f"redis {cluster.redis_url}", file=sys.stderr)
         if args.demo:
             print(f"> {args.demo}", file=sys.stderr)
-            _stream_completion(cluster.http_url, args.demo, args.max_tokens,
-                               headers=cluster.auth_headers())
+            stream_completion(cluster.http_url, args.demo, args.max_tokens,
+                              headers=cluster.auth_headers())
             return 0
-        stop = False
-
-        def on_signal(*_: object) -> None:
-            nonlocal stop
-            stop = True
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
         while not stop:
             time.sleep(0.5)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeated signal must not cut close()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         cluster.close()
     return 0
 
 
 def _cmd_ask(args: argparse.Namespace) -> int:
-    keys = [args.api_key] if args.api_key else _api_keys(None, os.environ)
-    _stream_completion(args.url, args.prompt, args.max_tokens,
-                       headers={"Authorization": f"Bearer {keys[0]}"} if keys else None)
+    import httpx
+
+    keys = api_keys(args)
+    try:
+        stream_completion(args.url, args.prompt, args.max_tokens, model=args.model_name,
+                          temperature=args.temperature,
+                          headers={"Authorization": f"Bearer {keys[0]}"} if keys else None)
+    except (RuntimeError, httpx.HTTPError) as exc:  # refused, or nobody listening
+        print(f"pdserve ask: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
-def register(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    from pdserve.cli import engine_config_from_args
+def _cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 when the target reports healthy, 1 otherwise (with the reason on stderr)."""
+    if args.http:
+        import httpx
 
-    for role, fn in (("decode", _cmd_decode), ("prefill", _cmd_prefill)):
-        p = sub.add_parser(f"{role}-worker", help=f"run a {role} worker")
-        _common(p)
-        add_engine_args(p)
-        p.add_argument("--worker-id", default=None)
-        p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
-        p.add_argument("--metrics-port", type=int, default=0,
-                       help="Prometheus /metrics HTTP port (0: any free port, -1: off)")
-        p.add_argument("--cpus", type=parse_cpus, default=None,
-                       help="run on these CPUs only, e.g. 0-3 (default: all allowed)")
-        p.add_argument("--nice", type=int, default=0,
-                       help="raise the process's nice value by this much (lower CPU priority)")
-        p.add_argument("--advertise-host", default=os.environ.get("PDSERVE_ADVERTISE_HOST"),
-                       help="host the router and other workers use to reach this worker "
-                       "(default: --host, or this machine's address when --host is 0.0.0.0)")
-        p.set_defaults(func=lambda a, fn=fn: fn(a, engine_config_from_args))
+        try:
+            r = httpx.get(args.http, timeout=args.timeout)
+        except httpx.HTTPError as exc:
+            print(f"unhealthy: {args.http}: {exc}", file=sys.stderr)
+            return 1
+        print(f"{args.http}: HTTP {r.status_code}", file=sys.stderr)
+        return 0 if r.status_code == 200 else 1
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    r = sub.add_parser("router", help="run the router (gRPC) and the OpenAI HTTP gateway")
+    with grpc.insecure_channel(args.grpc) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"unhealthy: {args.grpc}: {exc.code().name}: {exc.details()}",  # type: ignore[attr-defined]
+                  file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(f"{args.grpc} {args.service or '(server)'}: {status}", file=sys.stderr)
+    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+Adder = Callable[..., argparse.ArgumentParser]
+
+
+def _served_name_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--served-model-name", default=None,
+                   help=f"model name {what} (default: the Hugging Face id for a cached hub "
+                   "model, else the model directory's name)")
+
+
+def _worker_parser(add: Adder, sub: Any, role: str, fn: Callable[..., int]) -> None:
+    p = add(sub, f"{role}-worker", f"run a {role} worker")
+    _common(p)
+    add_engine_args(p)
+    _served_name_arg(p, "in metric labels")
+    p.add_argument("--worker-id", default=None,
+                   help="name in the registry (default: <role>-<hostname>-<pid>)")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus /metrics HTTP port (0: any free port, -1: off)")
+    p.add_argument("--cpus", type=parse_cpus, default=None,
+                   help="run on these CPUs only, e.g. 0-3 (default: all allowed)")
+    p.add_argument("--nice", type=int, default=0,
+                   help="raise the process's nice value by this much (lower CPU priority)")
+    p.add_argument("--advertise-host", default=os.environ.get("PDSERVE_ADVERTISE_HOST"),
+                   help="host the router and other workers use to reach this worker "
+                   "(default: --host, or this machine's address when --host is 0.0.0.0; "
+                   "env PDSERVE_ADVERTISE_HOST)")
+    p.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds a stopping worker lets in-flight work finish (keep the "
+                   "orchestrator's stop grace period above it)")
+    p.add_argument("--max-requests", type=positive_int, default=256,
+                   help="requests this worker holds at most (queued, running, awaiting KV); "
+                   "more are refused with UNAVAILABLE and the router goes elsewhere")
+    p.set_defaults(func=fn)
+
+
+def _router_flags(p: argparse.ArgumentParser) -> None:
+    """Flags `pdserve router` and `pdserve cluster up` share."""
+    add_api_key_args(p)
+    add_admission_args(p)
+    _served_name_arg(p, "clients send and /v1/models lists")
+    p.add_argument("--max-directory-staleness", type=float, default=30.0,
+                   help="seconds the router keeps routing on its last known workers while "
+                   "Redis is unreachable (then /health says not ready)")
+    p.add_argument("--remote-threshold", type=int, default=256,
+                   help="uncached prompt tokens from which prefill goes to the prefill pool")
+
+
+def register(sub: Any, add: Adder) -> None:
+    """Add the service subcommands to `sub`; `add(sub, name, help)` makes a subparser."""
+    _worker_parser(add, sub, "decode", _cmd_decode)
+    _worker_parser(add, sub, "prefill", _cmd_prefill)
+
+    r = add(sub, "router", "run the router (gRPC) and the OpenAI HTTP gateway")
     _common(r)
-    r.add_argument("--model", default=os.environ.get("PDSERVE_MODEL"))
+    add_model_arg(r)
     r.add_argument("--port", type=int, default=50051, help="gRPC port")
     r.add_argument("--http-port", type=int, default=8000, help="HTTP gateway port")
-    r.add_argument("--api-keys", default=None, help="comma-separated API keys (or "
-                   "PDSERVE_API_KEYS); none: no auth")
-    r.add_argument("--remote-threshold", type=int, default=256,
-                   help="uncached prompt tokens from which prefill goes to the prefill pool")
+    _router_flags(r)
+    r.add_argument("--metrics-require-auth", action="store_true",
+                   help="ask for an API key on /metrics too (default: open to scrapers)")
     r.add_argument("--max-prefill-backlog", type=int, default=16384,
                    help="prefill pool backlog (queued tokens) above which prefill stays local")
     r.add_argument("--max-request-bytes", type=int, default=1 << 20,
                    help="largest HTTP request body (else 413) and gRPC request message (else "
                    "RESOURCE_EXHAUSTED)")
+    r.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds a stopping router lets in-flight requests finish")
     r.set_defaults(func=_cmd_router)
 
-    c = sub.add_parser("cluster", help="local cluster on 127.0.0.1")
-    csub = c.add_subparsers(dest="cluster_command", required=True)
-    up = csub.add_parser("up", help="start Redis, the router and the workers")
-    up.add_argument("--prefill", type=int, default=1)
-    up.add_argument("--decode", type=int, default=1)
-    up.add_argument("--redis-url", default=None, help="use this Redis (default: a private one)")
-    up.add_argument("--model", default=os.environ.get("PDSERVE_MODEL"))
-    up.add_argument("--http-port", type=int, default=8000)
-    up.add_argument("--port", type=int, default=50051, help="router gRPC port")
-    up.add_argument("--demo", default=None, help="send this prompt, print the answer, stop")
-    up.add_argument("--max-tokens", type=int, default=64)
-    up.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16",
-                                                           "int8"),
-                    help="weight format of every worker (see `pdserve generate --help`)")
-    up.add_argument("--prefill-nice", type=int, default=5,
-                    help="nice value of prefill workers, which share every CPU with the decode "
-                    "workers at a lower priority")
-    up.add_argument("--ready-timeout", type=float, default=300.0,
-                    help="seconds to wait for every process to be ready before giving up")
+    c = add(sub, "cluster", "local cluster on 127.0.0.1")
+    csub = c.add_subparsers(dest="cluster_command", required=True, metavar="COMMAND")
+    up = add(csub, "up", "start Redis, the router and the workers; serve until Ctrl-C")
+    g = up.add_argument_group("cluster")
+    g.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    g.add_argument("--decode", type=int, default=1, help="decode workers")
+    g.add_argument("--redis-url", default=None, help="use this Redis (default: a private one)")
+    g.add_argument("--http-port", type=int, default=8000, help="router HTTP gateway port")
+    g.add_argument("--port", type=int, default=50051, help="router gRPC port")
+    g.add_argument("--demo", default=None, help="send this prompt, print the answer, stop")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens the --demo answer may use")
+    g.add_argument("--prefill-nice", type=int, default=5,
+                   help="nice value of prefill workers, which share every CPU with the decode "
+                   "workers at a lower priority")
+    g.add_argument("--ready-timeout", type=float, default=300.0,
+                   help="seconds to wait for every process to be ready before giving up")
+    add_log_level_arg(g)  # type: ignore[arg-type]
+    add_cluster_secret_arg(g)  # type: ignore[arg-type]
+    _router_flags(up)
+    add_engine_args(up)  # passed on to every worker
     up.set_defaults(func=_cmd_cluster)
 
-    a = sub.add_parser("ask", help="send a chat prompt to a running gateway and stream it")
-    a.add_argument("prompt")
-    a.add_argument("--url", default="http://127.0.0.1:8000")
-    a.add_argument("--max-tokens", type=int, default=128)
-    a.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                   help="bearer key for a keyed gateway (default: PDSERVE_API_KEY, else the "
-                   "first of PDSERVE_API_KEYS)")
+    a = add(sub, "ask", "send a chat prompt to a running gateway and stream the answer")
+    a.add_argument("prompt", help="the user message")
+    a.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's base URL")
+    a.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    a.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (0: greedy)")
+    a.add_argument("--model", dest="model_name", default="default",
+                   help="model name sent in the request")
+    add_api_key_args(a)
     a.set_defaults(func=_cmd_ask)
+
+    h = add(sub, "health", "probe a router or worker: exit 0 when it serves (for "
+            "container healthchecks)")
+    target = h.add_mutually_exclusive_group(required=True)
+    target.add_argument("--grpc", metavar="HOST:PORT",
+                        help="ask this gRPC server's grpc.health.v1 service")
+    target.add_argument("--http", metavar="URL", help="GET this URL, e.g. the router's "
+                        "http://127.0.0.1:8000/health")
+    h.add_argument("--service", default="",
+                   help="gRPC service name to check ('': the whole server)")
+    h.add_argument("--timeout", type=float, default=3.0, help="seconds before giving up")
+    h.set_defaults(func=_cmd_health)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from pdserve.rpc.auth import ClusterSecret
 
 
 @dataclass(frozen=True)
@@ -12,6 +16,7 @@ class WorkerConfig:
     worker_id: str
     redis_url: str
     model: str | None = None
+    served_model_name: str | None = None  # metric label; None: the model directory's name
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
     port: int = 0
@@ -21,3 +26,11 @@ class WorkerConfig:
     lease_ttl_s: float = 3.0
     heartbeat_s: float = 1.0
     drain_timeout_s: float = 60.0
+    # Requests the worker holds at most (queued, running, awaiting KV); more are refused with
+    # UNAVAILABLE so the router goes elsewhere: a worker's memory stays bounded.
+    max_requests: int = 256
+    # Authenticates gRPC callers and KV writes (pdserve.rpc.auth); None: open, with a warning.
+    cluster_secret: ClusterSecret | None = None
+
+    def model_name(self, model_dir_name: str) -> str:
+        return self.served_model_name or model_dir_name

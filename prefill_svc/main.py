@@ -4,27 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import structlog
+from pdserve.control.directory import WorkerDirectory
+from pdserve.control.load import WorkerLoad
+from pdserve.control.registry import ControlPlaneError, WorkerRegistry
+from pdserve.control.workers import WorkerInfo
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.metrics import labelled_registry
+from pdserve.engine.model_store import resolve_model
+from pdserve.engine.types import KVTransferError
+from pdserve.kvxfer.auth import KVAuth
+from pdserve.kvxfer.sender import KVSender
+from pdserve.prefill_svc import servicer
+from pdserve.prefill_svc.metrics import PrefillMetrics
+from pdserve.prefill_svc.worker import PrefillWorker
 from prometheus_client import CollectorRegistry
 
-from control.directory import WorkerDirectory
-from control.registry import WorkerRegistry
-from control.workers import WorkerInfo
-from engine.async_engine import AsyncEngine
-from engine.llm_engine import LLMEngine
-from engine.model_store import resolve_model
-from engine.types import KVTransferError
-from kvxfer.sender import KVSender
-from pdserve import grpc_util as gu
+from pdserve.rpc import auth, transport
 from pdserve.runtime import metrics_server, start_server
-from pdserve.v1 import prefill_pb2_grpc
 from pdserve.worker_config import WorkerConfig
-from prefill_svc.metrics import PrefillMetrics
-from prefill_svc.servicer import PrefillServicer
-from prefill_svc.worker import PrefillWorker
 
 log = structlog.get_logger(__name__)
 SERVICE = "pdserve.v1.PrefillWorker"
@@ -56,18 +59,24 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
     model_dir = resolve_model(config.model)
     engine = await asyncio.to_thread(LLMEngine.from_dir, model_dir, config.engine)
     metrics = PrefillMetrics(CollectorRegistry())
+    secret = config.cluster_secret
+    auth.warn_unauthenticated(secret, "prefill_worker")
+    kv_auth = None if secret is None else KVAuth(secret.kv_key, sender_id=config.worker_id)
     async with (AsyncEngine(engine) as aengine,
                 WorkerRegistry.from_url(config.redis_url, namespace=config.namespace) as registry,
-                KVSender(engine.layout, registry.get_descriptor) as sender,
+                KVSender(engine.layout, registry.get_descriptor, auth=kv_auth) as sender,
                 WorkerDirectory(registry, role="decode") as decoders):
         epoch = await registry.next_epoch(config.worker_id)
         worker = PrefillWorker(aengine, sender, worker_id=config.worker_id,
                                max_inflight=config.max_inflight,
-                               transfer_timeout_s=config.transfer_timeout_s, metrics=metrics)
-        with metrics_server(metrics.registry, config.host, config.metrics_port) as mport:
-            server = gu.new_server()
-            prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker), server)
-            health = await gu.add_health(server, SERVICE)
+                               transfer_timeout_s=config.transfer_timeout_s,
+                               max_requests=config.max_requests, metrics=metrics)
+        with metrics_server(labelled_registry(metrics.registry,
+                                              model_name=config.model_name(model_dir.name)),
+                            config.host, config.metrics_port) as mport:
+            server = transport.new_server(auth=auth.cluster_interceptor(secret))
+            servicer.add_to_server(worker, server)
+            health = await transport.add_health(server, SERVICE)
             bound = await start_server(server, config.host, config.port)
             port = bound.rpartition(":")[2]
             address = f"{config.advertise_host or config.host}:{port}"
@@ -77,16 +86,15 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
                     await sender.warmup(descriptor_id=info.descriptor_id, timeout_s=5.0)
             warm_task = asyncio.create_task(_warm_peers(decoders, sender))
 
-            def load() -> dict[str, float]:
-                extra = {} if mport is None else {"metrics_port": mport}
-                return {**worker.load(), **extra}
+            def load() -> WorkerLoad:
+                return dataclasses.replace(worker.load(), metrics_port=mport)
 
             info = WorkerInfo(worker_id=config.worker_id, role="prefill", grpc_address=address,
                               model_id=engine.layout.model_id, epoch=epoch,
                               started_at=time.time(), load=load())
             await registry.register(info, config.lease_ttl_s, heartbeat_s=config.heartbeat_s,
                                     load_fn=load)
-            await gu.set_serving(health, SERVICE)
+            await transport.set_serving(health, SERVICE)
             log.info("prefill_worker_ready", worker_id=config.worker_id, grpc=address,
                      metrics_port=mport)
             if ready is not None:
@@ -95,8 +103,11 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
             log.info("prefill_worker_draining", worker_id=config.worker_id,
                      inflight=worker.inflight)
             worker.accepting = False
-            await registry.deregister()
-            await gu.set_not_serving(health, SERVICE)
+            try:  # leave the directory; a dead Redis costs one bounded attempt, and the
+                await registry.deregister()  # lease lapses by itself within its TTL
+            except ControlPlaneError as err:
+                log.warning("deregister_failed", error=str(err))
+            await transport.set_not_serving(health, SERVICE)
             await worker.drained(config.drain_timeout_s)  # pending prefills and transfers
             await server.stop(grace=5.0)
             warm_task.cancel()

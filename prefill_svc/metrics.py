@@ -1,20 +1,19 @@
 """Prometheus metrics of a prefill worker, in a registry of its own (no global registry).
 
-KV blocks come from the engine's latest stats at scrape time (the gateway's
-`EngineStatsCollector`); the queue is read from the worker at scrape time; compute and
-transfer durations, bytes and failures are recorded by `PrefillWorker` as they happen.
+KV blocks come from the engine's latest stats at scrape time
+(`engine.metrics.EngineStatsCollector`); the queue is read from the worker at scrape time;
+compute and transfer durations, bytes and failures are recorded by `PrefillWorker` as they happen.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
+from pdserve.engine.metrics import EngineStatsCollector
+from pdserve.engine.types import EngineStats
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-from engine.llm_engine import EngineStats
-from gateway.local_backend import EngineStatsCollector
 
 _COMPUTE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -54,7 +53,7 @@ class PrefillMetrics:
               running: Callable[[], int]) -> None:
         """Register scrape-time gauges: engine blocks (``stats``), the queue by latency
         class, queued prompt tokens, and prefills holding a slot."""
-        self.registry.register(EngineStatsCollector(stats, worker_id))
+        self.registry.register(EngineStatsCollector(stats, worker_id, "prefill"))
         self.registry.register(_QueueCollector(worker_id, queued, queued_tokens, running))
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from pdserve.engine.types import InvalidRequestError
+from pdserve.prefill_svc.worker import Destination, PrefillWorker
 
-from engine.types import InvalidRequestError
-from pdserve import grpc_util as gu
+from pdserve.rpc import convert
 from pdserve.runtime import logs_request_id
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from prefill_svc.worker import Destination, PrefillWorker
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
@@ -20,7 +20,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     @logs_request_id
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
-        req = gu.request_from_proto(request, self.worker.engine.engine.max_model_len)
+        req = convert.request_from_proto(request.input, self.worker.engine.max_model_len)
         dest = None
         if request.HasField("destination"):
             d = request.destination
@@ -32,9 +32,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         coro = self.worker.prefill(req, dest)
         out = await (asyncio.wait_for(coro, request.deadline_ms / 1000)
                      if request.deadline_ms else coro)
+        # The first token went to the destination with the KV (pdserve.handover), not here.
         return prefill_pb2.PrefillResponse(
-            request_id=req.request_id, first_token_id=out.first_token,
-            first_token_logprob=None if out.logprob is None else gu.logprob_to_proto(out.logprob),
+            request_id=req.request_id,
             timings=common_pb2.StageTimings(queued_ms=out.queued_ms,
                                             prefill_compute_ms=out.compute_ms,
                                             kv_transfer_ms=out.transfer_ms),
@@ -48,4 +48,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         return prefill_pb2.PrefillStats(
             worker_id=self.worker.worker_id, num_queued=g.num_waiting, num_running=g.active,
             num_queued_tokens=g.queued_tokens, num_total_blocks=s.total_blocks,
-            num_free_blocks=s.free_blocks, layout=gu.kv_layout_to_proto(self.worker.engine.layout))
+            num_free_blocks=s.free_blocks,
+            layout=convert.kv_layout_to_proto(self.worker.engine.layout))
+
+
+def add_to_server(worker: PrefillWorker, server: grpc.aio.Server) -> None:
+    """Serve ``worker`` as the pdserve.v1.PrefillWorker API on ``server``."""
+    prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker), server)

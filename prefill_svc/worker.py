@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import time
@@ -12,19 +13,21 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import structlog
-
-from engine.async_engine import AsyncEngine
-from engine.types import (
+from pdserve.control.load import WorkerLoad
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.metrics import engine_load
+from pdserve.engine.types import (
     CapacityError,
     GenerateRequest,
     InvalidRequestError,
     KVTransferError,
     LatencyClass,
-    PdserveError,
     TokenLogprob,
 )
-from kvxfer.sender import KVSender
-from prefill_svc.metrics import PrefillMetrics
+from pdserve.kvxfer.sender import KVSender
+from pdserve.prefill_svc.metrics import PrefillMetrics
+
+from pdserve.handover import FirstToken
 
 log = structlog.get_logger(__name__)
 
@@ -99,11 +102,14 @@ class PrefillOutcome:
 class PrefillWorker:
     def __init__(self, engine: AsyncEngine, sender: KVSender, *, worker_id: str,
                  max_inflight: int = 4, transfer_timeout_s: float = 30.0,
-                 metrics: PrefillMetrics | None = None):
+                 max_requests: int = 256, metrics: PrefillMetrics | None = None):
         self.engine = engine
         self.sender = sender
         self.worker_id = worker_id
         self.gate = PriorityGate(max_inflight)
+        if max_requests < 1:
+            raise ValueError("max_requests must be >= 1")
+        self.max_requests = max_requests  # queued + computing + transferring, at most
         self.transfer_timeout_s = transfer_timeout_s
         self.accepting = True
         self.inflight = 0
@@ -113,11 +119,12 @@ class PrefillWorker:
                            lambda: dict(self.queued_by_class),
                            lambda: self.gate.queued_tokens, lambda: self.gate.active)
 
-    def load(self) -> dict[str, float]:
-        s = self.engine.last_stats
-        return {"queued": self.gate.num_waiting, "running": self.gate.active,
-                "queued_tokens": self.gate.queued_tokens, "free_blocks": s.free_blocks,
-                "total_blocks": s.total_blocks}
+    def load(self) -> WorkerLoad:
+        """The record published on every heartbeat (the engine's numbers included)."""
+        return dataclasses.replace(
+            WorkerLoad.from_dict(engine_load(self.engine.last_stats)),
+            queued=self.gate.num_waiting, running=self.gate.active,
+            queued_tokens=self.gate.queued_tokens)
 
     async def drained(self, timeout_s: float) -> bool:
         """Wait until no prefill (queued, computing or transferring) is left, or the timeout."""
@@ -134,8 +141,12 @@ class PrefillWorker:
             self.metrics.requests.labels("rejected").inc()
             raise CapacityError(f"prefill worker {self.worker_id} is shutting down",
                                 code="worker_draining")
+        if self.inflight >= self.max_requests:  # the router prefills locally instead
+            self.metrics.requests.labels("rejected").inc()
+            raise CapacityError(f"prefill worker {self.worker_id} holds {self.inflight} "
+                                "requests, its limit", code="worker_full")
         arrived = time.monotonic()
-        n = len(req.prompt_token_ids)
+        n = len(req.token_ids)
         lc = req.latency_class.value
         self.inflight += 1
         self.gate.queued_tokens += n
@@ -160,13 +171,12 @@ class PrefillWorker:
                     if dest is not None:
                         sent = await self._transfer(result.block_ids, dest, first.token_id,
                                                     first.logprob)
+                    # The transfer stage ends here: freeing our blocks below waits for the
+                    # engine thread (maybe behind another prompt's step) and is not part of it.
+                    transferred = time.monotonic()
                 finally:
+                    # Its stats refresh before it returns: our load stops counting the blocks.
                     await self.engine.release(req.request_id)
-                    # AsyncEngine refreshes last_stats only after a step; a release runs
-                    # between steps, and our load report would keep showing these blocks.
-                    with contextlib.suppress(PdserveError):  # the engine is closing
-                        self.engine.last_stats = await self.engine.stats()
-                done = time.monotonic()
             outcome = "ok"
         except Exception:
             outcome = "failed"
@@ -183,7 +193,7 @@ class PrefillWorker:
         out = PrefillOutcome(
             first_token=first.token_id, logprob=first.logprob,
             queued_ms=(started - arrived) * 1000, compute_ms=(computed - started) * 1000,
-            transfer_ms=(done - computed) * 1000, bytes_transferred=sent,
+            transfer_ms=(transferred - computed) * 1000, bytes_transferred=sent,
             num_computed_tokens=n - first.num_cached_tokens)
         log.info("prefill_finished", outcome=outcome, prompt_tokens=n, latency_class=lc,
                  computed_tokens=out.num_computed_tokens, queued_ms=round(out.queued_ms, 1),
@@ -198,10 +208,9 @@ class PrefillWorker:
                 f"destination has {len(dest.block_ids)} blocks, the prompt needs "
                 f"{len(src_blocks)}", param="destination")
         skip = dest.num_cached_tokens // self.engine.layout.block_size
-        notice = {"first_token": first_token,
-                  "logprob": None if logprob is None else logprob.logprob}
+        notice = FirstToken(first_token, logprob).to_notice()  # the first token's one channel
         try:
-            res = await self.sender.send(dest.descriptor_id, self.engine.engine.kv_pool,
+            res = await self.sender.send(dest.descriptor_id, self.engine.kv_pool,
                                          src_blocks[skip:], dest.block_ids[skip:],
                                          dest.transfer_id, timeout_s=self.transfer_timeout_s,
                                          notice=notice)

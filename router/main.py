@@ -6,18 +6,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
+from pdserve.control.registry import WorkerRegistry
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.model_store import resolve_model
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.router import servicer
+from pdserve.router.clients import WorkerChannels
+from pdserve.router.router import Router, RouterConfig
 
-from control.registry import WorkerRegistry
-from engine.config import ModelConfig
-from engine.model_store import resolve_model
-from engine.tokenizer import Tokenizer
-from pdserve import grpc_util as gu
+from pdserve.rpc import auth, transport
 from pdserve.runtime import start_server
-from pdserve.v1 import router_pb2_grpc
-from router.router import Router, RouterConfig
-from router.servicer import RouterServicer
+
+if TYPE_CHECKING:
+    from pdserve.rpc.auth import ClusterSecret
 
 log = structlog.get_logger(__name__)
 SERVICE = "pdserve.v1.Router"
@@ -27,11 +31,14 @@ SERVICE = "pdserve.v1.Router"
 class RouterProcessConfig:
     redis_url: str
     model: str | None = None
+    served_model_name: str | None = None  # None: the model directory's name
     namespace: str = "default"
     host: str = "127.0.0.1"
     grpc_port: int = 0
     http_port: int | None = None  # None: no HTTP gateway
-    api_keys: frozenset[str] = frozenset()
+    api_keys: frozenset[str] = frozenset()  # REST and the client gRPC API; empty: open
+    cluster_secret: ClusterSecret | None = None  # sent to the workers; None: none, warned
+    metrics_require_auth: bool = False  # /metrics open to scrapers unless set
     # The largest request either API takes: an HTTP body (else 413) or a gRPC message (else
     # RESOURCE_EXHAUSTED), so a prompt too big for one is too big for the other.
     max_request_bytes: int = 1 << 20
@@ -51,24 +58,30 @@ async def run_router(config: RouterProcessConfig, stop: asyncio.Event,
     model_dir = resolve_model(config.model)
     tokenizer = Tokenizer(model_dir)
     model_config = ModelConfig.from_dir(model_dir)
+    model_name = config.served_model_name or model_dir.name
     addresses = addresses if addresses is not None else RouterAddresses()
+    secret = config.cluster_secret
+    auth.warn_unauthenticated(secret, "router")
+    channels = WorkerChannels(() if secret is None else secret.grpc_metadata())
     async with (WorkerRegistry.from_url(config.redis_url, namespace=config.namespace) as reg,
-                Router(reg, tokenizer, model_name=model_dir.name,
+                Router(reg, tokenizer, model_name=model_name,
                        max_model_len=model_config.max_position_embeddings,
-                       config=config.router) as router):
-        server = gu.new_server(max_message_bytes=config.max_request_bytes)
-        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
-        health = await gu.add_health(server, SERVICE)
+                       config=config.router, channels=channels) as router):
+        server = transport.new_server(max_message_bytes=config.max_request_bytes,
+                                      auth=auth.api_key_interceptor(config.api_keys))
+        servicer.add_to_server(router, server)
+        health = await transport.add_health(server, SERVICE)
         addresses.grpc = await start_server(server, config.host, config.grpc_port)
         http_task = None
         http_server = None
         if config.http_port is not None:
-            from gateway.app import GatewayConfig, create_app
-            from gateway.server import make_server
+            from pdserve.gateway.app import GatewayConfig, create_app
+            from pdserve.gateway.server import make_server
 
             app = create_app(router, GatewayConfig(api_keys=config.api_keys,
+                                                   metrics_require_auth=config.metrics_require_auth,
                                                    max_body_bytes=config.max_request_bytes,
-                                                   served_model_name=model_dir.name))
+                                                   served_model_name=model_name))
             http_server = make_server(app, host=config.host, port=config.http_port)
             http_task = asyncio.create_task(http_server.serve())
             while not http_server.started:
@@ -77,15 +90,18 @@ async def run_router(config: RouterProcessConfig, stop: asyncio.Event,
                 await asyncio.sleep(0.05)
             port = http_server.servers[0].sockets[0].getsockname()[1]
             addresses.http = f"http://{config.host}:{port}"
-        await gu.set_serving(health, SERVICE)
+        await transport.set_serving(health, SERVICE)
         log.info("router_ready", grpc=addresses.grpc, http=addresses.http or None)
         if ready is not None:
             ready.set()
         await stop.wait()
-        await gu.set_not_serving(health, SERVICE)
+        await transport.set_not_serving(health, SERVICE)
+        # One drain budget for both APIs, so a stop signal ends the process within it.
+        deadline = asyncio.get_running_loop().time() + config.drain_timeout_s
         if http_server is not None and http_task is not None:
             http_server.should_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(http_task, config.drain_timeout_s)
-        await server.stop(grace=config.drain_timeout_s)
+        remaining = deadline - asyncio.get_running_loop().time()
+        await server.stop(grace=max(0.5, remaining))
     log.info("router_stopped")

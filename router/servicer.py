@@ -14,11 +14,16 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from pdserve.engine.types import (
+    GenerateRequest,
+    InvalidRequestError,
+    check_request_id,
+    fit_max_tokens,
+)
+from pdserve.router.router import Router
 
-from engine.types import GenerateRequest, InvalidRequestError, check_request_id, fit_max_tokens
-from pdserve import grpc_util as gu
+from pdserve.rpc import convert
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router.router import Router
 
 _ROUTES = {"local": common_pb2.PREFILL_ROUTE_LOCAL, "remote": common_pb2.PREFILL_ROUTE_REMOTE,
            "fallback": common_pb2.PREFILL_ROUTE_FALLBACK}
@@ -45,8 +50,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # Everything cheap first, so an invalid request is refused before it is tokenized.
         request_id = check_request_id(request.request_id or f"req-{uuid.uuid4().hex}")
         has_sampling = request.HasField("sampling")
-        sampling = gu.sampling_from_proto(request.sampling if has_sampling else None)
-        latency_class = gu.latency_from_proto(request.latency_class)
+        sampling = convert.sampling_from_proto(request.sampling if has_sampling else None)
+        latency_class = convert.latency_from_proto(request.latency_class)
         ids = await asyncio.to_thread(self._prompt, request)
         requested = (request.sampling.max_tokens
                      if has_sampling and request.sampling.HasField("max_tokens") else None)
@@ -64,28 +69,29 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         async for ev in self.router.generate(req):
             resp = router_pb2.GenerateResponse(
                 request_id=req.request_id, text=ev.text,
-                finish_reason=gu.finish_reason_to_proto(ev.finish_reason), error=ev.error or "",
+                finish_reason=convert.finish_reason_to_proto(ev.finish_reason),
+                error=ev.error or "",
                 usage=router_pb2.Usage(prompt_tokens=ev.num_prompt_tokens,
                                        completion_tokens=ev.num_output_tokens,
                                        cached_tokens=ev.num_cached_tokens))
             if ev.token_id is not None:
                 resp.token_ids.append(ev.token_id)
                 if ev.logprob is not None:
-                    resp.logprobs.append(gu.logprob_to_proto(ev.logprob))
+                    resp.logprobs.append(convert.logprob_to_proto(ev.logprob))
             if ev.route:
                 resp.route = _ROUTES[ev.route]
             resp.decode_worker = ev.decode_worker or ""
             resp.prefill_worker = ev.prefill_worker or ""
             if ev.timings_ms and request.return_timings:
-                t = ev.timings_ms
-                resp.timings.CopyFrom(common_pb2.StageTimings(
-                    queued_ms=t.get("prefill_queued_ms", 0.0),
-                    prefill_compute_ms=t.get("prefill_compute_ms", 0.0),
-                    kv_transfer_ms=t.get("kv_transfer_ms", 0.0),
-                    first_token_ms=t.get("ttft_ms", 0.0), total_ms=t.get("total_ms", 0.0)))
+                resp.timings.CopyFrom(convert.stage_timings_to_proto(ev.timings_ms))
             yield resp
 
     async def Abort(self, request: common_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:
         return common_pb2.AbortResponse(
             found=await self.router.abort(check_request_id(request.request_id)))
+
+
+def add_to_server(router: Router, server: grpc.aio.Server) -> None:
+    """Serve ``router`` as the pdserve.v1.Router API on ``server``."""
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
-from pdserve import grpc_util as gu
+from pdserve.rpc import transport as gu
 from pdserve.v1 import (
     common_pb2,
     decode_pb2_grpc,
@@ -31,11 +33,13 @@ class Result:
     finish_reason: int = 0
     cached_tokens: int = 0
     timings: common_pb2.StageTimings | None = None
+    ttft_s: float | None = None  # measured here: sending the request -> first token
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
 
 
 async def generate(address: str, ids: list[int], max_tokens: int = 32, *,
                    request_id: str = "", latency: str = "standard",
-                   deadline_s: float = 300) -> Result:
+                   deadline_s: float = 300, logprobs: int | None = None) -> Result:
     lat = {"interactive": common_pb2.LATENCY_CLASS_INTERACTIVE,
            "standard": common_pb2.LATENCY_CLASS_STANDARD,
            "batch": common_pb2.LATENCY_CLASS_BATCH}[latency]
@@ -43,11 +47,17 @@ async def generate(address: str, ids: list[int], max_tokens: int = 32, *,
         stub = router_pb2_grpc.RouterStub(ch)
         req = router_pb2.GenerateRequest(
             request_id=request_id, token_ids=router_pb2.TokenIds(ids=ids),
-            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                               logprobs=logprobs),
             latency_class=lat, return_timings=True)
         out = Result()
+        await ch.channel_ready()  # the client's TTFT leaves out connecting
+        started = time.monotonic()
         async for resp in stub.Generate(req, timeout=deadline_s):
+            if out.ttft_s is None and resp.token_ids:
+                out.ttft_s = time.monotonic() - started
             out.tokens.extend(resp.token_ids)
+            out.logprobs.extend(resp.logprobs)
             out.text += resp.text
             out.route = ROUTE_NAMES.get(resp.route, out.route)
             out.decode_worker = resp.decode_worker or out.decode_worker
@@ -59,13 +69,78 @@ async def generate(address: str, ids: list[int], max_tokens: int = 32, *,
         return out
 
 
-async def worker_blocks(address: str, role: str) -> tuple[int, int]:
-    """(free, total) KV blocks of a worker."""
+class Stream:
+    """One streamed greedy request with `ignore_eos` through the router: its tokens as they
+    arrive (and when), how it ended, the error if it failed (recorded, not raised)."""
+
+    def __init__(self, ids: list[int], max_tokens: int = 64):
+        self.ids, self.max_tokens = ids, max_tokens
+        self.tokens: list[int] = []
+        self.arrivals: list[float] = []  # time.monotonic() of each token
+        self.text = ""
+        self.finish_reason = 0
+        self.error: BaseException | None = None
+        self.decode_worker = ""
+        self.route = 0
+
+    async def run(self, address: str, timeout_s: float = 300) -> None:
+        try:
+            async with gu.insecure_channel(address) as ch:
+                stub = router_pb2_grpc.RouterStub(ch)
+                req = router_pb2.GenerateRequest(
+                    token_ids=router_pb2.TokenIds(ids=self.ids),
+                    sampling=common_pb2.SamplingParams(max_tokens=self.max_tokens,
+                                                       temperature=0.0, ignore_eos=True))
+                async for resp in stub.Generate(req, timeout=timeout_s):
+                    self.tokens.extend(resp.token_ids)
+                    self.arrivals.extend([time.monotonic()] * len(resp.token_ids))
+                    self.text += resp.text
+                    self.decode_worker = resp.decode_worker or self.decode_worker
+                    self.route = resp.route or self.route
+                    if resp.finish_reason:
+                        self.finish_reason = resp.finish_reason
+        except Exception as exc:  # recorded and asserted on
+            self.error = exc
+
+    def longest_gap(self) -> float:
+        """The longest wait between two tokens (0 with fewer than two)."""
+        return max((b - a for a, b in itertools.pairwise(self.arrivals)), default=0.0)
+
+
+async def start_streams(address: str, prompts: list[list[int]], max_tokens: int = 64, *,
+                        min_tokens: int = 3, timeout_s: float = 240,
+                        ) -> tuple[list[Stream], list[asyncio.Task[None]]]:
+    """Start one Stream per prompt and return once each has `min_tokens` (mid-stream)."""
+    streams = [Stream(list(ids), max_tokens) for ids in prompts]
+    tasks = [asyncio.create_task(s.run(address)) for s in streams]
+    deadline = time.monotonic() + timeout_s
+    while min(len(s.tokens) for s in streams) < min_tokens:
+        assert time.monotonic() < deadline, [len(s.tokens) for s in streams]
+        assert not any(s.error for s in streams), [s.error for s in streams]
+        await asyncio.sleep(0.02)
+    return streams, tasks
+
+
+async def worker_stats(address: str, role: str) -> Any:
+    """A worker's Stats reply (decode_pb2.DecodeStats or prefill_pb2.PrefillStats)."""
     async with gu.insecure_channel(address) as ch:
         stub = (decode_pb2_grpc.DecodeWorkerStub(ch) if role == "decode"
                 else prefill_pb2_grpc.PrefillWorkerStub(ch))
-        s = await stub.Stats(common_pb2.StatsRequest(), timeout=10)
-        return s.num_free_blocks, s.num_total_blocks
+        return await stub.Stats(common_pb2.StatsRequest(), timeout=10)
+
+
+async def decode_stats(address: str) -> Any:
+    return await worker_stats(address, "decode")
+
+
+async def prefill_stats(address: str) -> Any:
+    return await worker_stats(address, "prefill")
+
+
+async def worker_blocks(address: str, role: str) -> tuple[int, int]:
+    """(free, total) KV blocks of a worker."""
+    s = await worker_stats(address, role)
+    return s.num_free_blocks, s.num_total_blocks
 
 
 async def wait_blocks_free(address: str, role: str, timeout_s: float = 20) -> tuple[int, int]:

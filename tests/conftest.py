@@ -34,14 +34,14 @@ MAX_NEW_TOKENS = 32
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    from engine.model_store import pull_default_model
+    from pdserve.engine.model_store import pull_default_model
 
     return pull_default_model(progress=False)
 
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.tokenizer import Tokenizer
 
     return Tokenizer(model_dir)
 
@@ -55,8 +55,8 @@ def prompt_ids(tokenizer) -> list[list[int]]:  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def loaded_model(model_dir: Path):  # type: ignore[no-untyped-def]
-    from engine.loader import load_model
-    from engine.model_store import model_id
+    from pdserve.engine.loader import load_model
+    from pdserve.engine.model_store import model_id
 
     model, config = load_model(model_dir)
     return model, config, model_id(model_dir)
@@ -84,8 +84,8 @@ def hf_reference(model_dir: Path, prompt_ids: list[list[int]]) -> list[list[int]
 @pytest.fixture
 def make_engine(loaded_model, tokenizer) -> Iterator:  # type: ignore[no-untyped-def]
     """Build LLMEngines sharing the loaded weights; checks every pool is fully free at the end."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
 
     made: list[LLMEngine] = []
 

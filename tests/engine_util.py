@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.llm_engine import LLMEngine
-from engine.types import GenerateRequest, SamplingParams, TokenEvent
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.types import GenerateRequest, SamplingParams, TokenEvent
 
 
 def greedy(max_tokens: int = 32, **kw: object) -> SamplingParams:
@@ -22,3 +22,26 @@ def run_to_end(engine: LLMEngine, requests: list[GenerateRequest]) -> dict[str, 
 
 def tokens(events: list[TokenEvent]) -> list[int]:
     return [e.token_id for e in events if e.token_id is not None]
+
+
+def remote_prefill(prefill: LLMEngine, decode: LLMEngine,
+                   req: GenerateRequest) -> list[TokenEvent]:
+    """The disaggregated path in miniature: prefill-only on `prefill`, copy its KV blocks into
+    the blocks `decode` allocated, then decode there to the end. Returns `decode`'s events."""
+    prefill.add_request(req, prefill_only=True)
+    first = None
+    while prefill.has_unfinished():
+        for ev in prefill.step():
+            first = ev
+    assert first is not None and first.token_id is not None and first.finished
+    src = prefill.held_blocks(req.request_id)
+    alloc = decode.allocate_remote(req)
+    assert len(alloc.block_ids) == len(src)
+    skip = alloc.num_cached_tokens // decode.config.block_size
+    for s, d in zip(src[skip:], alloc.block_ids[skip:], strict=True):
+        decode.kv_pool[d].copy_(prefill.kv_pool[s])
+    prefill.release(req.request_id)
+    out = [decode.admit_remote(req.request_id, first.token_id)]
+    while decode.has_unfinished():
+        out.extend(decode.step())
+    return out

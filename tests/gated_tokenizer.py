@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-from engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer
 
 
 class GatedTokenizer(Tokenizer):

@@ -10,10 +10,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 from engine_util import greedy, run_to_end, tokens
-
-from engine.async_engine import AsyncEngine, EngineClosedError
-from engine.llm_engine import EngineStats
-from engine.types import (
+from pdserve.engine.async_engine import AsyncEngine, EngineClosedError
+from pdserve.engine.llm_engine import EngineStats
+from pdserve.engine.types import (
     FinishReason,
     GenerateRequest,
     InvalidRequestError,
@@ -32,8 +31,8 @@ def short_prompts(prompt_ids: list[list[int]]) -> list[tuple[int, ...]]:
 @pytest.fixture(scope="module")
 def sync_ref(loaded_model, tokenizer, short_prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
     """Greedy outputs of the synchronous engine (itself checked against transformers)."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
 
     model, config, mid = loaded_model
     engine = LLMEngine(model, config, EngineConfig(kv_cache_bytes=64 << 20), model_id=mid,
@@ -104,7 +103,7 @@ async def test_breaking_out_of_the_stream_aborts(aengine, short_prompts) -> None
             break
     st = await _wait_idle(aengine)
     assert st.steps < 100
-    assert not aengine._streams
+    assert not aengine.num_streams
 
 
 async def test_cancelling_the_consumer_task_aborts(aengine, short_prompts) -> None:
@@ -151,6 +150,19 @@ async def test_prefill_then_release(aengine, short_prompts, sync_ref) -> None:
     await _wait_idle(aengine)
 
 
+async def test_release_runs_even_if_its_caller_is_cancelled(aengine, short_prompts) -> None:
+    """A prefill worker's handler cancelled while it frees the held blocks (the router gave up
+    on it) must not leave them held: the release is carried out anyway."""
+    for i in range(5):
+        await aengine.prefill(GenerateRequest(f"pc{i}", short_prompts[i], greedy(4)))
+        task = asyncio.create_task(aengine.release(f"pc{i}"))
+        await asyncio.sleep(0)  # submitted, not yet run by the engine thread
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await _wait_idle(aengine)
+
+
 async def test_remote_prefill_copy_and_admit(make_engine, short_prompts, sync_ref) -> None:
     async with (AsyncEngine(make_engine(kv_cache_bytes=64 << 20)) as prefill,
                 AsyncEngine(make_engine(kv_cache_bytes=64 << 20)) as decode):
@@ -163,7 +175,7 @@ async def test_remote_prefill_copy_and_admit(make_engine, short_prompts, sync_re
             alloc = await decode.allocate_remote(req)
             assert alloc.num_cached_tokens == 0
             for src, dst in zip(res.block_ids, alloc.block_ids, strict=True):
-                decode.engine.kv_pool[dst].copy_(prefill.engine.kv_pool[src])
+                decode.kv_pool[dst].copy_(prefill.kv_pool[src])
             await prefill.release(req.request_id)
             assert res.first.token_id is not None
             events = [ev async for ev in decode.admit_remote(req.request_id,
@@ -222,7 +234,7 @@ async def test_bad_requests_raise_to_the_caller(aengine, short_prompts) -> None:
     rest = await asyncio.wait_for(_drain(stream), 120)
     assert rest[-1].finish_reason is FinishReason.LENGTH and len(rest) == 49
     await _wait_idle(aengine)
-    assert not aengine._streams
+    assert not aengine.num_streams
 
 
 async def test_close_aborts_live_streams_and_refuses_new_work(make_engine, short_prompts) -> None:

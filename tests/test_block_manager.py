@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 import pytest
-
-from engine.block_manager import BlockManager, block_hashes, hash_block
+from pdserve.engine.block_manager import BlockManager, block_hashes, hash_block
 
 BS = 4
 
@@ -209,3 +208,34 @@ def test_prefix_hit_rate_counts_tokens() -> None:
     assert bm.prefix_hit_rate == pytest.approx(4 / 16)
     bm.free("a", a)
     bm.free("b", b)
+
+
+def test_each_block_is_hashed_once_per_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lookup, allocation, registration and re-allocation after a preemption share the
+    sequence's hash list: no block is hashed twice."""
+    import pdserve.engine.block_manager as block_manager
+
+    ids = _tokens(10)
+    expected = block_hashes(ids, BS)
+    hashed: list[tuple[int, ...]] = []
+    real = block_manager.hash_block
+
+    def counting(parent, tokens, extra=b""):  # type: ignore[no-untyped-def]
+        hashed.append(tuple(tokens))
+        return real(parent, tokens, extra)
+
+    monkeypatch.setattr(block_manager, "hash_block", counting)
+    bm = BlockManager(8, BS)
+    seq_hashes: list = []
+    assert bm.num_cached_tokens(ids, seq_hashes) == 0
+    assert len(hashed) == 1  # a lookup stops at the first miss
+    alloc = bm.allocate_prompt("a", ids, len(ids), max_cached=9, block_hashes=seq_hashes)
+    assert alloc is not None and alloc[1] == 0
+    bm.register_full_blocks("a", ids, len(ids), alloc[0])
+    assert seq_hashes == expected and len(hashed) == 2
+    bm.free("a", alloc[0])  # preempted: the blocks stay cached, the sequence keeps its hashes
+    again = bm.allocate_prompt("a", ids, len(ids), max_cached=9, block_hashes=seq_hashes)
+    assert again is not None and again[1] == 8
+    bm.register_full_blocks("a", ids, len(ids), again[0])
+    assert len(hashed) == 2 and hashed == [tuple(ids[:4]), tuple(ids[4:8])]
+    bm.free("a", again[0])

@@ -12,8 +12,8 @@ import grpc
 import pytest
 from cluster_util import generate, wait_blocks_free
 
-from pdserve import grpc_util as gu
-from pdserve.services_cli import LocalCluster
+from pdserve.cluster import LocalCluster
+from pdserve.rpc import transport as gu
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 REMOTE_THRESHOLD = 64
@@ -49,6 +49,46 @@ async def test_outputs_equal_reference_and_routes_are_right(cluster, prompt_ids,
     assert again.tokens == hf_reference[-1]
 
 
+def _stages(t: common_pb2.StageTimings) -> dict[str, float]:
+    return {"route": t.route_ms, "decode_allocate": t.decode_allocate_ms,
+            "queued": t.queued_ms, "prefill_compute": t.prefill_compute_ms,
+            "kv_transfer": t.kv_transfer_ms, "handoff": t.handoff_ms,
+            "remote_attempt": t.remote_attempt_ms, "local_prefill": t.local_prefill_ms}
+
+
+async def test_stage_timings_add_up_to_ttft(cluster, prompt_ids) -> None:
+    """On an idle cluster the stages the router reports add up to the TTFT it reports, none
+    is negative, and that TTFT lies within what the client measured (consistency, not speed)."""
+    remote_ids = list(prompt_ids[-1])
+    remote_ids[1] = 3001  # a prompt nothing has cached: prefilled remotely
+    for ids, route in ((remote_ids, "remote"), (prompt_ids[0], "local")):
+        res = await generate(cluster.grpc_address, ids, max_tokens=4)
+        assert res.route == route and res.timings is not None and res.ttft_s is not None
+        t, stages = res.timings, _stages(res.timings)
+        print(route, f"client ttft {res.ttft_s * 1000:.1f} ms, reported "
+              f"{t.first_token_ms:.1f} ms =", {k: round(v, 1) for k, v in stages.items() if v})
+        assert all(v >= 0.0 for v in stages.values()), stages
+        assert sum(stages.values()) == pytest.approx(t.first_token_ms, abs=2.0), stages
+        assert 0 < t.first_token_ms <= res.ttft_s * 1000 + 1.0
+        assert t.first_token_ms <= t.total_ms
+        if route == "remote":
+            assert t.prefill_compute_ms > 0 and t.kv_transfer_ms > 0 and t.decode_allocate_ms > 0
+        else:
+            assert t.local_prefill_ms > 0 and t.kv_transfer_ms == 0
+
+
+async def test_remote_first_token_keeps_top_logprobs(cluster, prompt_ids) -> None:
+    """The first token's hand-over (the KV notice) carries its top alternatives."""
+    ids = list(prompt_ids[-1])
+    ids[1] = 3002
+    res = await generate(cluster.grpc_address, ids, max_tokens=2, logprobs=3)
+    assert res.route == "remote"
+    assert len(res.logprobs) == len(res.tokens) == 2
+    for tok, lp in zip(res.tokens, res.logprobs, strict=True):
+        assert lp.token_id == tok and len(lp.top) == 3
+        assert lp.top[0].token_id == tok  # greedy: the sampled token is the most likely
+
+
 async def test_concurrent_mixed_requests(cluster, prompt_ids, hf_reference) -> None:
     results = await asyncio.gather(*(generate(cluster.grpc_address, ids) for ids in prompt_ids))
     for ref, res in zip(hf_reference, results, strict=True):
@@ -60,8 +100,9 @@ async def test_forged_and_stale_descriptors_are_rejected(cluster, prompt_ids) ->
         stub = prefill_pb2_grpc.PrefillWorkerStub(ch)
         for descriptor in ("decode-0:999999", "forged", "nobody:1"):
             req = prefill_pb2.PrefillRequest(
-                request_id=f"forged-{descriptor}", prompt_token_ids=prompt_ids[0],
-                sampling=common_pb2.SamplingParams(max_tokens=1),
+                input=common_pb2.GenerateInput(
+                    request_id=f"forged-{descriptor}", prompt_token_ids=prompt_ids[0],
+                    sampling=common_pb2.SamplingParams(max_tokens=1)),
                 destination=prefill_pb2.KVDestination(descriptor_id=descriptor, block_ids=[0],
                                                       transfer_id="t"))
             with pytest.raises(grpc.aio.AioRpcError) as info:

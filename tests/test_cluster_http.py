@@ -20,8 +20,8 @@ import pytest
 from cluster_util import generate, wait_blocks_free, worker_blocks
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve import grpc_util as gu
-from pdserve.services_cli import LocalCluster
+from pdserve.cluster import LocalCluster
+from pdserve.rpc import transport as gu
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 REMOTE_THRESHOLD = 64
@@ -34,7 +34,10 @@ pytestmark = pytest.mark.timeout(900)
 def cluster(model_dir: Path) -> Iterator[LocalCluster]:
     with LocalCluster(prefill=1, decode=1, model=str(model_dir),
                       extra_worker_args=("--threads", "1", "--kv-cache-mb", "192"),
-                      router_args=("--remote-threshold", str(REMOTE_THRESHOLD))) as c:
+                      # These tests are about labels and routes, not deadlines: a loaded CI
+                      # machine must not turn a slow interactive prefill into a 503.
+                      router_args=("--remote-threshold", str(REMOTE_THRESHOLD),
+                                   "--ttft-deadline", "interactive=60")) as c:
         yield c
 
 
@@ -233,7 +236,7 @@ async def test_metrics_on_every_process_move_with_traffic(cluster, client, model
     assert _delta(r0, r1, "pdserve_router_decisions_total", route="remote") == 1
     assert _delta(r0, r1, "pdserve_requests_total", outcome="success",
                   latency_class="interactive") == 2
-    assert _delta(r0, r1, "pdserve_time_to_first_token_seconds_count",
+    assert _delta(r0, r1, "pdserve:time_to_first_token_seconds_count",
                   latency_class="interactive", route="remote") == 1
 
     d0, d1 = before["decode-0"], after["decode-0"]
@@ -242,10 +245,10 @@ async def test_metrics_on_every_process_move_with_traffic(cluster, client, model
     assert _delta(d0, d1, "pdserve_decode_remote_admissions_total") == 1
     assert _delta(d0, d1, "pdserve_decode_kv_wait_seconds_count", outcome="landed") == 1
     assert _delta(d0, d1, "pdserve_engine_steps_total") > 0
-    for name in ("pdserve_engine_running_requests", "pdserve_engine_waiting_requests",
+    for name in ("pdserve:num_requests_running", "pdserve:num_requests_waiting",
                  "pdserve_engine_awaiting_kv_requests", "pdserve_engine_kv_blocks_used",
                  "pdserve_engine_kv_blocks_free", "pdserve_engine_kv_blocks_total",
-                 "pdserve_engine_prefix_cache_hit_rate", "pdserve_decode_fenced_transfers_total",
+                 "pdserve:prefix_cache_hits_total", "pdserve_decode_fenced_transfers_total",
                  "pdserve_decode_quarantined_blocks"):
         assert _has(d1, name), name
     assert _value(d1, "pdserve_engine_kv_blocks_total") > 0
@@ -269,8 +272,9 @@ async def test_metrics_on_every_process_move_with_traffic(cluster, client, model
     # A transfer that fails is counted by its error code.
     async with gu.insecure_channel(_grpc_address(cluster, "prefill-0")) as ch:
         req = prefill_pb2.PrefillRequest(
-            request_id=f"forged-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt_ids[0],
-            sampling=common_pb2.SamplingParams(max_tokens=1),
+            input=common_pb2.GenerateInput(
+                request_id=f"forged-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt_ids[0],
+                sampling=common_pb2.SamplingParams(max_tokens=1)),
             destination=prefill_pb2.KVDestination(descriptor_id="nobody:1", block_ids=[0],
                                                   transfer_id="t"))
         with pytest.raises(grpc.aio.AioRpcError):

@@ -3,30 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from engine_util import greedy, run_to_end, tokens
+from engine_util import greedy, remote_prefill, run_to_end, tokens
+from pdserve.engine.types import GenerateRequest
 
-from engine.types import GenerateRequest
 
-
-def _transfer(prefill, decode, req: GenerateRequest) -> list[int]:
-    """Prefill-only on `prefill`, copy its blocks into blocks `decode` allocated, decode."""
-    prefill.add_request(req, prefill_only=True)
-    first = None
-    while prefill.has_unfinished():
-        for ev in prefill.step():
-            first = ev
-    assert first is not None and first.token_id is not None and first.finished
-    src = prefill.held_blocks(req.request_id)
-    alloc = decode.allocate_remote(req)
-    assert len(alloc.block_ids) == len(src)
-    skip = alloc.num_cached_tokens // decode.config.block_size
-    for s, d in zip(src[skip:], alloc.block_ids[skip:], strict=True):
-        decode.kv_pool[d].copy_(prefill.kv_pool[s])
-    prefill.release(req.request_id)
-    out = [decode.admit_remote(req.request_id, first.token_id)]
-    while decode.has_unfinished():
-        out.extend(decode.step())
-    return tokens(out)
+def _transfer(prefill, decode, req: GenerateRequest) -> list[int]:  # type: ignore[no-untyped-def]
+    return tokens(remote_prefill(prefill, decode, req))
 
 
 def test_prefill_transfer_decode_equals_single_engine(make_engine, prompt_ids,

@@ -6,8 +6,7 @@ import math
 
 import pytest
 from engine_util import greedy, run_to_end, tokens
-
-from engine.types import (
+from pdserve.engine.types import (
     GenerateRequest,
     InvalidRequestError,
     LatencyClass,
@@ -126,7 +125,7 @@ def test_prompt_larger_than_kv_pool(make_engine) -> None:
 
 
 def test_remote_allocation_without_capacity(make_engine) -> None:
-    from engine.types import CapacityError
+    from pdserve.engine.types import CapacityError
 
     engine = make_engine(num_kv_blocks=4)
     engine.allocate_remote(GenerateRequest("a", (1,) * 40, greedy()))  # 3 of 4 blocks

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 from engine_util import greedy, run_to_end, tokens
-
-from engine.types import GenerateRequest
+from pdserve.engine.types import GenerateRequest
 
 
 def _requests(prompt_ids: list[list[int]]) -> list[GenerateRequest]:

@@ -11,13 +11,12 @@ import httpx
 import openai
 import pytest
 import structlog
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.types import GenerateRequest, SamplingParams
+from pdserve.gateway.app import GatewayConfig, create_app
+from pdserve.gateway.local_backend import EngineBackend
+from pdserve.gateway.server import GatewayServer, running_server
 from prometheus_client.parser import text_string_to_metric_families
-
-from engine.async_engine import AsyncEngine
-from engine.types import GenerateRequest, SamplingParams
-from gateway.app import GatewayConfig, create_app
-from gateway.local_backend import EngineBackend
-from gateway.server import GatewayServer, running_server
 
 MODEL = "smol-test"
 PROMPT = "The capital of France is"
@@ -26,8 +25,8 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 
 @pytest.fixture(scope="module")
 async def engine(loaded_model, tokenizer) -> AsyncIterator[AsyncEngine]:  # type: ignore[no-untyped-def]
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
 
     model, config, mid = loaded_model
     llm = LLMEngine(model, config, EngineConfig(kv_cache_bytes=128 << 20), model_id=mid,
@@ -247,7 +246,7 @@ async def test_metrics_move_with_traffic(http: httpx.AsyncClient) -> None:
     r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3},
                         headers={"X-Latency-Class": "batch"})
     assert r.status_code == 200
-    r = await http.post("/v1/completions", json={"prompt": PROMPT, "best_of": 3},
+    r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": -1},
                         headers={"X-Latency-Class": "batch"})
     assert r.status_code == 400
     page = await http.get("/metrics")
@@ -259,20 +258,27 @@ async def test_metrics_move_with_traffic(http: httpx.AsyncClient) -> None:
 
     assert delta("pdserve_requests_total", outcome="success", latency_class="batch") == 1
     assert delta("pdserve_requests_total", outcome="rejected", latency_class="batch") == 1
-    for hist in ("pdserve_time_to_first_token_seconds", "pdserve_e2e_request_latency_seconds"):
+    for hist in ("pdserve:time_to_first_token_seconds", "pdserve:e2e_request_latency_seconds",
+                 "pdserve:request_decode_time_seconds"):
         assert delta(hist + "_count", latency_class="batch", route="local") == 1
-    assert delta("pdserve_time_per_output_token_seconds_count", latency_class="batch",
+    assert delta("pdserve:inter_token_latency_seconds_count", latency_class="batch",
                  route="local") == 2
-    assert delta("pdserve_generation_tokens_total") == 3
-    assert delta("pdserve_prompt_tokens_total") > 0
+    assert delta("pdserve:generation_tokens_total", model_name=MODEL) == 3
+    assert delta("pdserve:prompt_tokens_total") > 0
+    assert delta("pdserve:request_generation_tokens_sum") == 3
+    assert delta("pdserve:request_prompt_tokens_count") == 1
+    assert delta("pdserve:request_success_total", finished_reason="length") == 1
     assert "pdserve_cached_prompt_tokens_total" in after
     assert metric_value(after, "pdserve_requests_in_flight", latency_class="batch") == 0
     # Engine gauges from the backend's collector share the page.
     assert metric_value(after, "pdserve_engine_kv_blocks_total", worker="local") > 0
     assert delta("pdserve_engine_steps_total", worker="local") >= 3
-    for name in ("pdserve_engine_running_requests", "pdserve_engine_waiting_requests",
-                 "pdserve_engine_kv_blocks_free", "pdserve_engine_kv_blocks_used",
-                 "pdserve_engine_prefix_cache_hit_rate"):
+    assert delta("pdserve:prefix_cache_queries_total", worker="local") > 0
+    assert delta("pdserve:request_queue_time_seconds_count", worker="local") == 1
+    for name in ("pdserve:num_requests_running", "pdserve:num_requests_waiting",
+                 "pdserve:kv_cache_usage_perc", "pdserve:prefix_cache_hits_total",
+                 "pdserve:num_preemptions_total", "pdserve_engine_kv_blocks_free",
+                 "pdserve_engine_kv_blocks_used"):
         assert name in after
 
 
@@ -288,7 +294,7 @@ async def test_logs_carry_request_id_not_text(http: httpx.AsyncClient) -> None:
         r = await http.post("/v1/completions", json={"prompt": secret, "max_tokens": 2},
                             headers={"X-Request-Id": "log-me"})
         assert r.status_code == 200
-        r = await http.post("/v1/completions", json={"prompt": secret, "n": 5},
+        r = await http.post("/v1/completions", json={"prompt": secret, "suffix": "x"},
                             headers={"X-Request-Id": "log-me-too"})
         assert r.status_code == 400
     finished = [e for e in logs if e["event"] == "request finished"]

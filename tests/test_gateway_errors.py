@@ -16,12 +16,17 @@ from typing import Any
 import httpx
 import openai
 import pytest
-
-from engine.async_engine import AsyncEngine
-from engine.types import CapacityError, FinishReason, GenerateRequest, KVTransferError, TokenEvent
-from gateway.app import GatewayConfig, create_app
-from gateway.local_backend import EngineBackend
-from gateway.server import running_server
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.types import (
+    CapacityError,
+    FinishReason,
+    GenerateRequest,
+    KVTransferError,
+    TokenEvent,
+)
+from pdserve.gateway.app import GatewayConfig, create_app
+from pdserve.gateway.local_backend import EngineBackend
+from pdserve.gateway.server import running_server
 
 MODEL = "smol-test"
 PROMPT = "The capital of France is"
@@ -31,8 +36,8 @@ OK_COMPLETION = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
 
 @pytest.fixture(scope="module")
 async def engine(loaded_model, tokenizer) -> AsyncIterator[AsyncEngine]:  # type: ignore[no-untyped-def]
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
 
     model, config, mid = loaded_model
     llm = LLMEngine(model, config, EngineConfig(kv_cache_bytes=128 << 20), model_id=mid,
@@ -89,16 +94,23 @@ def sse_payloads(text: str) -> list[Any]:
 # ---------------------------------------------------------------------- 400s
 
 BAD_COMPLETIONS: list[tuple[dict[str, Any], str, str]] = [
-    ({"prompt": PROMPT, "foo": 1}, "foo", "unknown_parameter"),
     ({"max_tokens": 2}, "prompt", "missing_parameter"),
-    ({"prompt": PROMPT, "n": 2}, "n", "unsupported_parameter"),
-    ({"prompt": PROMPT, "best_of": 2}, "best_of", "unsupported_parameter"),
-    ({"prompt": PROMPT, "echo": True}, "echo", "unsupported_parameter"),
+    ({"prompt": PROMPT, "n": 0}, "n", "invalid_value"),
+    ({"prompt": PROMPT, "n": 2, "best_of": 1}, "best_of", "invalid_request"),
+    ({"prompt": PROMPT, "best_of": 2, "stream": True}, "best_of", "invalid_request"),
+    ({"prompt": PROMPT, "echo": True, "logprobs": 1}, "echo", "unsupported_parameter"),
     ({"prompt": PROMPT, "suffix": "x"}, "suffix", "unsupported_parameter"),
-    ({"prompt": PROMPT, "logit_bias": {"1": 5}}, "logit_bias", "unsupported_parameter"),
-    ({"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
-    ({"prompt": PROMPT, "frequency_penalty": 1}, "frequency_penalty", "unsupported_parameter"),
-    ({"prompt": ["a", "b"]}, "prompt", "unsupported_parameter"),
+    ({"prompt": PROMPT, "logit_bias": {"x": 5}}, "logit_bias", "invalid_request"),
+    ({"prompt": PROMPT, "logit_bias": {"1": 500}}, "logit_bias", "invalid_sampling_params"),
+    ({"prompt": PROMPT, "logit_bias": {"99999999": 5}}, "logit_bias", "invalid_request"),
+    ({"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty",
+     "invalid_sampling_params"),
+    ({"prompt": PROMPT, "repetition_penalty": 0}, "repetition_penalty",
+     "invalid_sampling_params"),
+    ({"prompt": PROMPT, "min_tokens": 5, "max_tokens": 2}, "min_tokens",
+     "invalid_sampling_params"),
+    ({"prompt": PROMPT, "min_p": "0.1"}, "min_p", "invalid_type"),
+    ({"prompt": [PROMPT] * 65}, "prompt", "invalid_request"),
     ({"prompt": 5}, "prompt", "invalid_type"),
     ({"prompt": [1, 10**9]}, "prompt", "invalid_request"),
     ({"prompt": ""}, "prompt", "empty_prompt"),
@@ -123,16 +135,21 @@ BAD_CHATS: list[tuple[dict[str, Any], str, str]] = [
      "messages", "unsupported_parameter"),
     ({"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]}, "messages",
      "unsupported_parameter"),
-    ({"messages": CHAT, "n": 3}, "n", "unsupported_parameter"),
+    ({"messages": CHAT, "n": 17}, "n", "invalid_value"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
      "unsupported_parameter"),
     ({"messages": CHAT, "functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
-    ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format",
-     "unsupported_parameter"),
+    ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format",
+     "invalid_value"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "invalid_request"),
     ({"messages": CHAT, "max_tokens": 2, "max_completion_tokens": 3}, "max_completion_tokens",
      "invalid_request"),
-    ({"messages": CHAT, "prompt": PROMPT}, "prompt", "unknown_parameter"),
+    ({"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format",
+     "invalid_request"),
+    ({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, "response_format",
+     "invalid_json_schema"),
+    ({"messages": CHAT, "tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
 ]
 
 
@@ -201,7 +218,7 @@ async def test_no_aliases(engine: AsyncEngine, tokenizer: Any) -> None:
 
 
 async def test_context_length(http: httpx.AsyncClient, engine: AsyncEngine) -> None:
-    max_len = engine.engine.max_model_len
+    max_len = engine.max_model_len
     r = await http.post("/v1/completions", json={"prompt": [1] * max_len})
     assert_error(r, 400, code="context_length_exceeded", param="prompt")
     r = await http.post("/v1/completions", json={"prompt": [1] * (max_len - 100),
@@ -211,7 +228,7 @@ async def test_context_length(http: httpx.AsyncClient, engine: AsyncEngine) -> N
         "messages": [{"role": "user", "content": "hello " * max_len}]})
     assert_error(r, 400, code="context_length_exceeded", param="messages")
     # Fits the context but not this engine's KV pool: the backend refuses it.
-    kv_tokens = engine.layout.num_blocks * engine.engine.config.block_size
+    kv_tokens = engine.layout.num_blocks * engine.layout.block_size
     assert kv_tokens + 16 < max_len
     r = await http.post("/v1/completions", json={"prompt": [1] * (kv_tokens + 16),
                                                  "max_tokens": 1, "stream": True})
@@ -253,9 +270,9 @@ async def test_api_keys(engine: AsyncEngine, tokenizer: Any) -> None:
                          code="invalid_api_key")
             assert_error(await http.post("/v1/completions", json=OK_COMPLETION,
                                          headers=headers), 401, code="invalid_api_key")
-            assert_error(await http.get("/metrics", headers=headers), 401)
             assert_error(await http.get("/v1/nothing", headers=headers), 401)
         assert (await http.get("/health")).status_code == 200
+        assert (await http.get("/metrics")).status_code == 200  # open unless configured
         ok = {"Authorization": "Bearer k2"}
         assert (await http.get("/v1/models", headers=ok)).status_code == 200
         assert (await http.get("/metrics", headers=ok)).status_code == 200
@@ -267,6 +284,11 @@ async def test_api_keys(engine: AsyncEngine, tokenizer: Any) -> None:
                                  max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             await bad.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+    config = GatewayConfig(api_keys=frozenset({"k1"}), metrics_require_auth=True)
+    async with serve(EngineBackend(engine, tokenizer, MODEL), config) as http:
+        assert_error(await http.get("/metrics"), 401, code="invalid_api_key")
+        page = await http.get("/metrics", headers={"Authorization": "Bearer k1"})
+        assert page.status_code == 200 and "pdserve:num_requests_running" in page.text
 
 
 class NotReadyBackend(EngineBackend):

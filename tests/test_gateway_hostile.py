@@ -22,16 +22,15 @@ import structlog
 from gated_tokenizer import GatedTokenizer
 from hypothesis import HealthCheck, given, settings
 from loop_thread import serve_in_thread
+from pdserve.engine.types import MAX_LOGPROBS, MAX_REQUEST_ID_LEN, MAX_TEMPERATURE
+from pdserve.gateway.app import GatewayConfig, create_app
+from pdserve.gateway.local_backend import EngineBackend
+from pdserve.gateway.server import running_server
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-
-from engine.types import MAX_LOGPROBS, MAX_REQUEST_ID_LEN, MAX_TEMPERATURE
-from gateway.app import GatewayConfig, create_app
-from gateway.local_backend import EngineBackend
-from gateway.server import running_server
 
 MODEL = "smol-test"
 MAX_MODEL_LEN = 40
@@ -57,9 +56,9 @@ class Gateways:
 
 @pytest.fixture(scope="module")
 def gateways(loaded_model, tokenizer, model_dir) -> Iterator[Gateways]:  # type: ignore[no-untyped-def]
-    from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
 
     @contextlib.asynccontextmanager
     async def serve() -> AsyncIterator[Gateways]:

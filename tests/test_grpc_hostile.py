@@ -33,7 +33,9 @@ from hypothesis import strategies as st
 from loop_thread import serve_in_thread
 from protobuf_strategies import messages, raw_messages
 
-from pdserve import grpc_util as gu
+from pdserve.rpc import transport as gu
+from pdserve.rpc.errors import ERROR_CODE_KEY
+from pdserve.rpc.metadata import REQUEST_ID_KEY
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, router_pb2
 
 LEASE_CAP_S = 2.0  # the decode worker's max_alloc_lease_s here
@@ -43,6 +45,39 @@ ROUTER_SERVICE = "pdserve.v1.Router"
 Code = grpc.StatusCode
 
 
+class RpcCounter:
+    """Client interceptors counting the router's calls to workers, and how many of them carry
+    the prompt (a CachedPrefix query, or a GenerateInput with the prompt's token ids)."""
+
+    def __init__(self) -> None:
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.prompt_copies = 0
+        counter = self
+
+        class Unary(grpc.aio.UnaryUnaryClientInterceptor):
+            async def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+                counter._count(details, request)
+                return await continuation(details, request)
+
+        class Stream(grpc.aio.UnaryStreamClientInterceptor):
+            async def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+                counter._count(details, request)
+                return await continuation(details, request)
+
+        self.interceptors = (Unary(), Stream())
+
+    def _count(self, details: Any, request: Any) -> None:
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        self.calls[method.rsplit("/", 1)[-1]] += 1
+        carries = (getattr(request, "token_ids", None) if hasattr(request, "token_ids")
+                   else request.input.prompt_token_ids if hasattr(request, "input") else None)
+        self.prompt_copies += bool(carries)
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.prompt_copies = 0
+
+
 @dataclass(frozen=True)
 class Cluster:
     router: str
@@ -50,19 +85,22 @@ class Cluster:
     prefill: str
     descriptor_id: str  # the decode worker's KV pool
     gate: GatedTokenizer
+    rpcs: RpcCounter  # the router's calls to the workers
 
 
 @pytest.fixture(scope="module")
 def cluster(redis_server: str, model_dir: Path) -> Iterator[Cluster]:
-    from control.registry import WorkerRegistry
-    from decode_svc.main import DecodeConfig, run_decode
-    from engine.config import EngineConfig, ModelConfig
+    from pdserve.control.registry import WorkerRegistry
+    from pdserve.decode_svc.main import DecodeConfig, run_decode
+    from pdserve.engine.config import EngineConfig, ModelConfig
+    from pdserve.prefill_svc.main import PrefillConfig, run_prefill
+    from pdserve.router.clients import WorkerChannels
+    from pdserve.router.main import RouterProcessConfig
+    from pdserve.router.router import Router
+    from pdserve.router.servicer import RouterServicer
+
     from pdserve.runtime import start_server
     from pdserve.v1 import router_pb2_grpc
-    from prefill_svc.main import PrefillConfig, run_prefill
-    from router.main import RouterProcessConfig
-    from router.router import Router
-    from router.servicer import RouterServicer
 
     namespace = f"hostile{uuid.uuid4().hex[:8]}"
     common: dict[str, Any] = dict(redis_url=redis_server, model=str(model_dir),
@@ -74,6 +112,7 @@ def cluster(redis_server: str, model_dir: Path) -> Iterator[Cluster]:
     prefill_cfg = PrefillConfig(worker_id="prefill-0", transfer_timeout_s=5.0, **common)
     # Loaded first: it imports transformers, which two threads must not do at once.
     gate = GatedTokenizer(model_dir)
+    rpcs = RpcCounter()
 
     @contextlib.asynccontextmanager
     async def serve() -> AsyncIterator[Cluster]:
@@ -94,7 +133,8 @@ def cluster(redis_server: str, model_dir: Path) -> Iterator[Cluster]:
             max_model_len = ModelConfig.from_dir(model_dir).max_position_embeddings
             async with (WorkerRegistry.from_url(redis_server, namespace=namespace) as registry,
                         Router(registry, gate, model_name=model_dir.name,
-                               max_model_len=max_model_len, poll_s=0.1) as router):
+                               max_model_len=max_model_len, poll_s=0.1,
+                               channels=WorkerChannels(interceptors=rpcs.interceptors)) as router):
                 # As run_router builds it (there with the tokenizer it loads itself).
                 server = gu.new_server(
                     max_message_bytes=RouterProcessConfig.max_request_bytes)
@@ -109,7 +149,7 @@ def cluster(redis_server: str, model_dir: Path) -> Iterator[Cluster]:
                         await asyncio.sleep(0.05)
                 [decode], [prefill] = router.workers("decode"), router.workers("prefill")
                 yield Cluster(address, decode.grpc_address, prefill.grpc_address,
-                              decode.descriptor_id, gate)
+                              decode.descriptor_id, gate, rpcs)
                 await server.stop(grace=1.0)
         finally:
             stop.set()
@@ -143,7 +183,7 @@ def call(channel: grpc.Channel, method: str, request: Message | bytes, *, stream
     except grpc.RpcError as exc:
         trailers = dict(exc.trailing_metadata() or ())  # type: ignore[attr-defined]
         return Outcome(exc.code(), exc.details(),  # type: ignore[attr-defined]
-                       trailers.get(gu.ERROR_CODE_KEY))
+                       trailers.get(ERROR_CODE_KEY))
     return Outcome(Code.OK)
 
 
@@ -175,7 +215,7 @@ def test_router_refuses_what_rest_refuses(cluster: Cluster, tokenizer: Any) -> N
         undecodable = b"\x0a\x02\xff\xfe" + generate().SerializeToString()
         refused(call(ch, GENERATE, undecodable, stream=True), "invalid_message")
         refused(call(ch, GENERATE, generate(), stream=True,
-                     metadata=((gu.REQUEST_ID_KEY, "x" * 1000),)), "invalid_request_id")
+                     metadata=((REQUEST_ID_KEY, "x" * 1000),)), "invalid_request_id")
         # The same limits as REST: 256 characters is a valid id, 257 is not.
         refused(call(ch, GENERATE, generate(request_id="r" * 257), stream=True),
                 "invalid_request_id")
@@ -194,12 +234,12 @@ def test_workers_refuse_it_too_and_never_log_it(cluster: Cluster,
     with structlog.testing.capture_logs(
             processors=[structlog.contextvars.merge_contextvars]) as logs, \
             grpc.insecure_channel(cluster.decode) as ch:
-        request = decode_pb2.DecodeGenerateRequest(
+        request = decode_pb2.DecodeGenerateRequest(input=common_pb2.GenerateInput(
             request_id=long_id, prompt_token_ids=[1, 2, 3],
-            sampling=common_pb2.SamplingParams(max_tokens=1))
+            sampling=common_pb2.SamplingParams(max_tokens=1)))
         refused(call(ch, DECODE_GENERATE, request, stream=True), "invalid_request_id")
-        request.request_id = "ok-id"
-        request.sampling.max_tokens = HUGE_MS
+        request.input.request_id = "ok-id"
+        request.input.sampling.max_tokens = HUGE_MS
         refused(call(ch, DECODE_GENERATE, request, stream=True), "context_length_exceeded")
         refused(call(ch, "/pdserve.v1.DecodeWorker/Abort",
                      common_pb2.AbortRequest(request_id=long_id), stream=False),
@@ -220,9 +260,9 @@ def test_callers_cannot_pin_kv_blocks(cluster: Cluster, tokenizer: Any) -> None:
         total = decode.Stats(common_pb2.StatsRequest(), timeout=10).num_total_blocks
         refusal = None
         for i in range(total):  # one block each: enough to pin the whole pool if allowed
-            request = decode_pb2.AllocateRequest(
-                request_id=f"pin-{i}", prompt_token_ids=[200 + i] * 16, lease_ms=HUGE_MS,
-                sampling=common_pb2.SamplingParams(max_tokens=1))
+            request = decode_pb2.AllocateRequest(input=common_pb2.GenerateInput(
+                request_id=f"pin-{i}", prompt_token_ids=[200 + i] * 16,
+                sampling=common_pb2.SamplingParams(max_tokens=1)), lease_ms=HUGE_MS)
             refusal = call(ch, "/pdserve.v1.DecodeWorker/AllocateRemote", request,
                            stream=False, timeout=10)
             if refusal.code != Code.OK:
@@ -244,15 +284,37 @@ def test_callers_cannot_pin_kv_blocks(cluster: Cluster, tokenizer: Any) -> None:
                  .num_free_blocks == total, "the capped leases never ran out")
 
         # A claimed allocation waits for its KV at most the worker's cap, not the caller's.
-        alloc = decode.AllocateRemote(decode_pb2.AllocateRequest(
+        alloc = decode.AllocateRemote(decode_pb2.AllocateRequest(input=common_pb2.GenerateInput(
             request_id="wait-0", prompt_token_ids=[7] * 20,
-            sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=10)
+            sampling=common_pb2.SamplingParams(max_tokens=1))), timeout=10)
         r = call(ch, "/pdserve.v1.DecodeWorker/GenerateRemote", decode_pb2.RemoteGenerateRequest(
             request_id="wait-0", transfer_id=alloc.transfer_id, transfer_timeout_ms=HUGE_MS),
             stream=True, timeout=KV_WAIT_CAP_S * 20)
         assert (r.code, r.error_code) == (Code.ABORTED, "kv_timeout"), r
         wait_for(lambda: decode.Stats(common_pb2.StatsRequest(), timeout=10)
                  .num_free_blocks == total, "an allocation that timed out kept its blocks")
+
+
+def test_remote_path_rpcs_and_prompt_copies(cluster: Cluster) -> None:
+    """One remote prefill with N decode workers (N = 1 here) costs N + 3 RPCs (CachedPrefix per
+    decode worker, AllocateRemote, GenerateRemote, Prefill), N + 2 of them carrying the prompt
+    (docs/ARCHITECTURE.md, "Request path: RPCs before/after")."""
+    ids = list(range(1000, 1256))  # 256 tokens, nothing cached: the remote threshold
+    cluster.rpcs.reset()
+    with grpc.insecure_channel(cluster.router) as ch:
+        last = list(router_stub(ch).Generate(router_pb2.GenerateRequest(
+            token_ids=router_pb2.TokenIds(ids=ids),
+            sampling=common_pb2.SamplingParams(max_tokens=2)), timeout=120))[-1]
+    remote = {"CachedPrefix": 1, "AllocateRemote": 1, "GenerateRemote": 1, "Prefill": 1}
+    if last.route == common_pb2.PREFILL_ROUTE_FALLBACK:
+        # This worker waits at most KV_WAIT_CAP_S for the KV; on a busy machine the prefill
+        # can take longer. The fallback adds an Abort and a local Generate (one more copy).
+        assert dict(cluster.rpcs.calls) == {**remote, "Abort": 1, "Generate": 1}
+        assert cluster.rpcs.prompt_copies == 4
+    else:
+        assert last.route == common_pb2.PREFILL_ROUTE_REMOTE, last
+        assert dict(cluster.rpcs.calls) == remote
+        assert cluster.rpcs.prompt_copies == 3
 
 
 def router_stub(ch: grpc.Channel) -> Any:
@@ -322,12 +384,12 @@ RPCS = [
         lambda rid, *_: common_pb2.AbortRequest(request_id=rid)),
     Rpc("decode", "DecodeWorker/Generate", decode_pb2.DecodeGenerateRequest, True,
         _CLIENT | {Code.UNAVAILABLE}, 15,
-        lambda rid, *_: decode_pb2.DecodeGenerateRequest(
-            request_id=rid, prompt_token_ids=[1, 2, 3, 4], sampling=_sampling())),
+        lambda rid, *_: decode_pb2.DecodeGenerateRequest(input=common_pb2.GenerateInput(
+            request_id=rid, prompt_token_ids=[1, 2, 3, 4], sampling=_sampling()))),
     Rpc("decode", "DecodeWorker/AllocateRemote", decode_pb2.AllocateRequest, False,
         _CLIENT | {Code.UNAVAILABLE}, 15,
-        lambda rid, *_: decode_pb2.AllocateRequest(
-            request_id=rid, prompt_token_ids=list(range(1, 21)), sampling=_sampling(),
+        lambda rid, *_: decode_pb2.AllocateRequest(input=common_pb2.GenerateInput(
+            request_id=rid, prompt_token_ids=list(range(1, 21)), sampling=_sampling()),
             lease_ms=1000)),
     Rpc("decode", "DecodeWorker/GenerateRemote", decode_pb2.RemoteGenerateRequest, True,
         _CLIENT | {Code.ABORTED, Code.CANCELLED}, 15,
@@ -342,7 +404,8 @@ RPCS = [
     Rpc("prefill", "PrefillWorker/Prefill", prefill_pb2.PrefillRequest, False,
         _CLIENT | {Code.ABORTED, Code.DEADLINE_EXCEEDED}, 15,
         lambda rid, descriptor_id, to_decode: prefill_pb2.PrefillRequest(
-            request_id=rid, prompt_token_ids=list(range(1, 21)), sampling=_sampling(1),
+            input=common_pb2.GenerateInput(request_id=rid, prompt_token_ids=list(range(1, 21)),
+                                           sampling=_sampling(1)),
             # The real decode worker's pool, which expects no such transfer.
             destination=prefill_pb2.KVDestination(
                 descriptor_id=descriptor_id, block_ids=[0, 1], transfer_id=f"{rid}/0")
@@ -371,7 +434,7 @@ def test_fuzz(cluster: Cluster, rpc: Rpc) -> None:
         if rpc.method.endswith("AllocateRemote") and outcome.code == Code.OK:
             assert isinstance(request, Message)
             call(ch, "/pdserve.v1.DecodeWorker/Abort",
-                 common_pb2.AbortRequest(request_id=request.request_id), stream=False)
+                 common_pb2.AbortRequest(request_id=request.input.request_id), stream=False)
 
     with grpc.insecure_channel(getattr(cluster, rpc.server)) as ch:
         run()

@@ -15,19 +15,17 @@ import torch
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 import ucxx
-
-from control import KVDescriptor, WorkerRegistry, make_descriptor_id
-from engine.types import KVLayout, KVTransferError
-from kvxfer import (
+from pdserve.control import KVDescriptor, WorkerRegistry, make_descriptor_id
+from pdserve.engine.types import KVLayout, KVTransferError
+from pdserve.kvxfer import (
     Code,
     KVReceiver,
     KVSender,
     expand_runs,
     merge_pairs,
     merge_runs,
-    pool_shape,
 )
-from kvxfer.protocol import CTRL_TAG, data_tag, recv_frame, reply_tag, send_frame
+from pdserve.kvxfer.protocol import CTRL_TAG, data_tag, recv_frame, reply_tag, send_frame
 
 # 64 KiB blocks: large enough that UCX uses its rendezvous (zero-copy) protocol.
 LAYOUT = KVLayout(
@@ -44,7 +42,33 @@ DESC_ID = make_descriptor_id("d0", 2)
 
 def random_pool(layout: KVLayout = LAYOUT, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(pool_shape(layout), generator=gen, dtype=torch.float32)
+    return torch.randn(layout.shape, generator=gen, dtype=torch.float32)
+
+
+def test_layout_geometry_and_its_one_codec() -> None:
+    pool = random_pool()
+    assert tuple(pool.shape) == LAYOUT.shape
+    assert LAYOUT.block_nbytes == pool[0].numel() * pool.element_size() == 64 << 10
+    assert LAYOUT.pool_nbytes == pool.numel() * pool.element_size()
+    fit = KVLayout.for_budget(5 * LAYOUT.block_nbytes + 1, num_layers=2, block_size=16,
+                              num_kv_heads=4, head_dim=64, dtype="float32", model_id="tiny")
+    assert fit == replace(LAYOUT, num_blocks=5)
+    # Descriptors (JSON) and protos (attributes) read the same wire form the same way.
+    desc = KVDescriptor(DESC_ID, "d0", 2, "127.0.0.1:1", LAYOUT)
+    assert KVDescriptor.from_json(desc.to_json()) == desc
+    assert KVLayout.from_wire(LAYOUT.to_wire()) == LAYOUT
+
+    class Msg:
+        pass
+
+    msg = Msg()
+    msg.__dict__.update(LAYOUT.to_wire())
+    assert KVLayout.from_wire(msg) == LAYOUT
+    for bad in (None, [], {**LAYOUT.to_wire(), "dtype": "int4"},
+                {**LAYOUT.to_wire(), "num_blocks": -1}, {**LAYOUT.to_wire(), "head_dim": True},
+                {k: v for k, v in LAYOUT.to_wire().items() if k != "model_id"}):
+        with pytest.raises(ValueError):
+            KVLayout.from_wire(bad)
 
 
 class Resolver:

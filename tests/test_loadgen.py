@@ -91,6 +91,9 @@ def make_app(behaviour: Behaviour) -> FastAPI:
         if failure in ("500", "400"):
             error = {"message": f"injected {failure}", "type": "test", "code": "injected"}
             return JSONResponse({"error": error}, status_code=int(failure))
+        if failure == "429":  # an admission refusal, as pdserve's router answers it
+            error = {"message": "overloaded", "type": "rate_limit_error", "code": "overloaded"}
+            return JSONResponse({"error": error}, status_code=429, headers={"Retry-After": "7"})
         prompt = body["messages"][0]["content"] if chat else body["prompt"]
         num_tokens = int(body["max_tokens"])
 
@@ -261,6 +264,24 @@ async def test_errors_are_counted_and_miss_the_slo() -> None:
     assert sum("[DONE]" in e for e in errors) == 3
     assert [r.status for r in result.requests].count(500) == 3
     assert s.output_token_throughput == pytest.approx(3 * OUTPUT_TOKENS / s.duration_s)
+
+
+async def test_refusals_keep_their_status_and_retry_after() -> None:
+    from bench.admission import outcome, summarize_run
+
+    behaviour = Behaviour(failures={0: "429", 1: "500"}, cycle=3)
+    async with serve(behaviour) as url:
+        config = RunConfig(url=url, workload=WORKLOAD, num_requests=6, concurrency=2,
+                           slo=LOOSE_SLO, max_duration_s=60)
+        result = await run_load(config)
+    refused = [r for r in result.requests if r.status == 429]
+    assert len(refused) == 2 and all(r.retry_after_s == 7.0 for r in refused)
+    assert all(r.retry_after_s is None for r in result.requests if r.status != 429)
+    assert sorted(outcome(r) for r in result.requests) == ["completed"] * 2 + ["error"] * 2 \
+        + ["rejected"] * 2
+    s = summarize_run(result)
+    assert (s["completed"], s["rejected"], s["rejected_with_retry_after"], s["errors"],
+            s["hangs"], s["good"]) == (2, 2, 2, 2, 0, 2)
 
 
 async def test_without_usage_output_tokens_are_counted_from_chunks() -> None:
@@ -485,6 +506,9 @@ def test_workloads() -> None:
     assert interactive / 2000 == pytest.approx(0.8, abs=0.03)
     assert {s.latency_class for s in mixed} == {"interactive", "batch"}
     assert all(s.prompt_len >= 1000 for s in mixed if s.latency_class == "batch")
+
+    three = build_requests(named_workload("mixed3-cpu"), 500, seed=3)
+    assert {s.latency_class for s in three} == {"interactive", "standard", "batch"}
 
 
 def test_length_distributions() -> None:

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from engine import model_store
-from engine.model_store import (
+from pdserve.engine import model_store
+from pdserve.engine.model_store import (
     DEFAULT_MODEL_NAME,
     MARKER_FILE,
     convert_gguf,
@@ -22,7 +21,7 @@ from engine.model_store import (
     pull_default_model,
     resolve_model,
 )
-from engine.types import ModelLoadError
+from pdserve.engine.types import ModelLoadError
 
 
 @pytest.fixture(scope="module")

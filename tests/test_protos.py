@@ -1,4 +1,5 @@
-"""The generated v1 stubs and pdserve.grpc_util, against a real grpc.aio server on loopback."""
+"""The generated v1 stubs and pdserve.rpc (errors, transport, conversion), against a real
+grpc.aio server on loopback."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from engine.types import (
+from pdserve.engine.types import (
     CapacityError,
     FinishReason,
     GenerateRequest,
@@ -24,12 +24,13 @@ from engine.types import (
     PromptTooLongError,
     RequestAbortedError,
     SamplingParams,
-    StageTimings,
     TokenEvent,
     TokenLogprob,
 )
-from pdserve import grpc_util
-from pdserve.grpc_util import HealthServicer
+
+from pdserve.rpc import convert, metadata, transport
+from pdserve.rpc import errors as rpc_errors
+from pdserve.rpc.transport import HealthServicer
 from pdserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -76,8 +77,8 @@ class EchoRouter(router_pb2_grpc.RouterServicer):
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        sampling = grpc_util.sampling_from_proto(request.sampling)  # validates
-        request_id = request.request_id or grpc_util.request_id_from_context(context) or "gen"
+        sampling = convert.sampling_from_proto(request.sampling)  # validates
+        request_id = request.request_id or metadata.request_id_from_context(context) or "gen"
         text = request.text
         error = ERRORS[text.removeprefix("raise:")][0] if text.startswith("raise:") else None
         text = text[:2] if error else text[: sampling.max_tokens]
@@ -93,10 +94,10 @@ class EchoRouter(router_pb2_grpc.RouterServicer):
             raise error
         yield router_pb2.GenerateResponse(
             request_id=request_id,
-            finish_reason=grpc_util.finish_reason_to_proto(FinishReason.STOP),
+            finish_reason=convert.finish_reason_to_proto(FinishReason.STOP),
             usage=router_pb2.Usage(prompt_tokens=len(request.text), completion_tokens=len(text)),
             timings=(
-                grpc_util.timings_to_proto(StageTimings(arrived=1.0, first_token=1.25))
+                convert.stage_timings_to_proto({"ttft_ms": 250.0, "total_ms": 300.0})
                 if request.return_timings
                 else None
             ),
@@ -118,10 +119,10 @@ class WritingDecode(decode_pb2_grpc.DecodeWorkerServicer):
     async def Generate(
         self, request: decode_pb2.DecodeGenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        req = grpc_util.request_from_proto(request)
+        req = convert.request_from_proto(request.input)
         for i, token in enumerate(req.prompt_token_ids, start=1):
             await context.write(
-                grpc_util.token_event_to_chunk(
+                convert.token_event_to_chunk(
                     TokenEvent(req.request_id, token, text=str(token), num_output_tokens=i)
                 )
             )
@@ -131,11 +132,11 @@ class WritingDecode(decode_pb2_grpc.DecodeWorkerServicer):
 @pytest.fixture
 async def server() -> AsyncIterator[tuple[str, HealthServicer]]:
     """(address, health servicer) of a real server on an ephemeral loopback port."""
-    srv = grpc_util.new_server()
+    srv = transport.new_server()
     router_pb2_grpc.add_RouterServicer_to_server(EchoRouter(), srv)
     decode_pb2_grpc.add_DecodeWorkerServicer_to_server(WritingDecode(), srv)
     port = srv.add_insecure_port("127.0.0.1:0")
-    health = await grpc_util.add_health(srv, ROUTER_SERVICE)
+    health = await transport.add_health(srv, ROUTER_SERVICE)
     await srv.start()
     try:
         yield f"127.0.0.1:{port}", health
@@ -145,12 +146,12 @@ async def server() -> AsyncIterator[tuple[str, HealthServicer]]:
 
 @pytest.fixture
 async def channel(server: tuple[str, HealthServicer]) -> AsyncIterator[grpc.aio.Channel]:
-    async with grpc_util.insecure_channel(server[0]) as ch:
+    async with transport.insecure_channel(server[0]) as ch:
         yield ch
 
 
 def _trailing_code(exc: grpc.aio.AioRpcError) -> str | None:
-    return dict(exc.trailing_metadata() or ()).get(grpc_util.ERROR_CODE_KEY)
+    return dict(exc.trailing_metadata() or ()).get(rpc_errors.ERROR_CODE_KEY)
 
 
 # --------------------------------------------------------------------------- stubs
@@ -197,11 +198,11 @@ def test_every_proto_field_is_commented() -> None:
 async def test_generate_streams_tokens_with_request_id(channel: grpc.aio.Channel) -> None:
     stub = router_pb2_grpc.RouterStub(channel)
     request = router_pb2.GenerateRequest(text="hello", return_timings=True)
-    call = stub.Generate(request, metadata=grpc_util.request_id_metadata("rid-7"))
+    call = stub.Generate(request, metadata=metadata.request_id_metadata("rid-7"))
     responses = [r async for r in call]
     assert "".join(r.text for r in responses) == "hello"
     assert {r.request_id for r in responses} == {"rid-7"}
-    assert [grpc_util.finish_reason_from_proto(r.finish_reason) for r in responses] == [
+    assert [convert.finish_reason_from_proto(r.finish_reason) for r in responses] == [
         None
     ] * 5 + [FinishReason.STOP]
     assert responses[-1].usage.completion_tokens == 5
@@ -219,17 +220,17 @@ async def test_unary_errors_map_to_status_and_trailing_code(
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Abort(
             common_pb2.AbortRequest(request_id=name),
-            metadata=grpc_util.request_id_metadata("rid-err"),
+            metadata=metadata.request_id_metadata("rid-err"),
         )
     assert info.value.code() == status
     assert _trailing_code(info.value) == code
     trailers = dict(info.value.trailing_metadata())
-    assert trailers[grpc_util.REQUEST_ID_KEY] == "rid-err"
+    assert trailers[metadata.REQUEST_ID_KEY] == "rid-err"
     if isinstance(exc, PdserveError):
         assert info.value.details() == exc.message
-        assert trailers.get(grpc_util.ERROR_PARAM_KEY) == exc.param
+        assert trailers.get(rpc_errors.ERROR_PARAM_KEY) == exc.param
 
-    translated = grpc_util.error_from_rpc(info.value)
+    translated = rpc_errors.error_from_rpc(info.value)
     if isinstance(exc, TimeoutError):
         assert type(translated) is TimeoutError
     elif isinstance(exc, PdserveError):
@@ -260,14 +261,14 @@ async def test_stream_errors_after_some_tokens(channel: grpc.aio.Channel, name: 
 async def test_translate_rpc_errors_raises_domain_errors(channel: grpc.aio.Channel) -> None:
     stub = router_pb2_grpc.RouterStub(channel)
     bad_sampling = common_pb2.SamplingParams(top_p=0.0)  # explicitly set: invalid
-    with pytest.raises(InvalidRequestError) as info, grpc_util.translate_rpc_errors():
+    with pytest.raises(InvalidRequestError) as info, rpc_errors.translate_rpc_errors():
         async for _ in stub.Generate(router_pb2.GenerateRequest(text="x", sampling=bad_sampling)):
             pass
     assert info.value.code == "invalid_sampling_params"
     assert info.value.param == "top_p"
     assert isinstance(info.value.__cause__, grpc.aio.AioRpcError)
 
-    with pytest.raises(CapacityError), grpc_util.translate_rpc_errors():
+    with pytest.raises(CapacityError), rpc_errors.translate_rpc_errors():
         async for _ in stub.Generate(router_pb2.GenerateRequest(text="raise:capacity")):
             pass
 
@@ -285,12 +286,12 @@ async def test_handlers_own_abort_passes_through(channel: grpc.aio.Channel) -> N
 async def test_write_style_stream_and_unimplemented(channel: grpc.aio.Channel) -> None:
     stub = decode_pb2_grpc.DecodeWorkerStub(channel)
     request = decode_pb2.DecodeGenerateRequest(
-        **grpc_util.request_fields(GenerateRequest("d1", (5, 6, 7)))
+        input=convert.input_to_proto(GenerateRequest("d1", (5, 6, 7)))
     )
     events: list[TokenEvent] = []
-    with pytest.raises(CapacityError, match="evicted"), grpc_util.translate_rpc_errors():
+    with pytest.raises(CapacityError, match="evicted"), rpc_errors.translate_rpc_errors():
         async for chunk in stub.Generate(request):
-            events.append(grpc_util.token_event_from_chunk(chunk))
+            events.append(convert.token_event_from_chunk(chunk))
     assert [e.token_id for e in events] == [5, 6, 7]
     assert events[-1].num_output_tokens == 3
 
@@ -300,9 +301,9 @@ async def test_write_style_stream_and_unimplemented(channel: grpc.aio.Channel) -
 
 
 async def test_dead_server_reads_as_capacity_error() -> None:
-    async with grpc_util.insecure_channel("127.0.0.1:1") as ch:
+    async with transport.insecure_channel("127.0.0.1:1") as ch:
         stub = router_pb2_grpc.RouterStub(ch)
-        with pytest.raises(CapacityError) as info, grpc_util.translate_rpc_errors():
+        with pytest.raises(CapacityError) as info, rpc_errors.translate_rpc_errors():
             await stub.Abort(common_pb2.AbortRequest(request_id="x"), timeout=5)
     assert info.value.code == "worker_unavailable"
 
@@ -323,10 +324,10 @@ async def test_health_serving_and_not_serving(
     )
     assert await status() == not_serving
     assert await status(ROUTER_SERVICE) == not_serving
-    await grpc_util.set_serving(health, ROUTER_SERVICE)
+    await transport.set_serving(health, ROUTER_SERVICE)
     assert await status() == serving
     assert await status(ROUTER_SERVICE) == serving
-    await grpc_util.set_not_serving(health, ROUTER_SERVICE)
+    await transport.set_not_serving(health, ROUTER_SERVICE)
     assert await status() == not_serving
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await status("no.such.Service")
@@ -388,41 +389,41 @@ async def test_example_client_reports_error_code(server: tuple[str, HealthServic
     ],
 )
 def test_sampling_round_trip(params: SamplingParams) -> None:
-    msg = grpc_util.sampling_to_proto(params)
+    msg = convert.sampling_to_proto(params)
     wire = common_pb2.SamplingParams.FromString(msg.SerializeToString())
-    assert grpc_util.sampling_from_proto(wire) == params
+    assert convert.sampling_from_proto(wire) == params
 
 
 def test_sampling_defaults_and_validation() -> None:
-    assert grpc_util.sampling_from_proto(common_pb2.SamplingParams()) == SamplingParams()
-    assert grpc_util.sampling_from_proto(None) == SamplingParams()
+    assert convert.sampling_from_proto(common_pb2.SamplingParams()) == SamplingParams()
+    assert convert.sampling_from_proto(None) == SamplingParams()
     with pytest.raises(InvalidRequestError) as info:
-        grpc_util.sampling_from_proto(common_pb2.SamplingParams(max_tokens=0))
+        convert.sampling_from_proto(common_pb2.SamplingParams(max_tokens=0))
     assert info.value.param == "max_tokens"
     with pytest.raises(InvalidRequestError):
-        grpc_util.sampling_from_proto(common_pb2.SamplingParams(logprobs=21))
+        convert.sampling_from_proto(common_pb2.SamplingParams(logprobs=21))
     with pytest.raises(InvalidRequestError) as info:
-        grpc_util.sampling_to_proto(SamplingParams(seed=2**64))
+        convert.sampling_to_proto(SamplingParams(seed=2**64))
     assert info.value.param == "seed"
 
 
 def test_enum_round_trips() -> None:
     for latency in LatencyClass:
-        assert grpc_util.latency_from_proto(grpc_util.latency_to_proto(latency)) == latency
-    assert grpc_util.latency_from_proto(common_pb2.LATENCY_CLASS_UNSPECIFIED) == (
+        assert convert.latency_from_proto(convert.latency_to_proto(latency)) == latency
+    assert convert.latency_from_proto(common_pb2.LATENCY_CLASS_UNSPECIFIED) == (
         LatencyClass.STANDARD
     )
     with pytest.raises(InvalidRequestError):
-        grpc_util.latency_from_proto(99)
+        convert.latency_from_proto(99)
     for reason in [*FinishReason, None]:
-        assert grpc_util.finish_reason_from_proto(grpc_util.finish_reason_to_proto(reason)) == (
+        assert convert.finish_reason_from_proto(convert.finish_reason_to_proto(reason)) == (
             reason
         )
 
 
 def test_token_event_and_logprob_round_trip() -> None:
     lp = TokenLogprob(token_id=11, logprob=-0.25, top=((11, -0.25), (12, -1.5)))
-    assert grpc_util.logprob_from_proto(grpc_util.logprob_to_proto(lp)) == lp
+    assert convert.logprob_from_proto(convert.logprob_to_proto(lp)) == lp
     events = [
         TokenEvent("r", 11, text="he", logprob=lp, num_prompt_tokens=4, num_output_tokens=1),
         TokenEvent("r", 0, text="", num_cached_tokens=16),  # token id 0 is a real token
@@ -430,48 +431,64 @@ def test_token_event_and_logprob_round_trip() -> None:
         TokenEvent("r", 13, finish_reason=FinishReason.LENGTH, num_output_tokens=3),
     ]
     for event in events:
-        chunk = grpc_util.token_event_to_chunk(event)
+        chunk = convert.token_event_to_chunk(event)
         wire = decode_pb2.TokenChunk.FromString(chunk.SerializeToString())
-        assert grpc_util.token_event_from_chunk(wire) == event
+        assert convert.token_event_from_chunk(wire) == event
 
 
 def test_request_and_layout_round_trip() -> None:
     req = GenerateRequest(
         "r1", (1, 2, 3), SamplingParams(max_tokens=5, seed=1), LatencyClass.INTERACTIVE
     )
-    for cls in (decode_pb2.DecodeGenerateRequest, decode_pb2.AllocateRequest):
-        assert grpc_util.request_from_proto(cls(**grpc_util.request_fields(req))) == req
-    prefill = prefill_pb2.PrefillRequest(
-        **grpc_util.request_fields(req),
-        destination=prefill_pb2.KVDestination(descriptor_id="d", block_ids=[4, 9]),
-    )
-    assert grpc_util.request_from_proto(prefill) == req
+    # One GenerateInput message, carried by every worker rpc that starts generation.
+    messages = [
+        decode_pb2.DecodeGenerateRequest(input=convert.input_to_proto(req)),
+        decode_pb2.AllocateRequest(input=convert.input_to_proto(req), lease_ms=5),
+        prefill_pb2.PrefillRequest(
+            input=convert.input_to_proto(req),
+            destination=prefill_pb2.KVDestination(descriptor_id="d", block_ids=[4, 9]),
+        ),
+    ]
+    for msg in messages:
+        wire = type(msg).FromString(msg.SerializeToString())
+        assert convert.request_from_proto(wire.input) == req
     with pytest.raises(InvalidRequestError):
-        grpc_util.request_from_proto(decode_pb2.DecodeGenerateRequest(request_id="r"))
+        convert.request_from_proto(common_pb2.GenerateInput(request_id="r"))
+    with pytest.raises(InvalidRequestError):  # no input at all
+        convert.request_from_proto(decode_pb2.DecodeGenerateRequest().input)
 
     layout = KVLayout(1024, 28, 16, 8, 128, "bfloat16", "qwen2.5-0.5b")
-    assert grpc_util.kv_layout_from_proto(grpc_util.kv_layout_to_proto(layout)) == layout
+    assert convert.kv_layout_from_proto(convert.kv_layout_to_proto(layout)) == layout
 
 
-def test_timings_to_proto_durations() -> None:
-    t = StageTimings(
-        arrived=10.0,
-        scheduled=10.001,
-        prefill_done=10.011,
-        kv_transferred=10.016,
-        admitted=10.017,
-        first_token=10.018,
-        finished=10.5,
-        extra={"tokenize": 0.5},
-    )
-    msg = grpc_util.timings_to_proto(t)
-    assert msg.queued_ms == pytest.approx(1.0)
-    assert msg.prefill_compute_ms == pytest.approx(10.0)
-    assert msg.kv_transfer_ms == pytest.approx(5.0)
-    assert msg.decode_admission_ms == pytest.approx(1.0)
-    assert msg.first_token_ms == pytest.approx(18.0)
-    assert msg.total_ms == pytest.approx(500.0)
-    assert dict(msg.extra) == {"tokenize": 0.5}
-    local = grpc_util.timings_to_proto(StageTimings(arrived=1.0, scheduled=1.0, prefill_done=1.002))
-    assert local.kv_transfer_ms == 0.0 and local.decode_admission_ms == 0.0
-    assert grpc_util.timings_ms(msg)["tokenize"] == 0.5
+def test_pruned_fields_are_gone() -> None:
+    """The first token has one channel (the KV notice) and timings one path (the router)."""
+    fields = {
+        decode_pb2.RemoteGenerateRequest: {"request_id", "transfer_id", "transfer_timeout_ms"},
+        prefill_pb2.PrefillResponse: {
+            "request_id", "timings", "bytes_transferred", "num_computed_tokens", "worker_id"},
+        decode_pb2.DecodeGenerateRequest: {"input"},
+    }
+    for cls, names in fields.items():
+        assert set(cls.DESCRIPTOR.fields_by_name) == names, cls.DESCRIPTOR.name
+    assert "timings" not in decode_pb2.TokenChunk.DESCRIPTOR.fields_by_name
+
+
+def test_stage_timings_round_trip() -> None:
+    timings = {
+        "route_ms": 1.0,
+        "decode_allocate_ms": 2.0,
+        "prefill_queued_ms": 3.0,
+        "prefill_compute_ms": 40.0,
+        "kv_transfer_ms": 5.0,
+        "handoff_ms": 6.0,
+        "remote_attempt_ms": 0.0,
+        "local_prefill_ms": 0.0,
+        "ttft_ms": 57.0,
+        "total_ms": 90.0,
+    }
+    msg = convert.stage_timings_to_proto({**timings, "kv_bytes": 1e6})  # not a timing
+    wire = common_pb2.StageTimings.FromString(msg.SerializeToString())
+    assert convert.stage_timings_from_proto(wire) == timings
+    assert wire.queued_ms == 3.0 and wire.first_token_ms == 57.0
+    assert convert.timings_ms(wire)["first_token_ms"] == 57.0

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from engine.types import LatencyClass
-from router.policy import DecodeCandidate, Route, RouterPolicy, choose_decode, decide_route
+import time
+
+import pytest
+from pdserve.engine.types import LatencyClass
+from pdserve.router.clients import PrefillOutcome
+from pdserve.router.policy import DecodeCandidate, Route, RouterPolicy, choose_decode, decide_route
+from pdserve.router.router import _Timings
 
 POLICY = RouterPolicy(remote_min_uncached_tokens=256, max_prefill_backlog_tokens=4096)
 
@@ -48,3 +53,33 @@ def test_choose_decode_prefers_less_load() -> None:
 def test_choose_decode_prefers_cache_affinity_over_small_load_gap() -> None:
     best = choose_decode([_cand("a", 480, 5), _cand("b", 0, 4)], 500, POLICY)
     assert best.worker_id == "a"
+
+
+def test_stage_timings_add_up_to_ttft_on_every_route() -> None:
+    stages = ("route_ms", "decode_allocate_ms", "prefill_queued_ms", "prefill_compute_ms",
+              "kv_transfer_ms", "handoff_ms", "remote_attempt_ms", "local_prefill_ms")
+
+    def total(t: dict[str, float]) -> float:
+        return sum(t.get(k, 0.0) for k in stages)
+
+    remote = _Timings(time.monotonic())
+    remote.routed()
+    remote.allocated()
+    time.sleep(0.005)
+    remote.prefilled(PrefillOutcome("p", 0.5, 1.0, 0.5, 1, 1))
+    remote.first_token()
+    t = remote.finish()
+    assert total(t) == pytest.approx(t["ttft_ms"]) and t["handoff_ms"] > 0
+    assert t["ttft_ms"] <= t["total_ms"]
+
+    # Fell back, then the decode worker went away and a second placement ran locally: the
+    # first attempt counts as routing, never as a negative stage.
+    retried = _Timings(time.monotonic())
+    retried.routed()
+    retried.allocated()
+    retried.fell_back()
+    retried.routed()
+    retried.first_token()
+    t = retried.finish()
+    assert set(t) == {"route_ms", "local_prefill_ms", "ttft_ms", "total_ms"}
+    assert min(t.values()) >= 0 and total(t) == pytest.approx(t["ttft_ms"])

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import SeqMode, SeqStatus, Sequence
-from engine.types import FinishReason, LatencyClass, SamplingParams
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.sequence import SeqMode, SeqStatus, Sequence
+from pdserve.engine.types import FinishReason, LatencyClass, SamplingParams
 
 BS = 4
 NEXT_TOKEN = 7

@@ -6,10 +6,9 @@ import json
 import random
 
 import pytest
-
-from engine.model_store import pull_default_model
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.types import InvalidRequestError
+from pdserve.engine.model_store import pull_default_model
+from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.engine.types import InvalidRequestError
 
 TEXTS = [
     "Hello, world!",
@@ -255,3 +254,36 @@ def test_stop_strings_absent_leave_text_unchanged(tok: Tokenizer) -> None:
 def test_empty_stop_string_is_rejected(tok: Tokenizer) -> None:
     with pytest.raises(InvalidRequestError):
         IncrementalDetokenizer(tok, [], ("",))
+
+
+def test_output_starting_inside_a_character_after_a_prompt(tok: Tokenizer) -> None:
+    # Output ids that begin with the tail bytes of a character (invalid UTF-8 on their own)
+    # still stream exactly like decoding the output ids alone.
+    prompt = tok.encode("Say hi", add_special_tokens=False)
+    ids = tok.encode("👋 ok, 你好", add_special_tokens=False)[1:]
+    assert tok.decode(ids).startswith("\ufffd")
+    pieces, _ = stream(tok, ids, prompt_ids=prompt)
+    assert "".join(pieces) == tok.decode(ids)
+
+
+def test_decode_stream_failure_falls_back_to_the_window(tok: Tokenizer, monkeypatch) -> None:
+    # tokenizers raises from DecodeStream.step on some windows; the request must go on.
+    real = Tokenizer.decode_stream
+    calls = {"n": 0}
+
+    def flaky(self, context_ids=(), skip_special_tokens=True):  # type: ignore[no-untyped-def]
+        step = real(self, context_ids, skip_special_tokens)
+
+        def wrapped(token_id: int) -> str | None:
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise Exception("Invalid prefix encountered")
+            return step(token_id)
+        return wrapped
+
+    monkeypatch.setattr(Tokenizer, "decode_stream", flaky)
+    for text in TEXTS:
+        calls["n"] = 0
+        ids = tok.encode(text, add_special_tokens=False)
+        pieces, _ = stream(tok, ids, prompt_ids=tok.encode("Say:", add_special_tokens=False))
+        assert "".join(pieces) == tok.decode(ids) == text

@@ -81,6 +81,7 @@ class Trace:
     error: str | None = None
     usage: dict[str, Any] | None = None
     server_info: dict[str, Any] | None = None  # the "pdserve" object of the last chunk
+    retry_after: str | None = None  # the Retry-After header of a non-200 answer
     cancelled: bool = False
 
     def result(self) -> RequestResult:
@@ -117,7 +118,16 @@ class Trace:
                 if isinstance(timings, dict)
                 else None
             ),
+            retry_after_s=_seconds(self.retry_after),
         )
+
+
+def _seconds(value: str | None) -> float | None:
+    """A Retry-After value in seconds (the HTTP-date form is not parsed)."""
+    try:
+        return None if value is None else float(value)
+    except ValueError:
+        return None
 
 
 def _chunk_text(chunk: dict[str, Any]) -> str:
@@ -153,6 +163,7 @@ async def stream_request(
         async with client.stream("POST", config.endpoint, json=body, headers=headers) as response:
             trace.status = response.status_code
             if response.status_code != 200:
+                trace.retry_after = response.headers.get("Retry-After")
                 message = _error_message(await response.aread())
                 trace.error = f"HTTP {response.status_code}: {message}"
                 return

@@ -31,6 +31,8 @@ class RequestResult:
     # prefilled ("local", "remote", "fallback") and its stage timings in ms.
     route: str | None = None
     server_timings_ms: Mapping[str, float] | None = None
+    # The Retry-After header of a refusal (429/503), in seconds, when the server sent one.
+    retry_after_s: float | None = None
 
     @property
     def ok(self) -> bool:

@@ -138,6 +138,35 @@ NAMED_WORKLOADS: dict[str, Workload] = {
             ),
         ),
     ),
+    # All three latency classes, for overload control (bench/admission.py): short chat,
+    # mid-length standard requests and long batch prompts (the latter two prefilled remotely
+    # by a 1P1D cluster with the default 256-token remote threshold).
+    "mixed3-cpu": Workload(
+        "mixed3-cpu",
+        (
+            RequestClass(
+                "chat",
+                "interactive",
+                LengthDist("uniform", 64, 128),
+                LengthDist("uniform", 32, 64),
+                0.6,
+            ),
+            RequestClass(
+                "summarize",
+                "standard",
+                LengthDist("uniform", 384, 640),
+                LengthDist("uniform", 24, 48),
+                0.25,
+            ),
+            RequestClass(
+                "long-batch",
+                "batch",
+                LengthDist("uniform", 1024, 1500),
+                LengthDist("uniform", 16, 32),
+                0.15,
+            ),
+        ),
+    ),
     "chat": Workload("chat", (_CHAT,)),
     "summarize": Workload("summarize", (_SUMMARIZE,)),
     "mixed": Workload(

@@ -4,16 +4,22 @@
 the same arithmetic as a handful of fused C++ loops (cpu_ops.cpp) for float32 on CPU, where a
 decode step was otherwise dominated by launching ~35 tiny ops per layer, and reads paged K/V in
 place instead of gathering it. The C++ is compiled once per machine at first use
-(`torch.utils.cpp_extension`, ~1 min; cached under ~/.cache/torch_extensions, keyed by the
-source, the torch version and the CPU's flags, since it is built with -march=native).
-`kernels_for()` falls back to `TorchKernels` wherever the build is not possible.
+(`torch.utils.cpp_extension`, ~1 min; cached under ~/.cache/torch_extensions/pdserve, or
+$TORCH_EXTENSIONS_DIR, keyed by the source, the torch version and the CPU's flags, since it is
+built with -march=native).
+`kernels_for()` falls back to `TorchKernels` wherever the build is not possible. Builds are
+serialized by an flock, so a build killed halfway never blocks later loads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -115,23 +121,61 @@ def gather_blocks(kv_layer: torch.Tensor, kind: int, block_ids: torch.Tensor) ->
     return rows.view(*block_ids.shape, *rows.shape[1:])
 
 
+BUILD_WAIT_S = 600.0  # longest wait for another process's build of the same kernels
+
+
+def _build_root() -> Path:
+    env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "torch_extensions" / "pdserve"
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path, timeout_s: float) -> Iterator[None]:
+    """An flock on ``lock_path``: the kernel released it if its holder died, unlike the
+    lock file torch's builder leaves behind when a build is killed."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("a") as fh:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"another process held {lock_path} for {timeout_s:.0f} s") from None
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 @functools.cache
 def _build() -> ModuleType | None:
+    from pdserve.engine.cpu import cpu_info
     from torch.utils import cpp_extension
-
-    from engine.cpu import cpu_info
 
     info = cpu_info()
     key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()
                          + " ".join(sorted(info.flags)).encode()).hexdigest()[:16]
     name = f"pdserve_cpu_ops_{key}"
+    build_dir = _build_root() / name
     log.info("cpu_kernels_loading", name=name,
              note="compiled once per machine (about a minute), then cached")
     try:
-        return cpp_extension.load(
-            name=name, sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
-            extra_ldflags=["-fopenmp"], verbose=False)
+        with _exclusive(build_dir.with_suffix(".flock"), BUILD_WAIT_S):
+            # We hold the only build lock, so a torch baton left in the build directory
+            # belongs to a build that was killed: without this, every later load waits forever.
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("cpu_kernels_stale_lock_removed", path=str(stale))
+                stale.unlink(missing_ok=True)
+            build_dir.mkdir(parents=True, exist_ok=True)
+            return cpp_extension.load(
+                name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, unusual platform: stay correct
         log.warning("cpu_kernels_unavailable", error=str(exc)[:500],
                     fallback="torch ops (slower decode)")

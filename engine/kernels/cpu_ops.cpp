@@ -281,13 +281,17 @@ torch::Tensor int8_merge(torch::Tensor y, torch::Tensor amax, torch::Tensor lo_a
   return out;
 }
 
+// Every op releases the GIL while it runs, as torch's own ops do: a worker's asyncio loop
+// (heartbeats, streaming, gRPC) runs in another thread of the same process and must not wait
+// for an attention or a matmul to finish.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_rows", &int8_rows);
-  m.def("int8_merge", &int8_merge);
-  m.def("rms_norm", &rms_norm);
-  m.def("add_rms_norm_", &add_rms_norm_);
-  m.def("rope_", &rope_);
-  m.def("silu_mul", &silu_mul);
-  m.def("write_kv", &write_kv);
-  m.def("paged_decode_attention", &paged_decode_attention);
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("int8_rows", &int8_rows, release());
+  m.def("int8_merge", &int8_merge, release());
+  m.def("rms_norm", &rms_norm, release());
+  m.def("add_rms_norm_", &add_rms_norm_, release());
+  m.def("rope_", &rope_, release());
+  m.def("silu_mul", &silu_mul, release());
+  m.def("write_kv", &write_kv, release());
+  m.def("paged_decode_attention", &paged_decode_attention, release());
 }

@@ -11,12 +11,11 @@ from __future__ import annotations
 import math
 
 import torch
+from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.engine.config import ModelConfig, RopeScaling
+from pdserve.engine.kernels import TorchKernels, kernels_for
+from pdserve.engine.linear import LinearKernel, pack_linear
 from torch import nn
-
-from engine.attention import AttentionMetadata, paged_attention
-from engine.config import ModelConfig, RopeScaling
-from engine.kernels import TorchKernels, kernels_for
-from engine.linear import LinearKernel, pack_linear
 
 
 class RMSNorm(nn.Module):

@@ -1,6 +1,7 @@
 """Generated gRPC stubs of the pdserve v1 API (protos/pdserve/v1/*.proto).
 
 The *_pb2*.py modules are written by the build (`pip install -e .` or
-`python setup.py build_protos`) and are not in git. Only servicers, clients and
-`pdserve.grpc_util` import them; domain code uses `engine.types`.
+`python setup.py build_protos`) and are not in git. Only servicers, the typed clients
+(`pdserve.router.clients`, `pdserve.client`) and `pdserve.rpc` import them; domain code uses
+`engine.types`.
 """

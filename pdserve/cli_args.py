@@ -1,0 +1,294 @@
+"""The flag vocabulary every pdserve command shares (`pdserve generate`, the workers, the
+router, `pdserve cluster up` and `python -m pdserve.gateway`): one spelling, one help text,
+one validation for each of model, engine, API-key and logging flags.
+
+Only argparse and the standard library at import time; the engine's config is imported when
+a command builds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+from collections.abc import Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from pdserve.cluster import api_keys_from_env, split_keys
+
+DTYPES = ("float32", "bfloat16", "float16", "int8")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+DEFAULT_MODEL_ALIASES = ("default", "SmolLM2-135M-Instruct")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, [], False) or action.help == argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def version() -> str:
+    try:
+        return metadata.version("pdserve")
+    except metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
+
+
+# --------------------------------------------------------------------------- value types
+
+
+def log_level(value: str) -> str:
+    """argparse type: a logging level name in any case -> its upper-case name."""
+    level = value.strip().upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"invalid log level {value!r} (choose from {', '.join(LOG_LEVELS)}, any case)")
+    return level
+
+
+def positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def positive_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        x = math.nan
+    if not 0 < x < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value!r}")
+    return x
+
+
+def model_spec(value: str) -> str:
+    """argparse type for --model: a model directory, a .gguf file, ``default``, or a Hugging
+    Face id (``org/name``, optionally ``@revision``) already in the local Hugging Face cache
+    (``HF_HUB_CACHE`` / ``HF_HOME``), resolved offline to its snapshot directory. Anything else
+    is a usage error naming what was tried."""
+    if value in DEFAULT_MODEL_ALIASES:
+        return value
+    path = Path(value).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise argparse.ArgumentTypeError(f"model directory {path} has no config.json")
+        return str(path)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise argparse.ArgumentTypeError(
+                f"{path} is a file but not a .gguf; pass a model directory or a .gguf file")
+        return str(path)
+    if path.suffix.lower() == ".gguf":
+        raise argparse.ArgumentTypeError(f"GGUF file {path} does not exist")
+    if _looks_like_hub_id(value):
+        return str(resolve_hub_id(value))
+    raise argparse.ArgumentTypeError(
+        f"model {value!r} is not a directory, a .gguf file, 'default', or a Hugging Face id")
+
+
+def _looks_like_hub_id(value: str) -> bool:
+    repo = value.partition("@")[0]
+    parts = repo.split("/")
+    return len(parts) == 2 and all(parts) and not value.startswith((".", "/", "~"))
+
+
+def resolve_hub_id(value: str) -> Path:
+    """``org/name[@revision]`` -> its snapshot directory in the local Hugging Face cache,
+    without network access; ArgumentTypeError when it is not there."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    repo_id, _, revision = value.partition("@")
+    try:
+        snapshot = Path(snapshot_download(repo_id, revision=revision or None,
+                                          local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError) as exc:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        raise argparse.ArgumentTypeError(
+            f"Hugging Face model {value!r} is not in the local cache ({HF_HUB_CACHE}); no hub "
+            f"is contacted. Download it first (e.g. `hf download {repo_id}`), or pass a local "
+            f"directory or .gguf file") from exc
+    if not (snapshot / "config.json").is_file():
+        raise argparse.ArgumentTypeError(
+            f"cached Hugging Face model {value!r} ({snapshot}) has no config.json")
+    return snapshot
+
+
+def served_name_default(model: str | None) -> str | None:
+    """The model name to serve when --served-model-name is not given: a Hugging Face id's
+    snapshot directory is named by its commit, so it is served as ``org/name``; otherwise
+    None (the component uses the model directory's name)."""
+    if model is None:
+        return None
+    parts = Path(model).parts
+    if len(parts) >= 4 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3].removeprefix("models--").replace("--", "/")
+    return None
+
+
+# --------------------------------------------------------------------------- flag groups
+
+
+def add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=model_spec, default=os.environ.get("PDSERVE_MODEL"),
+                   help="model directory, .gguf file, 'default' (SmolLM2-135M-Instruct), or "
+                   "a Hugging Face id present in the local HF cache (env PDSERVE_MODEL; "
+                   "none: 'default')")
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, model: bool = True) -> None:
+    """--model and the engine's flags (KV cache, batch limits, threads, device, dtype)."""
+    if model:
+        add_model_arg(p)
+    g = p.add_argument_group("engine")
+    g.add_argument("--kv-cache-mb", type=positive_int, default=512,
+                   help="KV cache pool size in MiB")
+    g.add_argument("--block-size", type=positive_int, default=16,
+                   help="tokens per KV cache block")
+    g.add_argument("--max-num-seqs", type=positive_int, default=64,
+                   help="most sequences scheduled in one engine step")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
+                   help="most tokens (prefill + decode) in one engine step")
+    g.add_argument("--max-prefill-chunk", type=positive_int, default=512,
+                   help="most prompt tokens of one sequence prefilled per step (chunked "
+                   "prefill)")
+    g.add_argument("--threads", type=positive_int, default=None,
+                   help="torch intra-op threads (default: the CPUs this process may run on)")
+    g.add_argument("--device", default="cpu", help="torch device of the engine")
+    g.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="weights: float32 (exact); bfloat16/float16 (needs native bf16 on "
+                   "CPU); int8 (per-channel int8 weights, per-token int8 activations)")
+
+
+ENGINE_FLAGS = ("kv_cache_mb", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                "max_prefill_chunk", "threads", "device", "dtype")
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of ``args`` as a command line (for workers a cluster starts);
+    unset ones (None) are left out so the worker's own default applies."""
+    argv: list[str] = []
+    for name in ENGINE_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+def engine_config_from_args(args: argparse.Namespace) -> Any:
+    """The EngineConfig the engine flags in ``args`` describe."""
+    from pdserve.engine.config import EngineConfig
+
+    threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                               else None)
+    return EngineConfig(
+        block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_chunk=args.max_prefill_chunk, num_threads=threads, device=args.device,
+        dtype=args.dtype)
+
+
+class _DeprecatedKeyList(argparse.Action):
+    """--api-keys K1,K2 (the router's old spelling): appends to --api-key's list."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        keys = list(getattr(namespace, self.dest) or [])
+        setattr(namespace, self.dest, keys + split_keys([str(values)]))
+
+
+def add_api_key_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", dest="api_key", action="append", default=[], metavar="KEY",
+                   help="accepted bearer key, repeatable (default: the comma-separated "
+                   "PDSERVE_API_KEY, else PDSERVE_API_KEYS; none: no authentication)")
+    p.add_argument("--api-keys", dest="api_key", action=_DeprecatedKeyList,
+                   help=argparse.SUPPRESS)
+
+
+def api_keys(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> list[str]:
+    """Keys from the flags, else from the environment."""
+    return split_keys(args.api_key) or api_keys_from_env(os.environ if env is None else env)
+
+
+def add_cluster_secret_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster-secret-file", default=None, metavar="PATH",
+                   help="file holding the secret shared by every process of the cluster: "
+                   "authenticates router -> worker gRPC calls and KV writes (default: env "
+                   "PDSERVE_CLUSTER_SECRET; none: not authenticated, with a warning). "
+                   "`cluster up` makes a random one")
+
+
+def cluster_secret(args: argparse.Namespace) -> Any:
+    """The `pdserve.rpc.auth.ClusterSecret` of --cluster-secret-file, else of the
+    environment, else None; SystemExit naming the problem for a bad one."""
+    from pdserve.rpc.auth import load_cluster_secret
+
+    try:
+        return load_cluster_secret(getattr(args, "cluster_secret_file", None))
+    except ValueError as exc:
+        raise SystemExit(f"pdserve: {exc}") from None
+
+
+def add_log_level_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", type=log_level,
+                   default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+                   help=f"log threshold, one of {', '.join(LOG_LEVELS)} (env "
+                   "PDSERVE_LOG_LEVEL)")
+
+
+def check_log_level(level: str) -> int:
+    """Level name -> logging level number; ValueError naming the valid ones."""
+    try:
+        return logging.getLevelNamesMapping()[log_level(level)]
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def add_admission_args(p: argparse.ArgumentParser) -> None:
+    """The router's admission control (`router.admission`)."""
+    p.add_argument("--max-in-flight", type=positive_int, default=256,
+                   help="requests the router holds at once (admitted, not finished); more get "
+                   "HTTP 429 / RESOURCE_EXHAUSTED (batch first: it may fill 75%%, standard 90%%)")
+    p.add_argument("--ttft-deadline", action="append", default=[], metavar="CLASS=SECONDS",
+                   help="first-token deadline of a latency class, repeatable (defaults: "
+                   "interactive=10 standard=30 batch=120); a request predicted to miss it "
+                   "is refused early")
+    p.add_argument("--deadline-factor", type=positive_float, default=4.0, metavar="FACTOR",
+                   help="an admitted request with no first token by FACTOR x its class's "
+                   "deadline ends with a retryable 503 + Retry-After (1: the deadline itself, "
+                   "so a request is answered in time or refused; more lets late answers finish)")
+    p.add_argument("--no-admission", action="store_true",
+                   help="admit everything (no in-flight cap, no early refusal)")
+
+
+def admission_argv(args: argparse.Namespace) -> list[str]:
+    """The admission flags of `args`, to pass on to a router process."""
+    argv = ["--max-in-flight", str(args.max_in_flight)]
+    argv += [a for spec in args.ttft_deadline for a in ("--ttft-deadline", spec)]
+    argv += ["--deadline-factor", str(args.deadline_factor)]
+    return argv + (["--no-admission"] if args.no_admission else [])
+
+
+def admission_config_from_args(args: argparse.Namespace) -> Any:
+    """An AdmissionConfig; argparse.ArgumentTypeError for a bad --ttft-deadline."""
+    from pdserve.router.admission import AdmissionConfig, parse_deadlines
+
+    try:
+        deadlines = parse_deadlines(args.ttft_deadline)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--ttft-deadline: {exc}") from None
+    return AdmissionConfig(enabled=not args.no_admission, max_in_flight=args.max_in_flight,
+                           ttft_deadlines_s=deadlines,
+                           first_token_deadline_factor=args.deadline_factor)

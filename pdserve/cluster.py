@@ -1,0 +1,326 @@
+"""`LocalCluster`: Redis, a router and N prefill + M decode workers as child processes on
+127.0.0.1 -- what `pdserve cluster up`, the cluster tests and the benchmarks start.
+
+A library module: it imports nothing from the CLI, and runs each process through
+``python -m pdserve.cli`` so every flag it passes is one the CLI documents.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+API_KEY_ENV = "PDSERVE_API_KEY"  # comma-separated keys
+CLUSTER_SECRET_ENV = "PDSERVE_CLUSTER_SECRET"  # pdserve.rpc.auth reads it
+LEGACY_API_KEY_ENV = "PDSERVE_API_KEYS"  # the older spelling, still read
+
+
+def split_keys(values: Iterable[str]) -> list[str]:
+    """Comma lists and repeated values -> keys, whitespace stripped, empties and repeats
+    dropped, order kept (the first is the one clients send)."""
+    keys: list[str] = []
+    for value in values:
+        for key in (k.strip() for k in value.split(",")):
+            if key and key not in keys:
+                keys.append(key)
+    return keys
+
+
+def api_keys_from_env(env: Mapping[str, str]) -> list[str]:
+    """Keys from PDSERVE_API_KEY, else PDSERVE_API_KEYS (both comma lists)."""
+    return split_keys([env.get(API_KEY_ENV) or env.get(LEGACY_API_KEY_ENV, "")])
+
+
+def api_keys_from_argv(argv: Iterable[str]) -> list[str]:
+    """Keys given to a router or gateway command line (`--api-key K`, repeatable, or the
+    deprecated comma list `--api-keys K1,K2`)."""
+    args, values = list(argv), []
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in ("--api-key", "--api-keys"):
+            if eq:
+                values.append(value)
+            elif i + 1 < len(args):
+                values.append(args[i + 1])
+    return split_keys(values)
+
+
+def die_with_parent(parent: int, sig: signal.Signals = signal.SIGTERM) -> None:
+    """Ask Linux to send `sig` to this process when its parent dies (PR_SET_PDEATHSIG): a
+    `subprocess.Popen` preexec_fn, ``functools.partial(die_with_parent, os.getpid())``, so
+    no child outlives a SIGKILLed supervisor. `parent` is the supervisor's pid, taken before
+    the fork: if it is already gone, the signal comes at once. A no-op off Linux."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    if libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0) != 0:
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} while starting")
+        with socket.socket() as s:
+            s.settimeout(0.2)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} did not open port {port} within {timeout_s:.0f}s")
+
+
+class LocalCluster:
+    """Redis (private unless a URL is given), router, N prefill and M decode workers, as
+    child processes on 127.0.0.1. Use as a context manager; stops everything on exit.
+
+    Every child is started with PR_SET_PDEATHSIG (SIGTERM): if the process that started them
+    dies, even by SIGKILL, they drain and exit rather than outlive it. (The signal follows
+    the *thread* that spawned them: start the cluster from a thread that lives as long.)
+
+    Every child gets the cluster secret in its environment (``PDSERVE_CLUSTER_SECRET``, never
+    on its command line): `cluster_secret` (`new_cluster_secret()` makes one; ``""``: none),
+    else the one in `env` / this process's environment, else none (internal calls are then
+    not authenticated, and every process warns about it). `pdserve cluster up` always has
+    one. To call a worker directly, send
+    ``pdserve.rpc.auth.ClusterSecret(secret.encode()).grpc_metadata()``."""
+
+    def __init__(self, *, prefill: int = 1, decode: int = 1, redis_url: str | None = None,
+                 model: str | None = None, http_port: int = 0, grpc_port: int = 0,
+                 extra_worker_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (),
+                 log_dir: Path | None = None,
+                 namespace: str | None = None, env: dict[str, str] | None = None,
+                 place_workers: bool = True, prefill_nice: int = 5,
+                 cluster_secret: str | None = None):
+        self.n_prefill, self.n_decode = prefill, decode
+        self.place_workers, self.prefill_nice = place_workers, prefill_nice
+        self.redis_url = redis_url
+        self.model = model
+        self.http_port = http_port or free_port()
+        self.grpc_port = grpc_port or free_port()
+        self.extra = extra_worker_args
+        self.router_args = router_args
+        self.ports: dict[str, int] = {}  # worker name -> gRPC port
+        self.metrics_ports: dict[str, int] = {}  # worker name -> Prometheus HTTP port
+        self.namespace = namespace or f"cluster{uuid.uuid4().hex[:8]}"
+        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="pdserve-cluster-"))
+        self.env = {**os.environ, **(env or {})}
+        if cluster_secret is None:
+            cluster_secret = self.env.get(CLUSTER_SECRET_ENV, "")
+        if cluster_secret:
+            self.env[CLUSTER_SECRET_ENV] = cluster_secret
+        else:
+            self.env.pop(CLUSTER_SECRET_ENV, None)
+        self.cluster_secret = cluster_secret
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._redis: subprocess.Popen[bytes] | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def metrics_url(self, name: str) -> str:
+        """Prometheus endpoint of a worker (the router's is ``{http_url}/metrics``)."""
+        return f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.log_dir / f"{name}.log", "wb")
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        self.procs[name] = proc
+        return proc
+
+    def _pdserve(self, *args: str) -> list[str]:
+        base = [sys.executable, "-m", "pdserve.cli", *args, "--redis-url", str(self.redis_url),
+                "--namespace", self.namespace]
+        return base + (["--model", self.model] if self.model else [])
+
+    def start_redis(self) -> None:
+        if self.redis_url:
+            return
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server not found; install it or pass --redis-url")
+        port = free_port()
+        self._redis = subprocess.Popen(
+            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+             "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.log_dir,
+            preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        wait_port(port, self._redis, 10, "redis-server")
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+
+    def _placement(self, role: str, index: int) -> list[str]:
+        """Share the machine instead of oversubscribing it. Decode workers (latency) split the
+        CPUs between them; prefill workers (throughput) may use every CPU, at a lower priority,
+        so a decode step preempts prefill rather than running on half the cores (a hard split
+        halves decode speed on a small machine). Flags in extra_worker_args override these."""
+        if not self.place_workers:
+            return []
+        cpus = sorted(os.sched_getaffinity(0))
+        if role == "decode":
+            n = max(self.n_decode, index + 1)  # a worker added later takes its own share
+            if n >= len(cpus):
+                group = [cpus[index % len(cpus)]]
+            else:
+                size = len(cpus) // n
+                end = len(cpus) if index == n - 1 else (index + 1) * size
+                group = cpus[index * size:end]
+            return ["--cpus", ",".join(map(str, group))]
+        threads = max(1, len(cpus) // max(1, self.n_prefill))
+        return ["--threads", str(threads), "--nice", str(self.prefill_nice)]
+
+    def add_worker(self, role: str, index: int, wait: bool = True,
+                   timeout_s: float = 180) -> str:
+        name = f"{role}-{index}"
+        port = self.ports[name] = free_port()
+        mport = self.metrics_ports[name] = free_port()
+        proc = self._spawn(name, self._pdserve(f"{role}-worker", "--worker-id", name,
+                                               "--port", str(port), "--metrics-port",
+                                               str(mport), *self._placement(role, index),
+                                               *self.extra))
+        if wait:
+            wait_port(port, proc, timeout_s, name)
+        return name
+
+    def start(self, timeout_s: float = 300) -> LocalCluster:
+        """Start everything; TimeoutError unless ready within `timeout_s` in all."""
+        deadline = time.monotonic() + timeout_s
+        self.start_redis()
+        for i in range(self.n_decode):
+            self.add_worker("decode", i, wait=False)
+        for i in range(self.n_prefill):
+            self.add_worker("prefill", i, wait=False)
+        router = self._spawn("router", self._pdserve(
+            "router", "--port", str(self.grpc_port), "--http-port", str(self.http_port),
+            *self.router_args))
+        wait_port(self.http_port, router, max(0.0, deadline - time.monotonic()), "router")
+        self.wait_ready(max(0.0, deadline - time.monotonic()))
+        return self
+
+    def auth_headers(self) -> dict[str, str]:
+        """The router's gateway wants a key on every route but /health when it has keys
+        (--api-key / --api-keys in router_args, else PDSERVE_API_KEY(S) in the environment it
+        inherits); this sends the first."""
+        keys = api_keys_from_argv(self.router_args) or api_keys_from_env(self.env)
+        return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        """Until every worker is registered with the router (its gateway's worker listing)."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        want = self.n_decode + self.n_prefill
+        headers = self.auth_headers()
+        while True:
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    raise RuntimeError(f"{name} exited with code {p.returncode}; see "
+                                       f"{self.log_dir / (name + '.log')}")
+            try:
+                r = httpx.get(f"{self.http_url}/v1/pdserve/workers", headers=headers, timeout=2)
+                if r.status_code == 200 and len(r.json().get("workers", [])) >= want:
+                    return
+                if r.status_code in (401, 403):  # waiting would not change the answer
+                    raise RuntimeError(f"the gateway refused the readiness check (HTTP "
+                                       f"{r.status_code}): {r.text}")
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"cluster not ready within {timeout_s:.0f}s; logs in "
+                                   f"{self.log_dir}")
+            time.sleep(0.3)
+
+    def stop(self, name: str, sig: signal.Signals = signal.SIGTERM,
+             timeout_s: float = 60) -> int | None:
+        p = self.procs.get(name)
+        if p is None or p.poll() is not None:
+            return None if p is None else p.returncode
+        p.send_signal(sig)
+        try:
+            return p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            return p.wait(timeout=10)
+
+    def close(self, timeout_s: float = 90) -> None:
+        """Stop the router, then every worker at once (they drain in parallel), then Redis;
+        whatever has not exited within `timeout_s` is killed."""
+        self.stop("router", timeout_s=timeout_s)
+        workers = [p for n, p in self.procs.items() if n != "router" and p.poll() is None]
+        for p in workers:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in workers:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+        if self._redis is not None:
+            self._redis.terminate()
+            self._redis.wait(timeout=10)
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def new_cluster_secret() -> str:
+    """A random cluster secret (256 bits, URL-safe text)."""
+    return secrets.token_urlsafe(32)
+
+
+def stream_completion(url: str, prompt: str, max_tokens: int, out: Any = sys.stdout,
+                      headers: Mapping[str, str] | None = None, model: str = "default",
+                      temperature: float = 0.0) -> None:
+    """Send one chat request to the gateway at ``url`` and stream the answer to ``out``."""
+    import httpx
+
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "stream": True, "temperature": temperature}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120,
+                      headers=dict(headers or {})) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"request failed: HTTP {r.status_code}: {r.text}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            for choice in data.get("choices", []):
+                out.write(choice.get("delta", {}).get("content") or "")
+                out.flush()
+    out.write("\n")

@@ -1,0 +1,202 @@
+"""Who may call whom: the cluster secret (router <-> workers, KV writes) and the client API keys.
+
+**Cluster secret.** Every process of one cluster is given the same secret
+(`--cluster-secret-file` or ``PDSERVE_CLUSTER_SECRET``; `pdserve cluster up` makes a random one
+per cluster and hands it to its children in their environment, never on a command line). The
+secret itself never travels: each use has its own key derived from it with HMAC-SHA256
+(`ClusterSecret.derive`), so the gRPC token (sent as ``x-pdserve-cluster-token`` call metadata
+and checked by `token_interceptor` on every worker) cannot sign KV writes (`kv_key`, see
+`pdserve.kvxfer.protocol.sign_write`). Without TLS the gRPC token is a bearer token on the
+wire: keep internal traffic on loopback or a private network (or terminate mTLS in a mesh).
+
+Without a secret a process keeps today's open behaviour and says so once at start-up
+(`warn_unauthenticated`), so tests and the single-host default keep working.
+
+**API keys.** The router's client gRPC API takes the same keys as the REST gateway, as
+``authorization: Bearer <key>`` metadata (`api_key_check`).
+
+grpc.health.v1 stays open on every server (probes carry no credentials).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+
+from pdserve.rpc.errors import ERROR_CODE_KEY
+from pdserve.rpc.metadata import metadata_value
+
+log = structlog.get_logger(__name__)
+
+CLUSTER_SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
+CLUSTER_TOKEN_KEY = "x-pdserve-cluster-token"  # call metadata: hex HMAC(secret, "grpc")
+AUTHORIZATION_KEY = "authorization"  # call metadata: "Bearer <api key>"
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
+UNAUTHENTICATED_CODE = "unauthenticated"  # pdserve-error-code of a refused call
+MIN_SECRET_CHARS = 16
+
+Metadata = Iterable[tuple[str, Any]] | None
+Check = Callable[[Metadata], str | None]  # metadata -> None (accepted) or the refusal message
+
+
+@dataclass(frozen=True)
+class ClusterSecret:
+    """The shared secret of one cluster; `repr` never shows it."""
+
+    value: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.value) < MIN_SECRET_CHARS:
+            raise ValueError(f"the cluster secret must be at least {MIN_SECRET_CHARS} "
+                             f"characters long, got {len(self.value)}")
+
+    def derive(self, purpose: str) -> bytes:
+        """The key for one purpose: HMAC-SHA256(secret, "pdserve/" + purpose)."""
+        return hmac.new(self.value, f"pdserve/{purpose}".encode(), hashlib.sha256).digest()
+
+    @property
+    def grpc_token(self) -> str:
+        return self.derive("grpc").hex()
+
+    @property
+    def kv_key(self) -> bytes:
+        return self.derive("kv-write")
+
+    def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata that authenticates a router (or any cluster member) to a worker."""
+        return ((CLUSTER_TOKEN_KEY, self.grpc_token),)
+
+
+def load_cluster_secret(path: str | os.PathLike[str] | None = None,
+                        env: Mapping[str, str] | None = None) -> ClusterSecret | None:
+    """The secret from the file at `path` (surrounding whitespace dropped), else from
+    ``PDSERVE_CLUSTER_SECRET``, else None. ValueError for an unreadable file or a secret
+    shorter than 16 characters."""
+    if path:
+        try:
+            raw = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read the cluster secret file {path}: {exc}") from None
+        if not raw:
+            raise ValueError(f"the cluster secret file {path} is empty")
+    else:
+        raw = (os.environ if env is None else env).get(CLUSTER_SECRET_ENV, "").strip()
+        if not raw:
+            return None
+    return ClusterSecret(raw.encode())
+
+
+_warned: set[str] = set()
+
+
+def warn_unauthenticated(secret: ClusterSecret | None, component: str) -> None:
+    """Log once per process and component that internal traffic is not authenticated."""
+    if secret is None and component not in _warned:
+        _warned.add(component)
+        log.warning("cluster_auth_disabled", component=component,
+                    detail="no cluster secret (--cluster-secret-file / "
+                    f"{CLUSTER_SECRET_ENV}): internal gRPC calls and KV writes are not "
+                    "authenticated; bind internal ports to loopback or a private network only")
+
+
+# --------------------------------------------------------------------------- gRPC checks
+
+
+def cluster_token_check(secret: ClusterSecret) -> Check:
+    """Accepts calls carrying this cluster's token."""
+    expected = secret.grpc_token.encode()
+
+    def check(metadata: Metadata) -> str | None:
+        token = metadata_value(metadata, CLUSTER_TOKEN_KEY)
+        if token is None:
+            return f"missing cluster credential ({CLUSTER_TOKEN_KEY} metadata)"
+        if not hmac.compare_digest(token.encode(), expected):
+            return "wrong cluster credential"
+        return None
+
+    return check
+
+
+def api_key_check(keys: Collection[str]) -> Check:
+    """Accepts ``authorization: Bearer <key>`` with one of `keys` (the REST gateway's rule)."""
+    accepted = [k.encode() for k in keys]
+
+    def check(metadata: Metadata) -> str | None:
+        scheme, _, token = (metadata_value(metadata, AUTHORIZATION_KEY) or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return "missing API key: send 'authorization: Bearer <key>' metadata"
+        given = token.strip().encode()
+        # Compare against every key so timing does not reveal which one nearly matched.
+        if not any([hmac.compare_digest(given, k) for k in accepted]):
+            return "incorrect API key provided"
+        return None
+
+    return check
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call `check` rejects with UNAUTHENTICATED (trailer ``pdserve-error-code:
+    unauthenticated``) before its handler runs or its request is parsed; methods under
+    `open_prefixes` (grpc.health.v1) pass unchecked. Give it to `transport.new_server(auth=...)`,
+    which puts it before every other interceptor."""
+
+    def __init__(self, check: Check, *, what: str,
+                 open_prefixes: tuple[str, ...] = OPEN_METHOD_PREFIXES) -> None:
+        self._check = check
+        self._what = what
+        self._open = open_prefixes
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method
+        if method.startswith(self._open):
+            return await continuation(handler_call_details)
+        problem = self._check(handler_call_details.invocation_metadata)
+        if problem is None:
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED
+            return None
+        log.warning("grpc_call_unauthenticated", method=method, credential=self._what,
+                    reason=problem)
+        return _refusing(handler, problem)
+
+
+def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that aborts at once, reading no request."""
+    trailers = ((ERROR_CODE_KEY, UNAUTHENTICATED_CODE),)
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message, trailing_metadata=trailers)
+
+    kinds = ((handler.unary_unary, grpc.unary_unary_rpc_method_handler),
+             (handler.unary_stream, grpc.unary_stream_rpc_method_handler),
+             (handler.stream_unary, grpc.stream_unary_rpc_method_handler))
+    make = next((m for behavior, m in kinds if behavior), grpc.stream_stream_rpc_method_handler)
+    # No request deserializer: the bytes of a refused call are never parsed.
+    return make(refuse, response_serializer=handler.response_serializer)
+
+
+def cluster_interceptor(secret: ClusterSecret | None) -> AuthInterceptor | None:
+    """The interceptor a worker's gRPC server runs: the cluster token, or None (open)."""
+    if secret is None:
+        return None
+    return AuthInterceptor(cluster_token_check(secret), what="cluster")
+
+
+def api_key_interceptor(keys: Collection[str]) -> AuthInterceptor | None:
+    """The interceptor of the router's client API: the API keys, or None (no keys: open)."""
+    if not keys:
+        return None
+    return AuthInterceptor(api_key_check(keys), what="api_key")

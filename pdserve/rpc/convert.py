@@ -1,0 +1,236 @@
+"""Domain dataclasses (`engine.types`) <-> `pdserve.v1` messages.
+
+Only the servicers and the typed clients import this (and the generated stubs): domain code
+speaks dataclasses. Requests travel as one `GenerateInput` message (`input_to_proto` /
+`request_from_proto`); stage timings as `StageTimings` (`stage_timings_to_proto` /
+`stage_timings_from_proto`, keyed by the names in `STAGE_FIELDS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pdserve.engine.types import (
+    FinishReason,
+    GenerateRequest,
+    InvalidRequestError,
+    KVLayout,
+    LatencyClass,
+    SamplingParams,
+    TokenEvent,
+    TokenLogprob,
+    fit_max_tokens,
+)
+from pdserve.v1 import common_pb2, decode_pb2
+
+_LATENCY_TO_PROTO = {
+    LatencyClass.INTERACTIVE: common_pb2.LATENCY_CLASS_INTERACTIVE,
+    LatencyClass.STANDARD: common_pb2.LATENCY_CLASS_STANDARD,
+    LatencyClass.BATCH: common_pb2.LATENCY_CLASS_BATCH,
+}
+_LATENCY_FROM_PROTO = {
+    **{v: k for k, v in _LATENCY_TO_PROTO.items()},
+    common_pb2.LATENCY_CLASS_UNSPECIFIED: LatencyClass.STANDARD,
+}
+_FINISH_TO_PROTO = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def latency_to_proto(latency: LatencyClass) -> common_pb2.LatencyClass.ValueType:
+    return _LATENCY_TO_PROTO[latency]
+
+
+def latency_from_proto(value: int) -> LatencyClass:
+    """UNSPECIFIED means STANDARD; a value this build does not know is an invalid request."""
+    try:
+        return _LATENCY_FROM_PROTO[value]
+    except KeyError:
+        raise InvalidRequestError(
+            f"unknown latency class {value}", code="invalid_latency_class", param="latency_class"
+        ) from None
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> common_pb2.FinishReason.ValueType:
+    return common_pb2.FINISH_REASON_UNSPECIFIED if reason is None else _FINISH_TO_PROTO[reason]
+
+
+def finish_reason_from_proto(value: int) -> FinishReason | None:
+    """None while unfinished (UNSPECIFIED); an unknown value reads as ERROR."""
+    if value == common_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    return _FINISH_FROM_PROTO.get(value, FinishReason.ERROR)
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    if params.seed is not None and not _INT64[0] <= params.seed <= _INT64[1]:
+        raise InvalidRequestError(
+            "seed must fit in a signed 64-bit integer", code="invalid_sampling_params", param="seed"
+        )
+    return common_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=params.seed,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=dict(params.logit_bias),
+        min_p=params.min_p,
+        min_tokens=params.min_tokens,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=params.skip_special_tokens,
+        json_schema=params.json_schema,
+    )
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams | None) -> SamplingParams:
+    """Unset fields take the domain defaults; raises InvalidRequestError on invalid values."""
+    if msg is None:
+        return SamplingParams()
+    defaults = SamplingParams()
+    return SamplingParams(
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else defaults.max_tokens,
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p if msg.HasField("top_p") else defaults.top_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=(msg.repetition_penalty if msg.HasField("repetition_penalty")
+                            else defaults.repetition_penalty),
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        min_p=msg.min_p,
+        min_tokens=msg.min_tokens,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        skip_special_tokens=(msg.skip_special_tokens if msg.HasField("skip_special_tokens")
+                             else defaults.skip_special_tokens),
+        json_schema=msg.json_schema if msg.HasField("json_schema") else None,
+    )
+
+
+def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top],
+    )
+
+
+def logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(
+        token_id=msg.token_id,
+        logprob=msg.logprob,
+        top=tuple((t.token_id, t.logprob) for t in msg.top),
+    )
+
+
+def kv_layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
+    return common_pb2.KVLayout(**layout.to_wire())  # KVLayout's one codec
+
+
+def kv_layout_from_proto(msg: common_pb2.KVLayout) -> KVLayout:
+    return KVLayout.from_wire(msg)  # validated like a descriptor's layout (ValueError)
+
+
+def input_to_proto(request: GenerateRequest) -> common_pb2.GenerateInput:
+    """The GenerateInput every worker rpc that starts generation carries."""
+    return common_pb2.GenerateInput(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling=sampling_to_proto(request.sampling),
+        latency_class=latency_to_proto(request.latency_class),
+        resume_output_ids=request.resume_output_ids,
+    )
+
+
+def request_from_proto(
+    msg: common_pb2.GenerateInput, max_model_len: int | None = None
+) -> GenerateRequest:
+    """GenerateRequest from a GenerateInput; raises InvalidRequestError on invalid values, and
+    PromptTooLongError when the prompt plus max_tokens exceed `max_model_len` (when given)."""
+    req = GenerateRequest(
+        request_id=msg.request_id,
+        prompt_token_ids=tuple(msg.prompt_token_ids),
+        sampling=sampling_from_proto(msg.sampling if msg.HasField("sampling") else None),
+        latency_class=latency_from_proto(msg.latency_class),
+        resume_output_ids=tuple(msg.resume_output_ids),
+    )
+    if max_model_len is not None:
+        fit_max_tokens(len(req.prompt_token_ids), req.sampling.max_tokens, max_model_len,
+                       default=req.sampling.max_tokens)
+    return req
+
+
+def token_event_to_chunk(event: TokenEvent) -> decode_pb2.TokenChunk:
+    return decode_pb2.TokenChunk(
+        request_id=event.request_id,
+        token_id=event.token_id,
+        text=event.text,
+        logprob=None if event.logprob is None else logprob_to_proto(event.logprob),
+        finish_reason=finish_reason_to_proto(event.finish_reason),
+        error=event.error or "",
+        num_prompt_tokens=event.num_prompt_tokens,
+        num_cached_tokens=event.num_cached_tokens,
+        num_output_tokens=event.num_output_tokens,
+    )
+
+
+def token_event_from_chunk(chunk: decode_pb2.TokenChunk) -> TokenEvent:
+    return TokenEvent(
+        request_id=chunk.request_id,
+        token_id=chunk.token_id if chunk.HasField("token_id") else None,
+        text=chunk.text,
+        logprob=logprob_from_proto(chunk.logprob) if chunk.HasField("logprob") else None,
+        finish_reason=finish_reason_from_proto(chunk.finish_reason),
+        error=chunk.error or None,
+        num_prompt_tokens=chunk.num_prompt_tokens,
+        num_cached_tokens=chunk.num_cached_tokens,
+        num_output_tokens=chunk.num_output_tokens,
+    )
+
+
+# Stage timings as the router hands them on (`TokenEvent.timings_ms` keys) -> StageTimings
+# fields. The HTTP gateway shows the same keys, so both APIs name a stage the same way.
+STAGE_FIELDS: dict[str, str] = {
+    "route_ms": "route_ms",
+    "decode_allocate_ms": "decode_allocate_ms",
+    "prefill_queued_ms": "queued_ms",
+    "prefill_compute_ms": "prefill_compute_ms",
+    "kv_transfer_ms": "kv_transfer_ms",
+    "handoff_ms": "handoff_ms",
+    "remote_attempt_ms": "remote_attempt_ms",
+    "local_prefill_ms": "local_prefill_ms",
+    "ttft_ms": "first_token_ms",
+    "total_ms": "total_ms",
+}
+
+
+def stage_timings_to_proto(timings_ms: Mapping[str, float]) -> common_pb2.StageTimings:
+    """StageTimings from `TokenEvent.timings_ms` (other keys, e.g. kv_bytes, are not timings)."""
+    return common_pb2.StageTimings(
+        **{field: timings_ms[key] for key, field in STAGE_FIELDS.items() if key in timings_ms})
+
+
+def stage_timings_from_proto(msg: common_pb2.StageTimings) -> dict[str, float]:
+    """Every stage of a StageTimings message (ms), under the `TokenEvent.timings_ms` keys."""
+    return {key: getattr(msg, field) for key, field in STAGE_FIELDS.items()}
+
+
+def timings_ms(msg: common_pb2.StageTimings) -> dict[str, float]:
+    """Every duration of a StageTimings message by its field name (ms), for logs and CLIs."""
+    return {field: getattr(msg, field) for field in STAGE_FIELDS.values()}

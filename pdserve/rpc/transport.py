@@ -1,0 +1,87 @@
+"""gRPC transport: channel and server options that match, the server every service runs
+(`ErrorInterceptor` first), plaintext channels, and grpc.health.v1."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as _health_aio
+
+from pdserve.rpc.errors import ErrorInterceptor
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def _shared_options(max_message_bytes: int, keepalive_ms: int) -> list[tuple[str, int]]:
+    """Message limits and keepalive pings, the same on both ends."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def channel_options(
+    *, max_message_bytes: int = MAX_MESSAGE_BYTES, keepalive_ms: int = 30_000
+) -> list[tuple[str, int]]:
+    """Client channel options: big messages, keepalive pings that detect dead peers."""
+    return [*_shared_options(max_message_bytes, keepalive_ms),
+            ("grpc.http2.max_pings_without_data", 0)]
+
+
+def server_options(
+    *, max_message_bytes: int = MAX_MESSAGE_BYTES, keepalive_ms: int = 30_000
+) -> list[tuple[str, int]]:
+    """Server options matching `channel_options`: accepts its pings instead of GOAWAY-ing."""
+    return [*_shared_options(max_message_bytes, keepalive_ms),
+            ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms // 2),
+            ("grpc.http2.max_ping_strikes", 0)]
+
+
+def insecure_channel(target: str, *, interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+                     **options: int) -> grpc.aio.Channel:
+    """A plaintext channel with `channel_options(**options)`; the caller owns it (`async with`)."""
+    return grpc.aio.insecure_channel(target, options=channel_options(**options),
+                                     interceptors=list(interceptors) or None)
+
+
+def new_server(*interceptors: grpc.aio.ServerInterceptor,
+               auth: grpc.aio.ServerInterceptor | None = None, **options: int) -> grpc.aio.Server:
+    """A grpc.aio server with `server_options(**options)`: `auth` (see `pdserve.rpc.auth`)
+    first, so an unauthenticated call is refused before anything else looks at it, then
+    `ErrorInterceptor`, then `interceptors`."""
+    first = [auth] if auth is not None else []
+    return grpc.aio.server(
+        interceptors=[*first, ErrorInterceptor(), *interceptors], options=server_options(**options)
+    )
+
+
+HealthServicer = _health_aio.HealthServicer  # the asyncio grpc.health.v1 servicer
+
+
+async def add_health(server: grpc.aio.Server, *services: str) -> HealthServicer:
+    """Register grpc.health.v1 on `server`; "" (overall) and `services` start NOT_SERVING.
+
+    Call `set_serving` once the service can take requests (model loaded, registered), and
+    `health.enter_graceful_shutdown()` on SIGTERM before `server.stop(grace)`.
+    """
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    await set_not_serving(health, *services)
+    return health
+
+
+async def set_serving(health: HealthServicer, *services: str) -> None:
+    """Mark "" (overall) and `services` SERVING."""
+    for service in ("", *services):
+        await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+
+async def set_not_serving(health: HealthServicer, *services: str) -> None:
+    """Mark "" (overall) and `services` NOT_SERVING (draining, or not ready yet)."""
+    for service in ("", *services):
+        await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)

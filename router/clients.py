@@ -1,0 +1,282 @@
+"""Typed clients for the worker services: the router's only way to talk to a worker.
+
+`DecodeClient` and `PrefillClient` speak domain types (`GenerateRequest`, `TokenEvent`,
+`RemoteSlot`, `PrefillOutcome`) and own everything about the wire: protobuf conversion,
+deadlines, call metadata (`x-request-id`, plus any pairs the caller configures, e.g. auth),
+cancelling a stream the caller leaves, and turning gRPC failures into the project's
+exceptions (`pdserve.errors`: CapacityError when a worker is busy or gone, KVTransferError,
+TimeoutError past a deadline, ...). Nothing outside this module and the servicers sees a
+`_pb2` message or a `grpc.aio.AioRpcError`.
+
+`WorkerChannels` keeps one channel per worker address and hands out clients on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pdserve.control.workers import WorkerInfo
+from pdserve.engine.types import (
+    CapacityError,
+    GenerateRequest,
+    KVLayout,
+    TokenEvent,
+)
+
+from pdserve.errors import WorkerTimeoutError
+from pdserve.rpc import convert
+from pdserve.rpc.errors import error_from_rpc
+from pdserve.rpc.metadata import request_id_metadata
+from pdserve.rpc.transport import insecure_channel
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+Metadata = tuple[tuple[str, str], ...]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RemoteSlot:
+    """Blocks a decode worker reserved for a prompt whose KV a prefill worker will write."""
+
+    request_id: str
+    block_ids: tuple[int, ...]  # the prompt's blocks, in order (cached ones first)
+    num_cached_tokens: int  # already filled on the decode worker: not sent again
+    descriptor_id: str  # the decode worker's registered KV pool
+    transfer_id: str  # names this transfer in the sender's completion notice
+    layout: KVLayout
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    """A finished remote prefill, as the prefill worker timed it (ms, its own clock)."""
+
+    worker_id: str
+    queued_ms: float  # arrival until its prompt was scheduled
+    compute_ms: float  # the forward pass
+    transfer_ms: float  # sending the KV (not freeing the blocks afterwards)
+    bytes_transferred: int
+    num_computed_tokens: int  # prompt tokens run there (the rest hit its own prefix cache)
+
+
+@dataclass(frozen=True)
+class DecodeStats:
+    running: int
+    waiting: int
+    awaiting_transfer: int
+    total_blocks: int
+    free_blocks: int
+    layout: KVLayout
+
+
+@dataclass(frozen=True)
+class PrefillStats:
+    queued: int
+    running: int
+    queued_tokens: int
+    total_blocks: int
+    free_blocks: int
+    layout: KVLayout
+
+
+class _Client:
+    def __init__(self, channel: grpc.aio.Channel, *, worker_id: str = "",
+                 metadata: Iterable[tuple[str, str]] = ()):
+        self.worker_id = worker_id
+        self._metadata: Metadata = tuple(metadata)
+        self._health = health_pb2_grpc.HealthStub(channel)
+
+    async def alive(self, *, timeout_s: float) -> bool:
+        """Whether the worker process answers at all (grpc.health.v1, served by its event
+        loop: unlike Stats it never waits for an engine step). A draining worker answers
+        NOT_SERVING and is alive; no answer within `timeout_s` is False."""
+        try:
+            await self._health.Check(health_pb2.HealthCheckRequest(service=""),
+                                     timeout=timeout_s, metadata=self._md())
+            return True
+        except grpc.aio.AioRpcError:
+            return False
+
+    def _md(self, request_id: str | None = None) -> Metadata:
+        if request_id is None:
+            return self._metadata
+        return request_id_metadata(request_id, self._metadata)
+
+
+class DecodeClient(_Client):
+    """One decode worker (`pdserve.v1.DecodeWorker`)."""
+
+    def __init__(self, channel: grpc.aio.Channel, *, worker_id: str = "",
+                 metadata: Iterable[tuple[str, str]] = ()):
+        super().__init__(channel, worker_id=worker_id, metadata=metadata)
+        self._stub = decode_pb2_grpc.DecodeWorkerStub(channel)
+
+    async def cached_prefix(self, token_ids: tuple[int, ...] | list[int], *,
+                            timeout_s: float) -> int:
+        """Leading tokens of a prompt already in the worker's prefix cache."""
+        resp = await _unary(self._stub.CachedPrefix(
+            decode_pb2.CachedPrefixRequest(token_ids=token_ids), timeout=timeout_s,
+            metadata=self._md()))
+        return int(resp.num_cached_tokens)
+
+    async def allocate(self, req: GenerateRequest, *, lease_s: float,
+                       timeout_s: float) -> RemoteSlot:
+        """Reserve blocks for `req`'s KV; CapacityError when the worker cannot now."""
+        resp = await _unary(self._stub.AllocateRemote(
+            decode_pb2.AllocateRequest(input=convert.input_to_proto(req),
+                                       lease_ms=int(lease_s * 1000)),
+            timeout=timeout_s, metadata=self._md(req.request_id)))
+        return RemoteSlot(req.request_id, tuple(resp.block_ids), resp.num_cached_tokens,
+                          resp.descriptor_id, resp.transfer_id,
+                          convert.kv_layout_from_proto(resp.layout))
+
+    def generate(self, req: GenerateRequest, *, first_token_timeout_s: float,
+                 token_timeout_s: float) -> AsyncIterator[TokenEvent]:
+        """Prefill locally and decode; closing the iterator cancels the call."""
+        call = self._stub.Generate(decode_pb2.DecodeGenerateRequest(
+            input=convert.input_to_proto(req)), metadata=self._md(req.request_id))
+        return _events(call, first_token_timeout_s, token_timeout_s)
+
+    def generate_remote(self, slot: RemoteSlot, *, transfer_timeout_s: float,
+                        token_timeout_s: float) -> AsyncIterator[TokenEvent]:
+        """Decode an allocated request once its KV lands (first token from the transfer's
+        notice); closing the iterator cancels the call."""
+        call = self._stub.GenerateRemote(
+            decode_pb2.RemoteGenerateRequest(
+                request_id=slot.request_id, transfer_id=slot.transfer_id,
+                transfer_timeout_ms=int(transfer_timeout_s * 1000)),
+            metadata=self._md(slot.request_id))
+        return _events(call, transfer_timeout_s, token_timeout_s)
+
+    async def abort(self, request_id: str, *, timeout_s: float = 5.0) -> bool:
+        """Cancel a request in any state; returns once its blocks are fenced and freed."""
+        resp = await _unary(self._stub.Abort(common_pb2.AbortRequest(request_id=request_id),
+                                             timeout=timeout_s, metadata=self._md(request_id)))
+        return bool(resp.found)
+
+    async def stats(self, *, timeout_s: float = 10.0) -> DecodeStats:
+        s = await _unary(self._stub.Stats(common_pb2.StatsRequest(), timeout=timeout_s,
+                                          metadata=self._md()))
+        return DecodeStats(s.num_running, s.num_waiting, s.num_awaiting_transfer,
+                           s.num_total_blocks, s.num_free_blocks,
+                           convert.kv_layout_from_proto(s.layout))
+
+
+class PrefillClient(_Client):
+    """One prefill worker (`pdserve.v1.PrefillWorker`)."""
+
+    def __init__(self, channel: grpc.aio.Channel, *, worker_id: str = "",
+                 metadata: Iterable[tuple[str, str]] = ()):
+        super().__init__(channel, worker_id=worker_id, metadata=metadata)
+        self._stub = prefill_pb2_grpc.PrefillWorkerStub(channel)
+
+    async def prefill(self, req: GenerateRequest, destination: RemoteSlot | None, *,
+                      timeout_s: float) -> PrefillOutcome:
+        """Prefill `req` and write its KV into `destination` (None: keep it there). The first
+        token goes to the destination with the KV, not back here. Cancelling the call drops
+        the request on the worker."""
+        dest = None if destination is None else prefill_pb2.KVDestination(
+            descriptor_id=destination.descriptor_id, block_ids=destination.block_ids,
+            num_cached_tokens=destination.num_cached_tokens,
+            transfer_id=destination.transfer_id)
+        resp = await _unary(self._stub.Prefill(
+            prefill_pb2.PrefillRequest(input=convert.input_to_proto(req), destination=dest,
+                                       deadline_ms=int(timeout_s * 1000)),
+            timeout=timeout_s, metadata=self._md(req.request_id)))
+        t = resp.timings
+        return PrefillOutcome(resp.worker_id or self.worker_id, t.queued_ms,
+                              t.prefill_compute_ms, t.kv_transfer_ms, resp.bytes_transferred,
+                              resp.num_computed_tokens)
+
+    async def stats(self, *, timeout_s: float = 10.0) -> PrefillStats:
+        s = await _unary(self._stub.Stats(common_pb2.StatsRequest(), timeout=timeout_s,
+                                          metadata=self._md()))
+        return PrefillStats(s.num_queued, s.num_running, s.num_queued_tokens,
+                            s.num_total_blocks, s.num_free_blocks,
+                            convert.kv_layout_from_proto(s.layout))
+
+
+async def _unary(call: Awaitable[T]) -> T:
+    """The reply of a unary call, its failure as the project's exception."""
+    try:
+        return await call
+    except grpc.aio.AioRpcError as exc:
+        raise error_from_rpc(exc) from None
+
+
+async def _events(call: grpc.aio.UnaryStreamCall, first_timeout_s: float,
+                  token_timeout_s: float) -> AsyncIterator[TokenEvent]:
+    """TokenEvents of a decode stream, up to the final one; every wait bounded; the call is
+    cancelled however the consumer leaves."""
+    try:
+        timeout = first_timeout_s
+        while True:
+            try:
+                chunk = await asyncio.wait_for(call.read(), timeout)
+            except TimeoutError:
+                raise WorkerTimeoutError(
+                    f"decode worker sent nothing for {timeout:.0f}s") from None
+            if chunk is grpc.aio.EOF:
+                raise CapacityError("decode stream ended without a final token",
+                                    code="worker_unavailable")
+            ev = convert.token_event_from_chunk(chunk)
+            yield ev
+            if ev.finished:
+                return
+            timeout = token_timeout_s
+    except grpc.aio.AioRpcError as exc:
+        raise error_from_rpc(exc) from None
+    finally:
+        call.cancel()
+
+
+class WorkerChannels:
+    """One channel per worker address, closed when the worker leaves; clients on them.
+
+    `metadata` is sent with every call (e.g. an authorization pair); `interceptors` wrap every
+    call (tests count RPCs with them)."""
+
+    def __init__(self, metadata: Iterable[tuple[str, str]] = (), *,
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        self._metadata: Metadata = tuple(metadata)
+        self._interceptors = tuple(interceptors)
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = insecure_channel(
+                address, interceptors=self._interceptors)
+        return ch
+
+    def decode(self, w: WorkerInfo) -> DecodeClient:
+        return DecodeClient(self._channel(w.grpc_address), worker_id=w.worker_id,
+                            metadata=self._metadata)
+
+    def prefill(self, w: WorkerInfo) -> PrefillClient:
+        return PrefillClient(self._channel(w.grpc_address), worker_id=w.worker_id,
+                             metadata=self._metadata)
+
+    def drop(self, address: str, grace_s: float) -> None:
+        """Stop handing out the channel; streams still on it (a draining worker finishing
+        its requests) get ``grace_s`` before the channel closes."""
+        ch = self._channels.pop(address, None)
+        if ch is not None:
+            task = asyncio.get_running_loop().create_task(ch.close(grace=grace_s))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        for address in list(self._channels):
+            self.drop(address, grace_s=1.0)
+        if self._closing:
+            await asyncio.wait(self._closing, timeout=5)
+
+
+__all__ = ["DecodeClient", "DecodeStats", "PrefillClient", "PrefillOutcome", "PrefillStats",
+           "RemoteSlot", "WorkerChannels"]
