@@ -11,13 +11,16 @@ a real sender still completes a transfer whose bytes are checked.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
-import socket
 import struct
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -304,38 +307,40 @@ async def test_write_with_a_huge_run_count_is_refused(receiver: KVReceiver) -> N
     await _correct_transfer(receiver)
 
 
-# --------------------------------------------------------------------------- raw TCP
+# --------------------------------------------------------------------------- raw TCP junk
+
+JUNK_SCRIPT = Path(__file__).with_name("ucx_tcp_junk.py")
+# Idle CPU of the attacked process above which we call its UCX threads spinning; an idle
+# receiver uses ~1 %.
+SPIN_CPU_PCT = 20.0
 
 
-def _tcp_junk(host: str, port: int, data: bytes, keep: list[socket.socket]) -> None:
-    s = socket.create_connection((host, port), timeout=2)
-    try:
-        s.sendall(data)
-    except OSError:
-        pass  # the listener may close on us: fine
-    keep.append(s)
+@functools.cache
+def _junk_attack(mode: str) -> dict[str, Any]:
+    """Run `ucx_tcp_junk.py mode` in a child process (see there why) and return its report."""
+    proc = subprocess.run([sys.executable, str(JUNK_SCRIPT), mode], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"\nraw TCP junk ({mode}): {report}")
+    return report
 
 
-async def test_raw_tcp_junk_on_the_listener_port(receiver: KVReceiver) -> None:
+@pytest.mark.parametrize("mode", ["small", "large"])
+def test_raw_tcp_junk_on_the_listener_port(mode: str) -> None:
     """UCX's sockaddr listener accepts TCP: random bytes, an HTTP request, a megabyte of
     zeros, and 40 connections that connect and never send. The process stays up, no handler
-    starts for them, and real UCX connections still work while the junk ones are open."""
-    host, port = _host_port(receiver)
-    junk = _draw(st.binary(min_size=0, max_size=4096), 30)
-    junk += [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00" * (1 << 20), b"\xff" * 65536]
-    held: list[socket.socket] = []
-    loop = asyncio.get_running_loop()
-    try:
-        for data in junk:
-            await loop.run_in_executor(None, _tcp_junk, host, port, data, held)
-        for _ in range(40):  # half-open: connected, silent
-            held.append(await loop.run_in_executor(
-                None, lambda: socket.create_connection((host, port), timeout=2)))
-        await asyncio.sleep(0.5)
-        await _correct_transfer(receiver)  # while every junk connection is still open
-    finally:
-        for s in held:
-            s.close()
-    await asyncio.sleep(0.5)
-    await _until_idle(receiver)
-    await _correct_transfer(receiver)
+    starts for them, and real UCX connections work while the junk ones are open and after."""
+    assert _junk_attack(mode)["transfers_ok"]
+
+
+def test_small_tcp_junk_leaves_the_listener_idle() -> None:
+    """Junk that fits libucx's connection-request buffer costs nothing once it is gone."""
+    assert _junk_attack("small")["idle_cpu_pct"] < SPIN_CPU_PCT
+
+
+@pytest.mark.xfail(strict=True, reason="libucx 1.21 tcp_sockcm: 4 KiB or more of junk on a "
+                   "connection leaves its async thread spinning on a full buffer for the life "
+                   "of the process (the listener cannot bind to loopback in ucxx 0.52)")
+def test_large_tcp_junk_leaves_the_listener_idle() -> None:
+    assert _junk_attack("large")["idle_cpu_pct"] < SPIN_CPU_PCT
