@@ -153,10 +153,14 @@ class DecodeClient(_Client):
         return _events(call, transfer_timeout_s, token_timeout_s)
 
     async def abort(self, request_id: str, *, timeout_s: float = 5.0) -> bool:
-        """Cancel a request in any state; returns once its blocks are fenced and freed."""
-        resp = await _unary(self._stub.Abort(common_pb2.AbortRequest(request_id=request_id),
-                                             timeout=timeout_s, metadata=self._md(request_id)))
-        return bool(resp.found)
+        """Cancel a request in any state; returns once its blocks are fenced and freed.
+        False when the worker does not hold it, or has left (its channel is closed)."""
+        try:
+            call = self._stub.Abort(common_pb2.AbortRequest(request_id=request_id),
+                                    timeout=timeout_s, metadata=self._md(request_id))
+        except grpc.aio.UsageError:  # the directory closed the channel: the worker is gone
+            return False
+        return bool((await _unary(call)).found)
 
     async def stats(self, *, timeout_s: float = 10.0) -> DecodeStats:
         s = await _unary(self._stub.Stats(common_pb2.StatsRequest(), timeout=timeout_s,

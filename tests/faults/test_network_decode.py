@@ -23,6 +23,7 @@ remote prefill (`--remote-threshold 1`), so KV bytes cross the veth to decode-1.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -109,16 +110,26 @@ async def _all_blocks_free(net: NetCluster) -> list[str]:
 
 
 async def _served_by_victim_again(net: NetCluster, refs: dict[int, Stream]) -> float:
-    """Seconds until a request is served by VICTIM again (with the reference output: greedy,
-    so a shorter run is a prefix of the reference)."""
+    """Seconds until VICTIM serves a request again, with the same output as decode-0.
+
+    Each try sends one prompt that no worker has cached (a fresh token in its first block),
+    twice at once: with no cache affinity the router spreads the pair by load, one copy to
+    each decode worker, and greedy outputs must agree. A cached prompt would follow its cache
+    to decode-0 every time (that is what happened while the victim was away)."""
     start = time.monotonic()
-    while time.monotonic() - start < 90:
-        streams = [Stream(list(refs[i].ids), SHORT) for i in AFTER]
-        await asyncio.wait_for(asyncio.gather(*(s.run(net.router) for s in streams)), 120)
-        for i, s in zip(AFTER, streams, strict=True):
-            assert s.error is None, (s.error, s.decode_worker)
-            assert s.tokens == refs[i].tokens[:SHORT], s.decode_worker
-        if any(s.decode_worker == VICTIM for s in streams):
+    for attempt in itertools.count():
+        if time.monotonic() - start >= 90:
+            break
+        ids = list(refs[AFTER[0]].ids)
+        ids[1] = 3100 + attempt
+        pair = [Stream(list(ids), SHORT) for _ in range(2)]
+        await asyncio.wait_for(asyncio.gather(*(s.run(net.router) for s in pair)), 120)
+        workers = sorted(s.decode_worker for s in pair)
+        for s in pair:
+            assert s.error is None, (s.error, workers)
+            assert len(s.tokens) == SHORT, workers
+        assert pair[0].tokens == pair[1].tokens, workers
+        if workers == sorted(["decode-0", VICTIM]):
             return time.monotonic() - start
     pytest.fail(f"{VICTIM} served nothing within 90s of being listed again")
 
