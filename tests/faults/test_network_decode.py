@@ -40,6 +40,7 @@ VICTIM = "decode-1"  # the decode worker behind the veth
 STREAMED = range(4)  # prompts streamed when the fault comes
 AFTER = (4, 5)  # prompts asked after it
 TOKEN_DEADLINE_S = 60.0  # RouterConfig.token_timeout_s
+LOAD_SETTLE_S = 2.5  # heartbeats (1 s) and the router's directory poll (0.5 s), with slack
 
 
 @pytest.fixture(scope="module")
@@ -113,13 +114,15 @@ async def _served_by_victim_again(net: NetCluster, refs: dict[int, Stream]) -> f
     """Seconds until VICTIM serves a request again, with the same output as decode-0.
 
     Each try sends one prompt that no worker has cached (a fresh token in its first block),
-    twice at once: with no cache affinity the router spreads the pair by load, one copy to
-    each decode worker, and greedy outputs must agree. A cached prompt would follow its cache
-    to decode-0 every time (that is what happened while the victim was away)."""
+    twice at once, to idle workers: with no cache affinity and equal load the router spreads
+    the pair, one copy to each decode worker, and greedy outputs must agree. A cached prompt
+    would follow its cache to decode-0 every time, and a try right after the last would see
+    the load its heartbeats still report (they lag by up to a second)."""
     start = time.monotonic()
     for attempt in itertools.count():
         if time.monotonic() - start >= 90:
             break
+        await asyncio.sleep(LOAD_SETTLE_S)
         ids = list(refs[AFTER[0]].ids)
         ids[1] = 3100 + attempt
         pair = [Stream(list(ids), SHORT) for _ in range(2)]
