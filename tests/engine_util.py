@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.types import GenerateRequest, SamplingParams, TokenEvent
 
@@ -45,3 +51,15 @@ def remote_prefill(prefill: LLMEngine, decode: LLMEngine,
     while decode.has_unfinished():
         out.extend(decode.step())
     return out
+
+
+@contextlib.asynccontextmanager
+async def serving_engine(loaded_model: tuple[Any, Any, str], tokenizer: Any,
+                         kv_cache_bytes: int = 128 << 20) -> AsyncIterator[AsyncEngine]:
+    """An AsyncEngine on the real model; on exit, every KV block must be free again."""
+    model, config, mid = loaded_model
+    llm = LLMEngine(model, config, EngineConfig(kv_cache_bytes=kv_cache_bytes), model_id=mid,
+                    tokenizer=tokenizer)
+    async with AsyncEngine(llm) as eng:
+        yield eng
+    assert llm.block_manager.num_free_blocks == llm.layout.num_blocks, "KV blocks leaked"

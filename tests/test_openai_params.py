@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from engine_util import serving_engine
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.gateway.app import GatewayConfig, create_app
 from pdserve.gateway.local_backend import EngineBackend
@@ -23,15 +24,8 @@ TEXT = [{"type": "text", "text": "Name three colors."}]
 
 @pytest.fixture(scope="module")
 async def engine(loaded_model, tokenizer) -> AsyncIterator[AsyncEngine]:  # type: ignore[no-untyped-def]
-    from pdserve.engine.config import EngineConfig
-    from pdserve.engine.llm_engine import LLMEngine
-
-    model, config, mid = loaded_model
-    llm = LLMEngine(model, config, EngineConfig(kv_cache_bytes=128 << 20), model_id=mid,
-                    tokenizer=tokenizer)
-    async with AsyncEngine(llm) as eng:
+    async with serving_engine(loaded_model, tokenizer) as eng:
         yield eng
-    assert llm.block_manager.num_free_blocks == llm.layout.num_blocks, "KV blocks leaked"
 
 
 @pytest.fixture(scope="module")
