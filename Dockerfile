@@ -37,13 +37,10 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 COPY setup.py MANIFEST.in README.md ./
 COPY protos ./protos
 COPY pdserve ./pdserve
-COPY engine ./engine
 COPY router ./router
 COPY prefill_svc ./prefill_svc
 COPY decode_svc ./decode_svc
 COPY kvxfer ./kvxfer
-COPY gateway ./gateway
-COPY control ./control
 RUN pip install --no-deps --no-build-isolation . && rm -rf /src
 
 USER pdserve

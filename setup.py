@@ -83,27 +83,15 @@ class BuildPyWithProtos(build_py):
         super().run()
 
 
-# Installed import names live under one namespace, `pdserve.*`, while the repository keeps the
-# top-level directories the project was specified with: each maps onto a subpackage.
-SUBPACKAGE_DIRS = ("engine", "router", "prefill_svc", "decode_svc", "kvxfer", "gateway", "control")
-
-
-def package_layout() -> tuple[list[str], dict[str, str]]:
-    """(packages, package_dir): `pdserve` from pdserve/, `pdserve.<dir>[.*]` from <dir>/."""
-    packages = ["pdserve", *(f"pdserve.{p}" for p in find_packages("pdserve"))]
-    package_dir = {"pdserve": "pdserve"}
-    for top in SUBPACKAGE_DIRS:
-        package_dir[f"pdserve.{top}"] = top
-        packages.append(f"pdserve.{top}")
-        packages.extend(f"pdserve.{top}.{p}" for p in find_packages(top))
-    return packages, package_dir
-
-
-PACKAGES, PACKAGE_DIR = package_layout()
+# Import path = file path: `pdserve/` holds the shared code (engine, gateway, control plane,
+# types, errors, CLI) and each service directory the project was specified with is a top-level
+# package of its own, so no static tool needs a mapping.
+SERVICE_PACKAGES = ("router", "prefill_svc", "decode_svc", "kvxfer")
+PACKAGES = find_packages(include=["pdserve", "pdserve.*", *SERVICE_PACKAGES,
+                                  *(f"{p}.*" for p in SERVICE_PACKAGES)])
 
 setup(
     packages=PACKAGES,
-    package_dir=PACKAGE_DIR,
     package_data={"pdserve.engine.kernels": ["*.cpp"], "pdserve.v1": ["*.pyi", "py.typed"]},
     cmdclass={"build_protos": BuildProtos, "build_py": BuildPyWithProtos},
 )

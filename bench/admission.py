@@ -292,7 +292,7 @@ def sweep_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _slo(args: argparse.Namespace) -> SLO:
-    from pdserve.router.admission import parse_deadlines
+    from router.admission import parse_deadlines
 
     try:
         deadlines = parse_deadlines(args.deadline)

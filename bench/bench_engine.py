@@ -69,7 +69,7 @@ class _Ours:
         self._n = 0
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
-        from pdserve.engine.types import GenerateRequest, SamplingParams
+        from pdserve.types import GenerateRequest, SamplingParams
 
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         t0 = time.perf_counter()

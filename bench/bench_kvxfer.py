@@ -36,9 +36,10 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 import numpy as np
 import structlog
 import torch
+
+from kvxfer import KVReceiver, KVSender
 from pdserve.control import KVDescriptor
-from pdserve.engine.types import KVLayout
-from pdserve.kvxfer import KVReceiver, KVSender
+from pdserve.types import KVLayout
 
 # 512 KiB blocks, a realistic size (8 layers x K/V x 16 tokens x 8 heads x 128 dims, fp16).
 BLOCK = dict(num_layers=8, block_size=16, num_kv_heads=8, head_dim=128, dtype="float16")

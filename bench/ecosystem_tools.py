@@ -33,10 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.engine.model_store import pull_default_model
-
 from bench.serve_compare import VLLM_MAIN
 from pdserve.cluster import LocalCluster
+from pdserve.engine.model_store import pull_default_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -29,7 +29,7 @@ from pdserve.engine import model_store
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu import cpu_summary
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.types import GenerateRequest, SamplingParams
+from pdserve.types import GenerateRequest, SamplingParams
 
 _LLAMA_SCRIPT = r"""
 import json, sys, time

@@ -19,11 +19,12 @@ import time
 from collections.abc import Callable
 
 import torch
+
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu import cpu_summary
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_store import resolve_model
-from pdserve.engine.types import GenerateRequest, SamplingParams
+from pdserve.types import GenerateRequest, SamplingParams
 
 
 def best_ms(fn: Callable[[], object], reps: int = 7) -> float:

@@ -24,12 +24,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu import cpu_summary
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_store import resolve_model
-from pdserve.engine.types import GenerateRequest, SamplingParams
+from pdserve.types import GenerateRequest, SamplingParams
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "eval_text.md"
 

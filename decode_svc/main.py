@@ -8,22 +8,22 @@ import time
 from dataclasses import dataclass
 
 import structlog
+from prometheus_client import CollectorRegistry
+
+from decode_svc import servicer
+from decode_svc.metrics import DecodeMetrics
+from decode_svc.worker import DecodeWorker
+from kvxfer.auth import KVAuth
+from kvxfer.receiver import KVReceiver
 from pdserve.control.descriptors import make_descriptor_id
 from pdserve.control.directory import WorkerDirectory
 from pdserve.control.load import WorkerLoad
 from pdserve.control.registry import ControlPlaneError, WorkerRegistry
 from pdserve.control.workers import WorkerInfo
-from pdserve.decode_svc import servicer
-from pdserve.decode_svc.metrics import DecodeMetrics
-from pdserve.decode_svc.worker import DecodeWorker
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.metrics import labelled_registry
 from pdserve.engine.model_store import resolve_model
-from pdserve.kvxfer.auth import KVAuth
-from pdserve.kvxfer.receiver import KVReceiver
-from prometheus_client import CollectorRegistry
-
 from pdserve.rpc import auth, transport
 from pdserve.runtime import metrics_server, start_server
 from pdserve.worker_config import WorkerConfig

@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import grpc
-from pdserve.decode_svc.worker import DecodeWorker
-from pdserve.engine.types import GenerateRequest, check_request_id
 
+from decode_svc.worker import DecodeWorker
 from pdserve.rpc import convert
 from pdserve.runtime import logs_request_id
+from pdserve.types import GenerateRequest, check_request_id
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 

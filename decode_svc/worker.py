@@ -24,12 +24,15 @@ from dataclasses import dataclass
 from typing import cast
 
 import structlog
+
+from decode_svc.metrics import DecodeMetrics
+from kvxfer.receiver import KVReceiver
 from pdserve.control.load import WorkerLoad
-from pdserve.decode_svc.metrics import DecodeMetrics
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import RemoteAllocation
 from pdserve.engine.metrics import engine_load
-from pdserve.engine.types import (
+from pdserve.handover import FirstToken
+from pdserve.types import (
     CapacityError,
     GenerateRequest,
     InvalidRequestError,
@@ -38,9 +41,6 @@ from pdserve.engine.types import (
     RequestAbortedError,
     TokenEvent,
 )
-from pdserve.kvxfer.receiver import KVReceiver
-
-from pdserve.handover import FirstToken
 
 log = structlog.get_logger(__name__)
 

@@ -12,10 +12,9 @@ import argparse
 import asyncio
 import sys
 
-from pdserve.engine.types import LatencyClass, PdserveError, SamplingParams
-
 from pdserve.rpc import convert, errors, transport
 from pdserve.rpc.metadata import request_id_metadata
+from pdserve.types import LatencyClass, PdserveError, SamplingParams
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 

@@ -1,10 +1,10 @@
 """KV block transfer between prefill and decode pools over UCX (see kvxfer.protocol)."""
 
-from pdserve.kvxfer.pool import PoolBytes
-from pdserve.kvxfer.protocol import Code
-from pdserve.kvxfer.receiver import Expectation, KVReceiver
-from pdserve.kvxfer.runs import expand_runs, merge_pairs, merge_runs
-from pdserve.kvxfer.sender import DescriptorResolver, KVSender, SendResult
+from kvxfer.pool import PoolBytes
+from kvxfer.protocol import Code
+from kvxfer.receiver import Expectation, KVReceiver
+from kvxfer.runs import expand_runs, merge_pairs, merge_runs
+from kvxfer.sender import DescriptorResolver, KVSender, SendResult
 
 __all__ = [
     "Code",

@@ -6,7 +6,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from pdserve.engine.types import KVLayout
+
+from pdserve.types import KVLayout
 
 
 def check_blocks(block_ids: Iterable[int], num_blocks: int, what: str) -> None:

@@ -30,7 +30,8 @@ import struct
 from typing import Any
 
 import ucxx.exceptions
-from pdserve.engine.types import KVTransferError
+
+from pdserve.types import KVTransferError
 
 CTRL_TAG = 0
 MAX_FRAME_BYTES = 16 << 20

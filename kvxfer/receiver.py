@@ -29,10 +29,10 @@ from typing import Any, Self
 import structlog
 import torch
 import ucxx
-from pdserve.engine.types import KVLayout, KVTransferError
-from pdserve.kvxfer.auth import KVAuth
-from pdserve.kvxfer.pool import PoolBytes, check_blocks
-from pdserve.kvxfer.protocol import (
+
+from kvxfer.auth import KVAuth
+from kvxfer.pool import PoolBytes, check_blocks
+from kvxfer.protocol import (
     CTRL_TAG,
     SEQ_LIMIT,
     Code,
@@ -44,7 +44,8 @@ from pdserve.kvxfer.protocol import (
     reply_tag,
     send_frame,
 )
-from pdserve.kvxfer.runs import expand_runs
+from kvxfer.runs import expand_runs
+from pdserve.types import KVLayout, KVTransferError
 
 log = structlog.get_logger(__name__)
 

@@ -15,11 +15,10 @@ from typing import Any, Self
 import structlog
 import torch
 import ucxx
-from pdserve.control.descriptors import KVDescriptor, split_address
-from pdserve.engine.types import KVLayout, KVTransferError
-from pdserve.kvxfer.auth import KVAuth
-from pdserve.kvxfer.pool import PoolBytes, check_blocks
-from pdserve.kvxfer.protocol import (
+
+from kvxfer.auth import KVAuth
+from kvxfer.pool import PoolBytes, check_blocks
+from kvxfer.protocol import (
     CTRL_TAG,
     Code,
     ProtocolError,
@@ -31,7 +30,9 @@ from pdserve.kvxfer.protocol import (
     reply_tag,
     send_frame,
 )
-from pdserve.kvxfer.runs import merge_pairs
+from kvxfer.runs import merge_pairs
+from pdserve.control.descriptors import KVDescriptor, split_address
+from pdserve.types import KVLayout, KVTransferError
 
 log = structlog.get_logger(__name__)
 

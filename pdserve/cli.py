@@ -43,7 +43,7 @@ async def _generate(args: argparse.Namespace) -> int:
     from pdserve.engine.async_engine import AsyncEngine
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.model_store import resolve_model
-    from pdserve.engine.types import GenerateRequest, SamplingParams
+    from pdserve.types import GenerateRequest, SamplingParams
 
     model_dir = resolve_model(args.model)
     engine = LLMEngine.from_dir(model_dir, engine_config_from_args(args))

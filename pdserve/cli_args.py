@@ -283,7 +283,7 @@ def admission_argv(args: argparse.Namespace) -> list[str]:
 
 def admission_config_from_args(args: argparse.Namespace) -> Any:
     """An AdmissionConfig; argparse.ArgumentTypeError for a bad --ttft-deadline."""
-    from pdserve.router.admission import AdmissionConfig, parse_deadlines
+    from router.admission import AdmissionConfig, parse_deadlines
 
     try:
         deadlines = parse_deadlines(args.ttft_deadline)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 
-from pdserve.engine.types import (
+from pdserve.types import (
     CapacityError,
     InvalidRequestError,
     KVTransferError,

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.types import KVTransferError, TokenLogprob
+from pdserve.types import KVTransferError, TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ import grpc
 import structlog
 from prometheus_client import CollectorRegistry, start_http_server
 
-from pdserve.engine.types import InvalidRequestError, check_request_id
 from pdserve.rpc.metadata import request_id_from_context
+from pdserve.types import InvalidRequestError, check_request_id
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -125,7 +125,7 @@ def _worker_settings(args: argparse.Namespace, role: str) -> dict[str, Any]:
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
-    from pdserve.decode_svc.main import DecodeConfig, run_decode
+    from decode_svc.main import DecodeConfig, run_decode
 
     _place_process(args)
     cfg = DecodeConfig(**_worker_settings(args, "decode"), ucx_host=_advertise_host(args))
@@ -134,7 +134,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
 
 
 def _cmd_prefill(args: argparse.Namespace) -> int:
-    from pdserve.prefill_svc.main import PrefillConfig, run_prefill
+    from prefill_svc.main import PrefillConfig, run_prefill
 
     _place_process(args)
     cfg = PrefillConfig(**_worker_settings(args, "prefill"))
@@ -143,9 +143,9 @@ def _cmd_prefill(args: argparse.Namespace) -> int:
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    from pdserve.router.main import RouterProcessConfig, run_router
-    from pdserve.router.policy import RouterPolicy
-    from pdserve.router.router import RouterConfig
+    from router.main import RouterProcessConfig, run_router
+    from router.policy import RouterPolicy
+    from router.router import RouterConfig
 
     cfg = RouterProcessConfig(
         redis_url=args.redis_url, model=args.model, namespace=args.namespace, host=args.host,

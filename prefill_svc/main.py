@@ -9,6 +9,10 @@ import time
 from dataclasses import dataclass
 
 import structlog
+from prometheus_client import CollectorRegistry
+
+from kvxfer.auth import KVAuth
+from kvxfer.sender import KVSender
 from pdserve.control.directory import WorkerDirectory
 from pdserve.control.load import WorkerLoad
 from pdserve.control.registry import ControlPlaneError, WorkerRegistry
@@ -17,17 +21,13 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.metrics import labelled_registry
 from pdserve.engine.model_store import resolve_model
-from pdserve.engine.types import KVTransferError
-from pdserve.kvxfer.auth import KVAuth
-from pdserve.kvxfer.sender import KVSender
-from pdserve.prefill_svc import servicer
-from pdserve.prefill_svc.metrics import PrefillMetrics
-from pdserve.prefill_svc.worker import PrefillWorker
-from prometheus_client import CollectorRegistry
-
 from pdserve.rpc import auth, transport
 from pdserve.runtime import metrics_server, start_server
+from pdserve.types import KVTransferError
 from pdserve.worker_config import WorkerConfig
+from prefill_svc import servicer
+from prefill_svc.metrics import PrefillMetrics
+from prefill_svc.worker import PrefillWorker
 
 log = structlog.get_logger(__name__)
 SERVICE = "pdserve.v1.PrefillWorker"

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-from pdserve.engine.types import InvalidRequestError
-from pdserve.prefill_svc.worker import Destination, PrefillWorker
 
 from pdserve.rpc import convert
 from pdserve.runtime import logs_request_id
+from pdserve.types import InvalidRequestError
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from prefill_svc.worker import Destination, PrefillWorker
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):

@@ -13,10 +13,13 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import structlog
+
+from kvxfer.sender import KVSender
 from pdserve.control.load import WorkerLoad
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.metrics import engine_load
-from pdserve.engine.types import (
+from pdserve.handover import FirstToken
+from pdserve.types import (
     CapacityError,
     GenerateRequest,
     InvalidRequestError,
@@ -24,10 +27,7 @@ from pdserve.engine.types import (
     LatencyClass,
     TokenLogprob,
 )
-from pdserve.kvxfer.sender import KVSender
-from pdserve.prefill_svc.metrics import PrefillMetrics
-
-from pdserve.handover import FirstToken
+from prefill_svc.metrics import PrefillMetrics
 
 log = structlog.get_logger(__name__)
 

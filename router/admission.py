@@ -32,9 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from pdserve.engine.types import LatencyClass
-
 from pdserve.errors import OverloadedError
+from pdserve.types import LatencyClass
 
 # Interactive chat wants a first token within seconds; batch jobs tolerate minutes. Generous
 # enough that an unloaded cluster on a small CPU machine never refuses.

@@ -20,19 +20,19 @@ from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pdserve.control.workers import WorkerInfo
-from pdserve.engine.types import (
-    CapacityError,
-    GenerateRequest,
-    KVLayout,
-    TokenEvent,
-)
 
+from pdserve.control.workers import WorkerInfo
 from pdserve.errors import WorkerTimeoutError
 from pdserve.rpc import convert
 from pdserve.rpc.errors import error_from_rpc
 from pdserve.rpc.metadata import request_id_metadata
 from pdserve.rpc.transport import insecure_channel
+from pdserve.types import (
+    CapacityError,
+    GenerateRequest,
+    KVLayout,
+    TokenEvent,
+)
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 Metadata = tuple[tuple[str, str], ...]

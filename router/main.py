@@ -9,16 +9,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import structlog
+
 from pdserve.control.registry import WorkerRegistry
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model_store import resolve_model
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.router import servicer
-from pdserve.router.clients import WorkerChannels
-from pdserve.router.router import Router, RouterConfig
-
 from pdserve.rpc import auth, transport
 from pdserve.runtime import start_server
+from router import servicer
+from router.clients import WorkerChannels
+from router.router import Router, RouterConfig
 
 if TYPE_CHECKING:
     from pdserve.rpc.auth import ClusterSecret

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from pdserve.engine.types import LatencyClass
+from pdserve.types import LatencyClass
 
 
 class Route(enum.StrEnum):

@@ -13,27 +13,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
 from pdserve.control.directory import WorkerDirectory
 from pdserve.control.registry import WorkerRegistry
 from pdserve.control.workers import WorkerInfo
 from pdserve.engine.metrics import WorkerLoadCollector
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.types import (
+from pdserve.errors import OverloadedError, WorkerTimeoutError
+from pdserve.types import (
     CapacityError,
     FinishReason,
     GenerateRequest,
     PdserveError,
     TokenEvent,
 )
-from pdserve.router.admission import AdmissionConfig, AdmissionController, Ticket
-from pdserve.router.clients import (
+from router.admission import AdmissionConfig, AdmissionController, Ticket
+from router.clients import (
     DecodeClient,
     PrefillClient,
     PrefillOutcome,
     RemoteSlot,
     WorkerChannels,
 )
-from pdserve.router.policy import (
+from router.policy import (
     Decision,
     DecodeCandidate,
     Route,
@@ -41,9 +44,6 @@ from pdserve.router.policy import (
     choose_decode,
     decide_route,
 )
-from prometheus_client import CollectorRegistry, Counter, Gauge
-
-from pdserve.errors import OverloadedError, WorkerTimeoutError
 
 log = structlog.get_logger(__name__)
 

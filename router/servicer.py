@@ -14,16 +14,16 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-from pdserve.engine.types import (
+
+from pdserve.rpc import convert
+from pdserve.types import (
     GenerateRequest,
     InvalidRequestError,
     check_request_id,
     fit_max_tokens,
 )
-from pdserve.router.router import Router
-
-from pdserve.rpc import convert
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from router.router import Router
 
 _ROUTES = {"local": common_pb2.PREFILL_ROUTE_LOCAL, "remote": common_pb2.PREFILL_ROUTE_REMOTE,
            "fallback": common_pb2.PREFILL_ROUTE_FALLBACK}

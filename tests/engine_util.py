@@ -9,7 +9,7 @@ from typing import Any
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.types import GenerateRequest, SamplingParams, TokenEvent
+from pdserve.types import GenerateRequest, SamplingParams, TokenEvent
 
 
 def greedy(max_tokens: int = 32, **kw: object) -> SamplingParams:

@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 from engine_util import greedy, run_to_end, tokens
+
 from pdserve.engine.async_engine import AsyncEngine, EngineClosedError
 from pdserve.engine.llm_engine import EngineStats
-from pdserve.engine.types import (
+from pdserve.types import (
     FinishReason,
     GenerateRequest,
     InvalidRequestError,

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from pdserve.engine.block_manager import BlockManager, block_hashes, hash_block
 
 BS = 4
@@ -27,8 +28,8 @@ def _allocate(bm: BlockManager, rid: str, ids: list[int], *, max_cached: int | N
 
 
 def test_scheduler_and_block_manager_import_without_torch() -> None:
-    code = ("import sys, engine.block_manager, engine.scheduler, engine.sequence;"
-            "sys.exit('torch' in sys.modules)")
+    code = ("import sys, pdserve.engine.block_manager, pdserve.engine.scheduler,"
+            " pdserve.engine.sequence; sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

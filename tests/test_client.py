@@ -23,7 +23,7 @@ def test_client_imports_only_grpc_and_protobuf() -> None:
     code = ("import sys, pdserve.client\n"
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'ucxx', 'numpy', 'transformers', 'structlog', 'redis', 'fastapi') "
-            "or m.startswith(('pdserve.engine', 'pdserve.router', 'pdserve.rpc')))\n"
+            "or m.startswith(('pdserve.engine', 'router', 'pdserve.rpc')))\n"
             "print(heavy)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+
 from pdserve.control import (
     ControlPlaneError,
     KVDescriptor,
@@ -22,7 +23,7 @@ from pdserve.control import (
     WorkerRegistry,
     make_descriptor_id,
 )
-from pdserve.engine.types import KVLayout
+from pdserve.types import KVLayout
 
 LAYOUT = KVLayout(16, 2, 4, 2, 8, "float32", "tiny-model")
 REPO = Path(__file__).resolve().parents[1]

@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 import torch
 from engine_util import greedy, run_to_end, tokens
+
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model
 from pdserve.engine.models.llama import LlamaForCausalLM
-from pdserve.engine.types import GenerateRequest, UnsupportedArchitectureError
+from pdserve.types import GenerateRequest, UnsupportedArchitectureError
 
 SMALL = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, num_hidden_layers=2, intermediate_size=128, initializer_range=0.2,

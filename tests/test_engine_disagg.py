@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 from engine_util import greedy, remote_prefill, run_to_end, tokens
-from pdserve.engine.types import GenerateRequest
+
+from pdserve.types import GenerateRequest
 
 
 def _transfer(prefill, decode, req: GenerateRequest) -> list[int]:  # type: ignore[no-untyped-def]

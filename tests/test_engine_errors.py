@@ -6,7 +6,8 @@ import math
 
 import pytest
 from engine_util import greedy, run_to_end, tokens
-from pdserve.engine.types import (
+
+from pdserve.types import (
     GenerateRequest,
     InvalidRequestError,
     LatencyClass,
@@ -125,7 +126,7 @@ def test_prompt_larger_than_kv_pool(make_engine) -> None:
 
 
 def test_remote_allocation_without_capacity(make_engine) -> None:
-    from pdserve.engine.types import CapacityError
+    from pdserve.types import CapacityError
 
     engine = make_engine(num_kv_blocks=4)
     engine.allocate_remote(GenerateRequest("a", (1,) * 40, greedy()))  # 3 of 4 blocks

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 from engine_util import greedy, run_to_end, tokens
-from pdserve.engine.types import GenerateRequest
+
+from pdserve.types import GenerateRequest
 
 
 def _requests(prompt_ids: list[list[int]]) -> list[GenerateRequest]:

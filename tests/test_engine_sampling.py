@@ -6,7 +6,8 @@ import math
 
 import pytest
 from engine_util import greedy, run_to_end, tokens
-from pdserve.engine.types import FinishReason, GenerateRequest, SamplingParams, TokenEvent
+
+from pdserve.types import FinishReason, GenerateRequest, SamplingParams, TokenEvent
 
 STORY = "Once upon a time, in a land far away, there lived a"
 

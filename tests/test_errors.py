@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
 from pdserve.engine.async_engine import EngineClosedError
-from pdserve.engine.types import (
+from pdserve.errors import ERROR_CLASSES, ErrorKind, kind_of, rebuild
+from pdserve.gateway.errors import from_pdserve
+from pdserve.rpc.errors import status_for
+from pdserve.types import (
     CapacityError,
     InvalidRequestError,
     KVTransferError,
@@ -15,10 +19,6 @@ from pdserve.engine.types import (
     PromptTooLongError,
     RequestAbortedError,
 )
-from pdserve.gateway.errors import from_pdserve
-
-from pdserve.errors import ERROR_CLASSES, ErrorKind, kind_of, rebuild
-from pdserve.rpc.errors import status_for
 
 # (exception, gRPC status, HTTP status)
 CASES = [

@@ -22,15 +22,16 @@ import structlog
 from gated_tokenizer import GatedTokenizer
 from hypothesis import HealthCheck, given, settings
 from loop_thread import serve_in_thread
-from pdserve.engine.types import MAX_LOGPROBS, MAX_REQUEST_ID_LEN, MAX_TEMPERATURE
-from pdserve.gateway.app import GatewayConfig, create_app
-from pdserve.gateway.local_backend import EngineBackend
-from pdserve.gateway.server import running_server
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+
+from pdserve.gateway.app import GatewayConfig, create_app
+from pdserve.gateway.local_backend import EngineBackend
+from pdserve.gateway.server import running_server
+from pdserve.types import MAX_LOGPROBS, MAX_REQUEST_ID_LEN, MAX_TEMPERATURE
 
 MODEL = "smol-test"
 MAX_MODEL_LEN = 40

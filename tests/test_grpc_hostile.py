@@ -90,17 +90,16 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(redis_server: str, model_dir: Path) -> Iterator[Cluster]:
+    from decode_svc.main import DecodeConfig, run_decode
     from pdserve.control.registry import WorkerRegistry
-    from pdserve.decode_svc.main import DecodeConfig, run_decode
     from pdserve.engine.config import EngineConfig, ModelConfig
-    from pdserve.prefill_svc.main import PrefillConfig, run_prefill
-    from pdserve.router.clients import WorkerChannels
-    from pdserve.router.main import RouterProcessConfig
-    from pdserve.router.router import Router
-    from pdserve.router.servicer import RouterServicer
-
     from pdserve.runtime import start_server
     from pdserve.v1 import router_pb2_grpc
+    from prefill_svc.main import PrefillConfig, run_prefill
+    from router.clients import WorkerChannels
+    from router.main import RouterProcessConfig
+    from router.router import Router
+    from router.servicer import RouterServicer
 
     namespace = f"hostile{uuid.uuid4().hex[:8]}"
     common: dict[str, Any] = dict(redis_url=redis_server, model=str(model_dir),

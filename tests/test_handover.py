@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from pdserve.engine.types import KVTransferError, TokenLogprob
 
 from pdserve.handover import FirstToken
+from pdserve.types import KVTransferError, TokenLogprob
 
 
 @pytest.mark.parametrize("first", [

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from pdserve.engine.kernels import FusedCpuKernels, TorchKernels, kernels_for
 from pdserve.engine.linear import DenseLinear, pack_linear
 

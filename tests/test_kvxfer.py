@@ -15,9 +15,8 @@ import torch
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 import ucxx
-from pdserve.control import KVDescriptor, WorkerRegistry, make_descriptor_id
-from pdserve.engine.types import KVLayout, KVTransferError
-from pdserve.kvxfer import (
+
+from kvxfer import (
     Code,
     KVReceiver,
     KVSender,
@@ -25,7 +24,9 @@ from pdserve.kvxfer import (
     merge_pairs,
     merge_runs,
 )
-from pdserve.kvxfer.protocol import CTRL_TAG, data_tag, recv_frame, reply_tag, send_frame
+from kvxfer.protocol import CTRL_TAG, data_tag, recv_frame, reply_tag, send_frame
+from pdserve.control import KVDescriptor, WorkerRegistry, make_descriptor_id
+from pdserve.types import KVLayout, KVTransferError
 
 # 64 KiB blocks: large enough that UCX uses its rendezvous (zero-copy) protocol.
 LAYOUT = KVLayout(

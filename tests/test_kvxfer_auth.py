@@ -18,16 +18,16 @@ import torch
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 import ucxx
+
+from decode_svc.main import DecodeConfig, _kv_auth
+from kvxfer import Code, KVReceiver, KVSender
+from kvxfer.auth import KVAuth, mac_of
+from kvxfer.protocol import CTRL_TAG, data_tag, recv_frame, reply_tag, send_frame
 from pdserve.control import KVDescriptor, WorkerRegistry, make_descriptor_id
 from pdserve.control.directory import WorkerDirectory
 from pdserve.control.workers import WorkerInfo
-from pdserve.decode_svc.main import DecodeConfig, _kv_auth
-from pdserve.engine.types import KVLayout, KVTransferError
-from pdserve.kvxfer import Code, KVReceiver, KVSender
-from pdserve.kvxfer.auth import KVAuth, mac_of
-from pdserve.kvxfer.protocol import CTRL_TAG, data_tag, recv_frame, reply_tag, send_frame
-
 from pdserve.rpc.auth import ClusterSecret
+from pdserve.types import KVLayout, KVTransferError
 
 pytestmark = pytest.mark.timeout(120)
 

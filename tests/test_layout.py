@@ -1,8 +1,9 @@
-"""The package's shape, checked from source: one `pdserve` namespace, no import cycles, generated
-protobuf code only at the gRPC edges, and the engine used only through AsyncEngine's public API.
+"""The package's shape, checked from source: import path = file path, no import cycles,
+generated protobuf code only at the gRPC edges, and the engine used only through AsyncEngine's
+public API.
 
-Every .py under pdserve/ and the component directories is parsed (never imported), mapped to
-its installed name (`engine/types.py` -> `pdserve.engine.types`, as setup.py's package_dir does).
+Every .py under the top-level packages is parsed (never imported); its module name is its path
+(`pdserve/engine/scheduler.py` is `pdserve.engine.scheduler`), with no mapping to know.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Component directories installed as pdserve.<dir> (setup.py SUBPACKAGE_DIRS).
-COMPONENT_DIRS = ("engine", "router", "prefill_svc", "decode_svc", "kvxfer", "gateway", "control")
+# The top-level packages: shared code under pdserve/, and the service directories the project
+# was specified with as packages of their own (setup.py SERVICE_PACKAGES).
+TOP_PACKAGES = ("pdserve", "router", "prefill_svc", "decode_svc", "kvxfer")
 GENERATED = "pdserve.v1"  # protoc output: imports its siblings, never checked
 
 # The only modules that may import generated `*_pb2` / `*_pb2_grpc` code: servicers (protobuf
@@ -24,10 +26,10 @@ GENERATED = "pdserve.v1"  # protoc output: imports its siblings, never checked
 # the public client of the router's API), the conversion module they use, and the gRPC
 # transport (health service, channels).
 PB2_ALLOWED = frozenset({
-    "pdserve.decode_svc.servicer",
-    "pdserve.prefill_svc.servicer",
-    "pdserve.router.servicer",
-    "pdserve.router.clients",
+    "decode_svc.servicer",
+    "prefill_svc.servicer",
+    "router.servicer",
+    "router.clients",
     "pdserve.client",
     "pdserve.rpc.convert",
     "pdserve.rpc.transport",
@@ -38,10 +40,7 @@ PB2_KNOWN: dict[str, str] = {}
 
 
 def _module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
-    parts = list(rel.parts)
-    if parts[0] != "pdserve":
-        parts.insert(0, "pdserve")
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -51,7 +50,7 @@ def _module_name(path: Path) -> str:
 def modules() -> dict[str, Path]:
     """Installed module name -> source file, for every package module (stubs excluded)."""
     found: dict[str, Path] = {}
-    for top in ("pdserve", *COMPONENT_DIRS):
+    for top in TOP_PACKAGES:
         for path in sorted((ROOT / top).rglob("*.py")):
             if "__pycache__" in path.parts:
                 continue
@@ -174,20 +173,19 @@ def _all_imports(path: Path) -> Iterator[tuple[ast.Import | ast.ImportFrom, str]
 # --------------------------------------------------------------------------- the checks
 
 
-def test_every_module_is_under_the_pdserve_namespace() -> None:
+def test_every_module_is_in_a_top_level_package() -> None:
     names = modules()
-    assert "pdserve.engine.async_engine" in names and "pdserve.router" in names
-    assert all(n == "pdserve" or n.startswith("pdserve.") for n in names)
-    # Nothing in the project imports a component by its bare directory name.
-    bare = set(COMPONENT_DIRS)
-    offenders = sorted(
+    assert "pdserve.engine.async_engine" in names and "router.router" in names
+    assert all(n.split(".")[0] in TOP_PACKAGES for n in names)
+    # The old `pdserve.<service>` spellings are gone for good.
+    stale = sorted(
         f"{name}: {target}"
         for name, path in names.items()
         for node, _ in _all_imports(path)
         for target in _imported_names(node, name)
-        if target.split(".")[0] in bare and not (isinstance(node, ast.ImportFrom) and node.level)
+        if target.split(".")[:2] in (["pdserve", d] for d in TOP_PACKAGES[1:])
     )
-    assert not offenders, offenders
+    assert not stale, stale
 
 
 def test_no_import_cycles() -> None:
@@ -231,7 +229,7 @@ def test_allowed_protobuf_edges_exist() -> None:
 
 def test_cycle_finder_finds_cycles() -> None:
     graph = import_graph()
-    assert "pdserve.engine.async_engine" in graph["pdserve.decode_svc.worker"]
+    assert "pdserve.engine.async_engine" in graph["decode_svc.worker"]
     assert _find_cycles({"a": frozenset({"b"}), "b": frozenset({"c"}),
                          "c": frozenset({"a"}), "d": frozenset({"a"})}) == [["a", "b", "c"]]
 
@@ -289,12 +287,11 @@ def test_nothing_outside_the_engine_touches_async_engine_internals() -> None:
     assert not offenders, "AsyncEngine internals used outside engine/: " + ", ".join(offenders)
 
 
-def _setup_package_layout() -> tuple[list[str], dict[str, str]]:
-    """setup.py's package_layout(), run without running setup() (its module does at import)."""
+def _setup_packages() -> list[str]:
+    """setup.py's PACKAGES, computed without running setup() (its module does at import)."""
     tree = _tree(ROOT / "setup.py")
-    keep = [n for n in tree.body if (isinstance(n, ast.FunctionDef) and n.name == "package_layout")
-            or (isinstance(n, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == "SUBPACKAGE_DIRS" for t in n.targets))]
+    keep = [n for n in tree.body if isinstance(n, ast.Assign) and any(
+        isinstance(t, ast.Name) and t.id in ("SERVICE_PACKAGES", "PACKAGES") for t in n.targets)]
     namespace: dict[str, object] = {}
     exec("from setuptools import find_packages", namespace)  # our own setup.py
     import os
@@ -302,30 +299,25 @@ def _setup_package_layout() -> tuple[list[str], dict[str, str]]:
     cwd = os.getcwd()
     os.chdir(ROOT)  # find_packages() walks relative paths
     try:
-        exec(compile(ast.Module(body=keep, type_ignores=[]), "setup.py", "exec"),
-             namespace)
-        return namespace["package_layout"]()  # type: ignore[operator,no-any-return]
+        exec(compile(ast.Module(body=keep, type_ignores=[]), "setup.py", "exec"), namespace)
+        return list(namespace["PACKAGES"])  # type: ignore[call-overload]
     finally:
         os.chdir(cwd)
 
 
-def test_wheel_holds_only_the_pdserve_top_level_package() -> None:
-    packages, package_dir = _setup_package_layout()
-    assert {p.split(".")[0] for p in packages} == {"pdserve"}
-    assert set(package_dir) <= set(packages)
-    assert {d for d in COMPONENT_DIRS} == {package_dir[f"pdserve.{d}"] for d in COMPONENT_DIRS}
-    # Every package directory we parse is shipped, and every shipped one exists.
+def test_setup_ships_exactly_the_top_level_packages_with_no_mapping() -> None:
+    packages = _setup_packages()
+    assert {p.split(".")[0] for p in packages} == set(TOP_PACKAGES)
+    assert "package_dir" not in (ROOT / "setup.py").read_text()
+    # Every package directory we parse is shipped, and every shipped one is where its name says.
     expected = {n for n, p in modules().items() if p.name == "__init__.py"}
     assert expected <= set(packages), sorted(expected - set(packages))
     for p in packages:
-        top = p.split(".")[1] if p.count(".") else "pdserve"
-        src = Path(package_dir.get(f"pdserve.{top}", "pdserve"))
-        rest = p.split(".")[2:] if top in COMPONENT_DIRS else p.split(".")[1:]
-        init = ROOT / src.joinpath(*rest) / "__init__.py"
+        init = ROOT.joinpath(*p.split(".")) / "__init__.py"
         assert init.is_file() or p == GENERATED, f"{p}: {init} missing"
 
 
-@pytest.mark.parametrize("module", ["pdserve.engine.types", "pdserve.engine.block_manager",
+@pytest.mark.parametrize("module", ["pdserve.types", "pdserve.engine.block_manager",
                                     "pdserve.engine.scheduler"])
 def test_torch_free_engine_core_imports_nothing_heavy(module: str) -> None:
     """Shared types import nothing from the project; the scheduler side stays torch-free."""
@@ -336,7 +328,7 @@ def test_torch_free_engine_core_imports_nothing_heavy(module: str) -> None:
         if m not in seen:
             seen.add(m)
             todo.extend(graph[m])
-    if module == "pdserve.engine.types":
+    if module == "pdserve.types":
         assert graph[module] == frozenset(), graph[module]
     heavy = {"torch", "grpc", "ucxx"}
     for m in seen:

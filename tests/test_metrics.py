@@ -18,12 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from pdserve.engine.metrics import ENGINE_METRICS, WorkerLoadCollector, engine_load
-from pdserve.engine.types import DurationHistogram, EngineStats
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
 from pdserve.cluster import LocalCluster
+from pdserve.engine.metrics import ENGINE_METRICS, WorkerLoadCollector, engine_load
+from pdserve.types import DurationHistogram, EngineStats
 
 ROOT = Path(__file__).resolve().parents[1]
 OBS = ROOT / "deploy" / "observability"

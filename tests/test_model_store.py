@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from pdserve.engine import model_store
 from pdserve.engine.model_store import (
     DEFAULT_MODEL_NAME,
@@ -21,7 +22,7 @@ from pdserve.engine.model_store import (
     pull_default_model,
     resolve_model,
 )
-from pdserve.engine.types import ModelLoadError
+from pdserve.types import ModelLoadError
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 from engine_util import serving_engine
+
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.gateway.app import GatewayConfig, create_app
 from pdserve.gateway.local_backend import EngineBackend

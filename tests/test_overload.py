@@ -17,15 +17,15 @@ import grpc
 import httpx
 import pytest
 from cluster_util import generate, wait_blocks_free
-from pdserve.engine.types import CapacityError, LatencyClass
-from pdserve.gateway.errors import from_pdserve
-from pdserve.router.admission import AdmissionConfig, AdmissionController, parse_deadlines
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cli_args import add_admission_args, admission_argv, admission_config_from_args
 from pdserve.cluster import LocalCluster
 from pdserve.errors import ERROR_CLASSES, ErrorKind, OverloadedError, kind_of, rebuild
+from pdserve.gateway.errors import from_pdserve
 from pdserve.rpc.errors import RETRY_AFTER_KEY, _error_metadata, status_for
+from pdserve.types import CapacityError, LatencyClass
+from router.admission import AdmissionConfig, AdmissionController, parse_deadlines
 
 INT, S, B = LatencyClass.INTERACTIVE, LatencyClass.STANDARD, LatencyClass.BATCH
 

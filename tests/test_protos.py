@@ -11,7 +11,11 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pdserve.engine.types import (
+
+from pdserve.rpc import convert, metadata, transport
+from pdserve.rpc import errors as rpc_errors
+from pdserve.rpc.transport import HealthServicer
+from pdserve.types import (
     CapacityError,
     FinishReason,
     GenerateRequest,
@@ -27,10 +31,6 @@ from pdserve.engine.types import (
     TokenEvent,
     TokenLogprob,
 )
-
-from pdserve.rpc import convert, metadata, transport
-from pdserve.rpc import errors as rpc_errors
-from pdserve.rpc.transport import HealthServicer
 from pdserve.v1 import (
     common_pb2,
     decode_pb2,

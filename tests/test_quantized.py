@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+from bench.quality import measure
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu import cpu_info
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.types import InvalidRequestError
-
-from bench.quality import measure
+from pdserve.types import InvalidRequestError
 
 
 def test_int8_stays_close_to_float32(model_dir: Path) -> None:

@@ -10,7 +10,8 @@ import dataclasses
 
 import pytest
 from engine_util import remote_prefill, run_to_end, tokens
-from pdserve.engine.types import GenerateRequest, InvalidRequestError, SamplingParams
+
+from pdserve.types import GenerateRequest, InvalidRequestError, SamplingParams
 
 PARAMS = {
     "greedy": SamplingParams(max_tokens=40),

@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from pdserve.engine.types import LatencyClass
-from pdserve.router.clients import PrefillOutcome
-from pdserve.router.policy import DecodeCandidate, Route, RouterPolicy, choose_decode, decide_route
-from pdserve.router.router import _Timings
+
+from pdserve.types import LatencyClass
+from router.clients import PrefillOutcome
+from router.policy import DecodeCandidate, Route, RouterPolicy, choose_decode, decide_route
+from router.router import _Timings
 
 POLICY = RouterPolicy(remote_min_uncached_tokens=256, max_prefill_backlog_tokens=4096)
 

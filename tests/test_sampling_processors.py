@@ -10,14 +10,15 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from engine_util import remote_prefill, run_to_end, tokens
-from pdserve.engine.sampler import Sampler, apply_processors
-from pdserve.engine.types import GenerateRequest, InvalidRequestError, SamplingParams
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
 )
+
+from pdserve.engine.sampler import Sampler, apply_processors
+from pdserve.types import GenerateRequest, InvalidRequestError, SamplingParams
 
 VOCAB = 64
 EOS = 3

@@ -6,7 +6,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import SeqMode, SeqStatus, Sequence
-from pdserve.engine.types import FinishReason, LatencyClass, SamplingParams
+from pdserve.types import FinishReason, LatencyClass, SamplingParams
 
 BS = 4
 NEXT_TOKEN = 7

@@ -7,7 +7,8 @@ import json
 
 import pytest
 from engine_util import run_to_end, tokens
-from pdserve.engine.types import GenerateRequest, SamplingParams
+
+from pdserve.types import GenerateRequest, SamplingParams
 
 pytest.importorskip("xgrammar")
 

@@ -6,9 +6,10 @@ import json
 import random
 
 import pytest
+
 from pdserve.engine.model_store import pull_default_model
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from pdserve.engine.types import InvalidRequestError
+from pdserve.types import InvalidRequestError
 
 TEXTS = [
     "Hello, world!",

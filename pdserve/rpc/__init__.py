@@ -7,5 +7,5 @@
 - `metadata`: `x-request-id` call metadata;
 - `auth`: the cluster secret (router <-> workers) and API keys (client API) interceptors;
 - `convert`: domain dataclasses <-> `pdserve.v1` messages. Only servicers and the typed
-  clients (`pdserve.router.clients`) use it; domain code never sees a `_pb2` message.
+  clients (`router.clients`) use it; domain code never sees a `_pb2` message.
 """

@@ -6,7 +6,7 @@ per cluster and hands it to its children in their environment, never on a comman
 secret itself never travels: each use has its own key derived from it with HMAC-SHA256
 (`ClusterSecret.derive`), so the gRPC token (sent as ``x-pdserve-cluster-token`` call metadata
 and checked by `token_interceptor` on every worker) cannot sign KV writes (`kv_key`, see
-`pdserve.kvxfer.protocol.sign_write`). Without TLS the gRPC token is a bearer token on the
+`kvxfer.protocol.sign_write`). Without TLS the gRPC token is a bearer token on the
 wire: keep internal traffic on loopback or a private network (or terminate mTLS in a mesh).
 
 Without a secret a process keeps today's open behaviour and says so once at start-up

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pdserve.engine.types import (
+from pdserve.types import (
     FinishReason,
     GenerateRequest,
     InvalidRequestError,

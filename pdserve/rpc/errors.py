@@ -14,9 +14,9 @@ from typing import Any
 
 import grpc
 
-from pdserve.engine.types import MAX_REQUEST_ID_LEN, InvalidRequestError, PdserveError
 from pdserve.errors import ErrorKind, code_of, kind_of, rebuild
 from pdserve.rpc.metadata import REQUEST_ID_KEY, invalid_request_id, metadata_value
+from pdserve.types import MAX_REQUEST_ID_LEN, InvalidRequestError, PdserveError
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 
-from pdserve.engine.types import InvalidRequestError, check_request_id
+from pdserve.types import InvalidRequestError, check_request_id
 
 REQUEST_ID_KEY = "x-request-id"  # invocation metadata; echoed in error trailers
 

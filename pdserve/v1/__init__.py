@@ -2,6 +2,6 @@
 
 The *_pb2*.py modules are written by the build (`pip install -e .` or
 `python setup.py build_protos`) and are not in git. Only servicers, the typed clients
-(`pdserve.router.clients`, `pdserve.client`) and `pdserve.rpc` import them; domain code uses
+(`router.clients`, `pdserve.client`) and `pdserve.rpc` import them; domain code uses
 `engine.types`.
 """

@@ -31,10 +31,11 @@ from hypothesis import strategies as st
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 import ucxx
+
+from kvxfer import KVReceiver, KVSender
+from kvxfer.protocol import CTRL_TAG, MAX_FRAME_BYTES, data_tag
 from pdserve.control import KVDescriptor, make_descriptor_id
-from pdserve.engine.types import KVLayout
-from pdserve.kvxfer import KVReceiver, KVSender
-from pdserve.kvxfer.protocol import CTRL_TAG, MAX_FRAME_BYTES, data_tag
+from pdserve.types import KVLayout
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -289,7 +290,7 @@ async def test_data_tags_without_a_request(receiver: KVReceiver) -> None:
 async def test_write_with_a_huge_run_count_is_refused(receiver: KVReceiver) -> None:
     """An expected transfer's writer declares a run of 10**12 blocks: refused before the
     run is expanded into block ids (which would exhaust memory)."""
-    from pdserve.kvxfer.protocol import recv_frame, reply_tag, send_frame
+    from kvxfer.protocol import recv_frame, reply_tag, send_frame
 
     host, port = _host_port(receiver)
     xid = uuid.uuid4().hex

@@ -18,10 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from pdserve.control.directory import WorkerDirectory
 from pdserve.control.registry import ControlPlaneError, WorkerRegistry
 from pdserve.control.workers import WorkerInfo
-from pdserve.engine.types import KVLayout
+from pdserve.types import KVLayout
 
 pytestmark = pytest.mark.timeout(600)
 

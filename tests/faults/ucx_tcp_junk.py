@@ -20,7 +20,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hypothesis import strategies as st
-from pdserve.kvxfer import KVReceiver
 from test_kv_listener import (
     DESC_ID,
     FRAME_TIMEOUT_S,
@@ -31,6 +30,8 @@ from test_kv_listener import (
     _pool,
     _until_idle,
 )
+
+from kvxfer import KVReceiver
 
 IDLE_WINDOW_S = 3.0
 

@@ -1,0 +1,184 @@
+"""The router's live view of workers, following leases as they come and go."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType, TracebackType
+from typing import Literal, Self
+
+import structlog
+
+from pdserve.control.registry import ControlPlaneError, WorkerRegistry
+from pdserve.control.workers import Role, WorkerInfo
+
+log = structlog.get_logger(__name__)
+
+EventKind = Literal["added", "updated", "removed"]
+
+
+@dataclass(frozen=True)
+class WorkerEvent:
+    """A change in the directory. `previous` is the record before an update or removal."""
+
+    kind: EventKind
+    worker: WorkerInfo
+    previous: WorkerInfo | None = None
+
+    @property
+    def restarted(self) -> bool:
+        """The worker id is now held by a new incarnation: its in-flight work is gone."""
+        return self.previous is not None and self.previous.epoch != self.worker.epoch
+
+
+class WorkerDirectory:
+    """Polls the registry every `poll_s`; a worker whose lease lapsed drops out on the next poll.
+
+    `snapshot()` is always safe to read. If Redis is unreachable the last known view is kept
+    (`last_refresh` stops advancing, `staleness_s()` grows) rather than routing to nobody --
+    for at most `max_staleness_s`: past that the view is `expired` and `snapshot()` and `get()`
+    answer as if no worker were registered, until a poll succeeds again (the view itself is
+    kept, so no worker is reported removed and re-added because Redis was away). After an
+    outage, workers missing from Redis are kept for `rejoin_grace_s` while they re-register.
+
+        async with WorkerDirectory(registry, role="decode") as directory:
+            async for event in directory.events():
+                ...
+    """
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        *,
+        role: Role | None = None,
+        poll_s: float = 0.5,
+        max_staleness_s: float = 30.0,
+        rejoin_grace_s: float = 5.0,
+    ) -> None:
+        if poll_s <= 0:
+            raise ValueError("poll_s must be > 0")
+        if max_staleness_s <= 0:
+            raise ValueError("max_staleness_s must be > 0")
+        self.max_staleness_s = max_staleness_s
+        # After polls failed (Redis away), a worker missing from the first answers is kept for
+        # this long: a restarted, empty Redis has lost every lease, and each worker writes
+        # its own again on its next heartbeat. Removing them meanwhile would close the
+        # channels of streams that are still running fine.
+        self.rejoin_grace_s = rejoin_grace_s
+        self._poll_failed = False
+        self._rejoin_until = 0.0
+        self._registry = registry
+        self._role: Role | None = role
+        self._poll_s = poll_s
+        self._workers: dict[str, WorkerInfo] = {}
+        self._subscribers: set[asyncio.Queue[WorkerEvent | None]] = set()
+        self._task: asyncio.Task[None] | None = None
+        self.last_refresh = 0.0  # time.monotonic() of the last successful poll
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Load the current workers (raises ControlPlaneError if Redis is down), then follow."""
+        if self._task is not None:
+            return
+        await self.refresh()
+        self._task = asyncio.create_task(self._poll_loop(), name="worker-directory")
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for queue in self._subscribers:
+            queue.put_nowait(None)
+
+    def staleness_s(self) -> float:
+        """Seconds since the last successful poll (0 before the first)."""
+        return time.monotonic() - self.last_refresh if self.last_refresh else 0.0
+
+    @property
+    def expired(self) -> bool:
+        """No successful poll for longer than `max_staleness_s`: the view is not trusted."""
+        return self.staleness_s() > self.max_staleness_s
+
+    def snapshot(self) -> Mapping[str, WorkerInfo]:
+        return MappingProxyType({} if self.expired else dict(self._workers))
+
+    def get(self, worker_id: str) -> WorkerInfo | None:
+        return None if self.expired else self._workers.get(worker_id)
+
+    async def refresh(self) -> list[WorkerEvent]:
+        """Poll once now; returns (and publishes) what changed."""
+        try:
+            listed = await self._registry.list_workers(self._role)
+        except ControlPlaneError:
+            self._poll_failed = True
+            raise
+        current = {w.worker_id: w for w in listed}
+        now = self.last_refresh = time.monotonic()
+        if self._poll_failed:
+            self._poll_failed = False
+            self._rejoin_until = now + self.rejoin_grace_s
+        events: list[WorkerEvent] = []
+        for worker_id, gone in self._workers.items():
+            if worker_id not in current:
+                if now < self._rejoin_until:
+                    current[worker_id] = gone  # may be re-writing its lease right now
+                else:
+                    events.append(WorkerEvent("removed", gone, gone))
+        for worker_id, new in current.items():
+            old = self._workers.get(worker_id)
+            if old is None:
+                events.append(WorkerEvent("added", new))
+            elif old != new:
+                events.append(WorkerEvent("updated", new, old))
+        self._workers = current
+        for event in events:
+            if event.kind != "updated" or event.restarted:
+                log.info(
+                    "worker_" + event.kind,
+                    worker_id=event.worker.worker_id,
+                    epoch=event.worker.epoch,
+                    restarted=event.restarted,
+                )
+            for queue in self._subscribers:
+                queue.put_nowait(event)
+        return events
+
+    async def events(self) -> AsyncIterator[WorkerEvent]:
+        """Changes from the first iteration on, in order; ends when the directory closes."""
+        queue: asyncio.Queue[WorkerEvent | None] = asyncio.Queue()
+        self._subscribers.add(queue)
+        try:
+            while (event := await queue.get()) is not None:
+                yield event
+        finally:
+            self._subscribers.discard(queue)
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_s)
+            stale = self.expired
+            try:
+                await self.refresh()
+            except ControlPlaneError as err:
+                log.warning("worker_directory_poll_failed", error=str(err),
+                            staleness_s=round(self.staleness_s(), 1),
+                            expired=self.expired)
+            else:
+                if stale:
+                    log.info("worker_directory_recovered", workers=len(self._workers))

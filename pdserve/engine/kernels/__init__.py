@@ -1,0 +1,197 @@
+"""Elementwise and attention kernels of a decoder layer, as one small interface.
+
+`TorchKernels` is the reference: plain ATen ops, any device and dtype. `FusedCpuKernels` runs
+the same arithmetic as a handful of fused C++ loops (cpu_ops.cpp) for float32 on CPU, where a
+decode step was otherwise dominated by launching ~35 tiny ops per layer, and reads paged K/V in
+place instead of gathering it. The C++ is compiled once per machine at first use
+(`torch.utils.cpp_extension`, ~1 min; cached under ~/.cache/torch_extensions/pdserve, or
+$TORCH_EXTENSIONS_DIR, keyed by the source, the torch version and the CPU's flags, since it is
+built with -march=native).
+`kernels_for()` falls back to `TorchKernels` wherever the build is not possible. Builds are
+serialized by an flock, so a build killed halfway never blocks later loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+log = structlog.get_logger(__name__)
+_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+DISABLE_ENV = "PDSERVE_DISABLE_CPU_KERNELS"
+
+
+class TorchKernels:
+    """Reference implementations (transformers' arithmetic), any device and dtype."""
+
+    name = "torch"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(dtype)
+
+    def add_rms_norm_(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        """``residual += delta``; returns the RMS norm of the new residual."""
+        residual.add_(delta)
+        return self.rms_norm(residual, weight, eps)
+
+    @staticmethod
+    def rope_(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate-half RoPE in place on heads [0, heads) of x: [tokens, >=heads, head_dim]."""
+        v = x[:, :heads]
+        x1, x2 = v.chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+        v.copy_(v * cos[:, None, :] + rotated * sin[:, None, :])
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
+        kv_layer[slot_blocks, 0, slot_offsets] = k
+        kv_layer[slot_blocks, 1, slot_offsets] = v
+
+    @staticmethod
+    def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor,
+                         lens: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """One query per sequence over its paged context. q: [b, heads, d] -> [b, heads, d]."""
+        k = gather_blocks(kv_layer, 0, tables).flatten(1, 2).transpose(1, 2)  # [b, h, T, d]
+        v = gather_blocks(kv_layer, 1, tables).flatten(1, 2).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+        return o.squeeze(2)
+
+
+class FusedCpuKernels(TorchKernels):
+    """float32 CPU: the same contract through the compiled extension."""
+
+    name = "fused-cpu"
+
+    def __init__(self, ext: ModuleType):
+        self._ext = ext
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
+                 eps: float) -> torch.Tensor:
+        return self._ext.rms_norm(x, weight, eps)  # type: ignore[no-any-return]
+
+    def add_rms_norm_(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        return self._ext.add_rms_norm_(residual, delta, weight, eps)  # type: ignore[no-any-return]
+
+    def rope_(self, x: torch.Tensor, heads: int,  # type: ignore[override]
+              cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self._ext.rope_(x, heads, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self._ext.silu_mul(gate_up)  # type: ignore[no-any-return]
+
+    def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor,  # type: ignore[override]
+                 v: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
+        self._ext.write_kv(kv_layer, k, v, slot_blocks, slot_offsets)
+
+    def decode_attention(self, q: torch.Tensor, kv_layer: torch.Tensor,  # type: ignore[override]
+                         tables: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        return self._ext.paged_decode_attention(  # type: ignore[no-any-return]
+            q, kv_layer, tables, lens, scale)
+
+
+def gather_blocks(kv_layer: torch.Tensor, kind: int, block_ids: torch.Tensor) -> torch.Tensor:
+    """K (kind 0) or V (kind 1) of ``block_ids`` (any shape) as [*block_ids.shape, bs, h, d]:
+    one index_select of whole blocks (several times faster on CPU than advanced indexing)."""
+    rows = kv_layer[:, kind].index_select(0, block_ids.flatten())
+    return rows.view(*block_ids.shape, *rows.shape[1:])
+
+
+BUILD_WAIT_S = 600.0  # longest wait for another process's build of the same kernels
+
+
+def _build_root() -> Path:
+    env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "torch_extensions" / "pdserve"
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path, timeout_s: float) -> Iterator[None]:
+    """An flock on ``lock_path``: the kernel released it if its holder died, unlike the
+    lock file torch's builder leaves behind when a build is killed."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("a") as fh:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"another process held {lock_path} for {timeout_s:.0f} s") from None
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@functools.cache
+def _build() -> ModuleType | None:
+    from torch.utils import cpp_extension
+
+    from pdserve.engine.cpu import cpu_info
+
+    info = cpu_info()
+    key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()
+                         + " ".join(sorted(info.flags)).encode()).hexdigest()[:16]
+    name = f"pdserve_cpu_ops_{key}"
+    build_dir = _build_root() / name
+    log.info("cpu_kernels_loading", name=name,
+             note="compiled once per machine (about a minute), then cached")
+    try:
+        with _exclusive(build_dir.with_suffix(".flock"), BUILD_WAIT_S):
+            # We hold the only build lock, so a torch baton left in the build directory
+            # belongs to a build that was killed: without this, every later load waits forever.
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("cpu_kernels_stale_lock_removed", path=str(stale))
+                stale.unlink(missing_ok=True)
+            build_dir.mkdir(parents=True, exist_ok=True)
+            return cpp_extension.load(
+                name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no ninja, unusual platform: stay correct
+        log.warning("cpu_kernels_unavailable", error=str(exc)[:500],
+                    fallback="torch ops (slower decode)")
+        return None
+
+
+def cpu_extension() -> ModuleType | None:
+    """The compiled CPU ops, or None where they cannot be built (or are disabled)."""
+    return None if os.environ.get(DISABLE_ENV) else _build()
+
+
+def kernels_for(device: torch.device, dtype: torch.dtype) -> TorchKernels:
+    """The fastest implementation for activations of ``dtype`` on ``device``."""
+    if device.type == "cpu" and dtype == torch.float32:
+        ext = cpu_extension()
+        if ext is not None:
+            return FusedCpuKernels(ext)
+    return TorchKernels()

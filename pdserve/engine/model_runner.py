@@ -1,0 +1,108 @@
+"""The only part of the engine that touches torch tensors of the model and the KV pool."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pdserve.engine.attention import HAVE_FLASH_ATTN, AttentionMetadata
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.types import KVLayout
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kv_layout(model: ModelConfig, config: EngineConfig, model_id: str) -> KVLayout:
+    """The KV pool this engine config gives ``model``: ``config.num_kv_blocks`` blocks, or as
+    many as fit in ``config.kv_cache_bytes``."""
+    layout = KVLayout.for_budget(
+        config.kv_cache_bytes, num_layers=model.num_layers, block_size=config.block_size,
+        num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+        dtype=config.activation_dtype, model_id=model_id)
+    if config.num_kv_blocks:
+        return dataclasses.replace(layout, num_blocks=config.num_kv_blocks)
+    return layout
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
+                 model_id: str):
+        self.model = model
+        self.model_config = model_config
+        self.config = config
+        self.device = torch.device(config.device)
+        self.layout = kv_layout(model_config, config, model_id)
+        # One contiguous allocation for the whole pool: kvxfer addresses it by byte range.
+        self.kv_pool = torch.zeros(self.layout.shape, dtype=_DTYPES[self.layout.dtype],
+                                   device=self.device)
+        self.use_flash = HAVE_FLASH_ATTN and self.device.type == "cuda"
+
+    def _metadata(self, pieces: list[ScheduledSeq], decodes: list[ScheduledSeq]) -> tuple[
+            AttentionMetadata, list[int], list[int]]:
+        bs = self.config.block_size
+        dev = self.device
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
+        for s in pieces + decodes:
+            table = s.seq.block_table
+            for p in range(s.start, s.start + s.num_new_tokens):
+                slot_blocks.append(table[p // bs])
+                slot_offsets.append(p % bs)
+            input_ids.extend(s.seq.token_ids[s.start : s.start + s.num_new_tokens])
+            positions.extend(range(s.start, s.start + s.num_new_tokens))
+        dec_tables = dec_lens = dec_mask = None
+        if decodes:
+            lens = [s.start + 1 for s in decodes]
+            max_blocks = -(-max(lens) // bs)
+            rows = [s.seq.block_table[:max_blocks] + [0] * (max_blocks - len(
+                s.seq.block_table[:max_blocks])) for s in decodes]
+            dec_tables = torch.tensor(rows, dtype=torch.long, device=dev)
+            dec_lens = torch.tensor(lens, dtype=torch.long, device=dev)
+            span = torch.arange(max_blocks * bs, device=dev)
+            dtype = _DTYPES[self.config.activation_dtype]
+            dec_mask = torch.zeros(len(decodes), 1, 1, max_blocks * bs, dtype=dtype, device=dev)
+            dec_mask.masked_fill_((span[None, :] >= dec_lens[:, None])[:, None, None, :],
+                                  float("-inf"))
+        meta = AttentionMetadata(
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
+            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=dev),
+            prefill_lens=[s.num_new_tokens for s in pieces],
+            prefill_starts=[s.start for s in pieces],
+            prefill_block_tables=[
+                torch.tensor(s.seq.block_table[: -(-(s.start + s.num_new_tokens) // bs)],
+                             dtype=torch.long, device=dev) for s in pieces],
+            num_decodes=len(decodes),
+            decode_block_tables=dec_tables,
+            decode_context_lens=dec_lens,
+            decode_mask=dec_mask,
+            use_flash=self.use_flash,
+        )
+        return meta, input_ids, positions
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        """Compute one step. Returns the sequences that sample and their logits rows."""
+        pieces = [s for s in out.scheduled if s.num_new_tokens > 1]
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+        ordered = pieces + decodes
+        meta, input_ids, positions = self._metadata(pieces, decodes)
+        sampling: list[ScheduledSeq] = []
+        logits_idx: list[int] = []
+        pos = 0
+        for s in ordered:
+            pos += s.num_new_tokens
+            if s.samples:
+                sampling.append(s)
+                logits_idx.append(pos - 1)
+        dev = self.device
+        logits = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_pool, meta, torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            max_position=max(positions))
+        return sampling, logits.cpu()

@@ -1,0 +1,227 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over the paged KV pool.
+
+Submodule names match Hugging Face checkpoints, so weights load by name. After loading,
+`pack()` turns the projections into prepared kernels (engine.linear): q/k/v and gate/up become
+one GEMM each and the checkpoint-shaped `nn.Linear`s are dropped. The arithmetic follows
+transformers' (fp32 RMSNorm, rotate-half RoPE), so greedy float32 outputs agree token for token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.engine.config import ModelConfig, RopeScaling
+from pdserve.engine.kernels import TorchKernels, kernels_for
+from pdserve.engine.linear import LinearKernel, pack_linear
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return TorchKernels.rms_norm(x, self.weight, self.eps)
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.kind != "llama3":
+        return inv
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    inv_llama = torch.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * inv_llama / scaling.factor + smooth * inv_llama
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, inv_llama)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        inv = _inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.register_buffer("inv_freq", inv, persistent=False)
+        # cos/sin of positions [0, len) per dtype, grown by doubling: a step looks them up
+        # instead of computing transcendental functions for every token (same values).
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _table(self, upto: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cached = self._tables.get(dtype)
+        if cached is not None and cached[0].shape[0] >= upto:
+            return cached
+        size = max(upto, 2 * cached[0].shape[0] if cached is not None else 4096)
+        pos = torch.arange(size, device=self.inv_freq.device)
+        freqs = pos.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._tables[dtype] = (emb.cos().to(dtype), emb.sin().to(dtype))
+        return self._tables[dtype]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int) -> tuple[
+            torch.Tensor, torch.Tensor]:
+        cos, sin = self._table(max_position + 1, dtype)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = config.attention_bias
+        h, d = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_proj_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.qkv: LinearKernel | None = None
+        self.o: LinearKernel | None = None
+
+    def pack(self, weight_format: str) -> None:
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv = pack_linear([p.weight for p in projs], [p.bias for p in projs],
+                               weight_format=weight_format)
+        self.o = pack_linear([self.o_proj.weight], [self.o_proj.bias],
+                             weight_format=weight_format)
+        del self.q_proj, self.k_proj, self.v_proj, self.o_proj
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_pool: torch.Tensor, meta: AttentionMetadata,
+                kernels: TorchKernels) -> torch.Tensor:
+        assert self.qkv is not None and self.o is not None, "call LlamaForCausalLM.pack()"
+        n = x.shape[0]
+        h, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv(x).view(n, h + 2 * hkv, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            qkv[:, :h] = self.q_norm(qkv[:, :h])
+            qkv[:, h:h + hkv] = self.k_norm(qkv[:, h:h + hkv])
+        kernels.rope_(qkv, h + hkv, cos, sin)  # q and k heads, in place, in one pass
+        o = paged_attention(qkv[:, :h], qkv[:, h:h + hkv], qkv[:, h + hkv:],
+                            kv_pool[:, self.layer_idx], meta, self.scale, kernels)
+        return self.o(o.reshape(n, h * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_up: LinearKernel | None = None
+        self.down: LinearKernel | None = None
+
+    def pack(self, weight_format: str) -> None:
+        self.gate_up = pack_linear([self.gate_proj.weight, self.up_proj.weight],
+                                   [self.gate_proj.bias, self.up_proj.bias],
+                                   weight_format=weight_format)
+        self.down = pack_linear([self.down_proj.weight], [self.down_proj.bias],
+                                weight_format=weight_format)
+        del self.gate_proj, self.up_proj, self.down_proj
+
+    def forward(self, x: torch.Tensor, kernels: TorchKernels) -> torch.Tensor:
+        assert self.gate_up is not None and self.down is not None, "call pack()"
+        return self.down(kernels.silu_mul(self.gate_up(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Forward over packed tokens of many sequences; logits only where asked."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.head: LinearKernel | None = None
+        self.weight_format = ""
+        self.kernels = TorchKernels()
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @torch.no_grad()
+    def pack(self, weight_format: str) -> LlamaForCausalLM:
+        """Prepare every projection for `weight_format` (see engine.linear) and drop the
+        checkpoint-shaped weights. Call once, after the weights are loaded."""
+        if self.head is not None:
+            raise RuntimeError("model is already packed")
+        for layer in self.model.layers:
+            layer.self_attn.pack(weight_format)
+            layer.mlp.pack(weight_format)
+        self.head = pack_linear([self.lm_head.weight], [None], weight_format=weight_format)
+        del self.lm_head
+        self.weight_format = weight_format
+        self.kernels = kernels_for(self.model.embed_tokens.weight.device, self.activation_dtype)
+        return self
+
+    def weight_nbytes(self) -> int:
+        """Bytes of weights one decode step reads: every projection and the LM head."""
+        assert self.head is not None
+        kernels: list[LinearKernel] = [self.head]
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            kernels += [k for k in (attn.qkv, attn.o, mlp.gate_up, mlp.down) if k is not None]
+        return sum(k.nbytes for k in kernels)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
+                meta: AttentionMetadata, logits_indices: torch.Tensor,
+                max_position: int | None = None) -> torch.Tensor:
+        """Packed tokens of many sequences -> logits at ``logits_indices``. ``max_position``
+        (the largest of ``positions``) saves a device sync when the caller knows it."""
+        assert self.head is not None, "call pack()"
+        kernels, layers = self.kernels, self.model.layers
+        x = self.model.embed_tokens(input_ids)  # the residual stream, updated in place
+        if max_position is None:
+            max_position = int(positions.max())
+        cos, sin = self.model.rotary_emb(positions, x.dtype, max_position)
+        first = layers[0].input_layernorm
+        h = kernels.rms_norm(x, first.weight, first.eps)
+        for i, layer in enumerate(layers):
+            a = layer.self_attn(h, cos, sin, kv_pool, meta, kernels)
+            post = layer.post_attention_layernorm
+            h = kernels.add_rms_norm_(x, a, post.weight, post.eps)
+            m = layer.mlp(h, kernels)
+            if i + 1 < len(layers):
+                nxt = layers[i + 1].input_layernorm
+                h = kernels.add_rms_norm_(x, m, nxt.weight, nxt.eps)
+            else:
+                x.add_(m)
+        final = self.model.norm
+        return self.head(kernels.rms_norm(x[logits_indices], final.weight, final.eps)).float()

@@ -1,0 +1,184 @@
+"""Continuous-batching scheduler over a per-step token budget. Plain Python: no torch.
+
+One code path for prefill and decode: every running sequence has ``num_computed_tokens``
+catching up with ``num_tokens``. Each step serves running sequences first (decodes cost one
+token, unfinished prompts a chunk), then admits waiting ones, highest latency class first,
+into what is left of the budget. When blocks run out the most recently admitted sequence is
+preempted: its blocks are freed and it is recomputed later (prefix caching makes that cheap).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sequence import SeqMode, SeqStatus, Sequence
+from pdserve.types import FinishReason
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This step reaches the end of the sequence, so its logits give the next token."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.bm = block_manager
+        self.running: list[Sequence] = []
+        self._waiting: list[tuple[tuple[int, float], int, Sequence]] = []
+        self._counter = itertools.count()
+        self.awaiting_kv: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self._waiting)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        heapq.heappush(self._waiting, (seq.priority, next(self._counter), seq))
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunk = self.config.max_prefill_chunk
+        scheduled_ids: set[int] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, chunk, budget)
+            while not self.bm.append_slots(seq.block_table, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break  # seq preempted itself: nothing after it is running either
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            scheduled_ids.add(id(seq))
+            budget -= n
+            i += 1
+
+        while (self._waiting and budget > 0 and not out.preempted
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self._waiting[0][2]
+            total = seq.num_tokens
+            alloc = self.bm.allocate_prompt(seq.request_id, seq.token_ids, total,
+                                            max_cached=total - 1,
+                                            block_hashes=seq.block_hashes)
+            if alloc is None:
+                break
+            heapq.heappop(self._waiting)
+            seq.block_table, cached = alloc
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = cached
+            seq.num_computed_tokens = cached
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            n = min(total - cached, chunk, budget)
+            out.scheduled.append(ScheduledSeq(seq, cached, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq.request_id, seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.add(seq)
+
+    def postprocess(self, out: SchedulerOutput) -> None:
+        """Advance progress after the model ran; full blocks become reusable prefix blocks."""
+        for s in out.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens = s.start + s.num_new_tokens
+            self.bm.register_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens,
+                                         seq.block_table)
+
+    # ------------------------------------------------------------------ endings
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End ``seq``. A prefill-only sequence that finished normally keeps its blocks."""
+        if seq.is_finished:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self._waiting = [e for e in self._waiting if e[2] is not seq]
+            heapq.heapify(self._waiting)
+        elif seq.status is SeqStatus.AWAITING_KV:
+            del self.awaiting_kv[seq.request_id]
+        elif seq.status is SeqStatus.HELD:
+            del self.held[seq.request_id]
+        seq.finish_reason = reason
+        if seq.mode is SeqMode.PREFILL_ONLY and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            seq.status = SeqStatus.HELD
+            self.held[seq.request_id] = seq
+            return
+        seq.status = SeqStatus.FINISHED
+        self.bm.free(seq.request_id, seq.block_table)
+        seq.block_table = []
+
+    def release(self, seq: Sequence) -> None:
+        """Free the blocks of a held (prefill-only) sequence."""
+        del self.held[seq.request_id]
+        seq.status = SeqStatus.FINISHED
+        self.bm.free(seq.request_id, seq.block_table)
+        seq.block_table = []
+
+    # ------------------------------------------------------------------ remote prefill
+
+    def allocate_remote(self, seq: Sequence) -> bool:
+        """Reserve blocks for a prompt whose KV will be written from outside the engine."""
+        total = seq.num_tokens  # the prompt, and the output of a migrated request
+        # Keep at least one block to write, so every transfer carries the completion notice.
+        alloc = self.bm.allocate_prompt(seq.request_id, seq.token_ids, total, max_cached=total - 1,
+                                        block_hashes=seq.block_hashes)
+        if alloc is None:
+            return False
+        seq.block_table, seq.num_cached_tokens = alloc
+        seq.num_computed_tokens = seq.num_cached_tokens
+        seq.status = SeqStatus.AWAITING_KV
+        self.awaiting_kv[seq.request_id] = seq
+        return True
+
+    def admit_remote(self, seq: Sequence, first_token: int) -> None:
+        """The prompt's KV is in place: join the running batch at the first decode step."""
+        del self.awaiting_kv[seq.request_id]
+        seq.num_computed_tokens = seq.num_tokens
+        self.bm.register_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens,
+                                     seq.block_table)
+        seq.append_token(first_token)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)

@@ -1,0 +1,83 @@
+"""`python -m pdserve.gateway`: the colocated baseline, one engine behind the REST gateway.
+
+Flags and environment variables are read here only; the flags are spelled as in `pdserve
+router` (`pdserve.cli_args`). Keys: `--api-key`, repeatable, else the comma-separated
+PDSERVE_API_KEY (or PDSERVE_API_KEYS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from pdserve.cli_args import (
+    HelpFormatter,
+    add_api_key_args,
+    add_engine_args,
+    add_log_level_arg,
+    api_keys,
+    engine_config_from_args,
+    served_name_default,
+    version,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pdserve.gateway", description=__doc__,
+                                formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"pdserve {version()}")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients must send (default: the Hugging Face id for a "
+                   "cached hub model, else the model directory's name)")
+    add_api_key_args(p)
+    p.add_argument("--metrics-require-auth", action="store_true",
+                   help="ask for an API key on /metrics too (default: open to scrapers)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest request body (else 413)")
+    p.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens of a request that names none")
+    p.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="bound on one whole generation, arrival to last token")
+    add_log_level_arg(p)
+    return p
+
+
+async def _run(args: argparse.Namespace) -> None:
+    from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.model_store import resolve_model
+    from pdserve.gateway.app import GatewayConfig, create_app
+    from pdserve.gateway.local_backend import EngineBackend
+    from pdserve.gateway.server import serve
+    from pdserve.runtime import stop_event_on_signals
+
+    config = GatewayConfig(
+        api_keys=frozenset(api_keys(args)),
+        max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
+        request_timeout_s=args.request_timeout_s,
+        served_model_name=args.served_model_name or served_name_default(args.model),
+        metrics_require_auth=args.metrics_require_auth)
+    model_dir = resolve_model(args.model)
+    engine = LLMEngine.from_dir(model_dir, engine_config_from_args(args))
+    assert engine.tokenizer is not None
+    stop = stop_event_on_signals()
+    async with AsyncEngine(engine) as aeng:
+        backend = EngineBackend(aeng, engine.tokenizer, model_dir.name)
+        await serve(create_app(backend, config), args.host, args.port, stop=stop,
+                    log_level=args.log_level.lower())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from pdserve.runtime import configure_logging
+
+    configure_logging(args.log_level, json=False)
+    asyncio.run(_run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
