@@ -17,6 +17,7 @@ from kvxfer.auth import KVAuth
 from kvxfer.receiver import KVReceiver
 from pdserve.control.descriptors import make_descriptor_id
 from pdserve.control.directory import WorkerDirectory
+from pdserve.control.kv_events import KVEventPublisher, KVEventStreams
 from pdserve.control.load import WorkerLoad
 from pdserve.control.registry import ControlPlaneError, WorkerRegistry
 from pdserve.control.workers import WorkerInfo
@@ -100,28 +101,38 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
                                   epoch=epoch, started_at=time.time(),
                                   ucx_address=receiver.address, descriptor_id=descriptor_id,
                                   load=load())
-                await registry.register(info, config.lease_ttl_s,
-                                        heartbeat_s=config.heartbeat_s, load_fn=load)
-                await registry.publish_descriptor(descriptor_id, engine.layout,
-                                                  receiver.address, config.worker_id, epoch)
-                await transport.set_serving(health, SERVICE)
-                log.info("decode_worker_ready", worker_id=config.worker_id, grpc=address,
-                         ucx=receiver.address, metrics_port=mport,
-                         blocks=engine.layout.num_blocks)
-                if ready is not None:
-                    ready.set()
-                await stop.wait()
-                log.info("decode_worker_draining", worker_id=config.worker_id,
-                         streams=worker.active_streams)
-                try:  # leave the directory; a dead Redis costs one bounded attempt, and the
-                    await registry.deregister()  # lease lapses by itself within its TTL
-                except ControlPlaneError as err:
-                    log.warning("deregister_failed", error=str(err))
-                await transport.set_not_serving(health, SERVICE)
-                # Routers drop us within one directory poll; requests already routed here
-                # (and every running stream) are still served until they finish.
-                await asyncio.sleep(config.heartbeat_s)
-                await worker.drained(config.drain_timeout_s)
-                await server.stop(grace=5.0)
-                await worker.close()
+                # Prefix-cache events for the routers' index, opening with a snapshot
+                # before we are listed, so a router never routes on a cache it cannot see.
+                kv_events = KVEventPublisher(
+                    KVEventStreams(registry), aengine, lambda: aengine.last_stats,
+                    worker_id=config.worker_id, epoch=epoch,
+                    block_size=engine.config.block_size)
+                await kv_events.start()
+                try:
+                    await registry.register(info, config.lease_ttl_s,
+                                            heartbeat_s=config.heartbeat_s, load_fn=load)
+                    await registry.publish_descriptor(descriptor_id, engine.layout,
+                                                      receiver.address, config.worker_id, epoch)
+                    await transport.set_serving(health, SERVICE)
+                    log.info("decode_worker_ready", worker_id=config.worker_id, grpc=address,
+                             ucx=receiver.address, metrics_port=mport,
+                             blocks=engine.layout.num_blocks)
+                    if ready is not None:
+                        ready.set()
+                    await stop.wait()
+                    log.info("decode_worker_draining", worker_id=config.worker_id,
+                             streams=worker.active_streams)
+                    try:  # leave the directory; a dead Redis costs one bounded attempt, and the
+                        await registry.deregister()  # lease lapses by itself within its TTL
+                    except ControlPlaneError as err:
+                        log.warning("deregister_failed", error=str(err))
+                    await transport.set_not_serving(health, SERVICE)
+                    # Routers drop us within one directory poll; requests already routed here
+                    # (and every running stream) are still served until they finish.
+                    await asyncio.sleep(config.heartbeat_s)
+                    await worker.drained(config.drain_timeout_s)
+                    await server.stop(grace=5.0)
+                    await worker.close()
+                finally:
+                    await kv_events.close()
     log.info("decode_worker_stopped", worker_id=config.worker_id)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -95,7 +95,8 @@ class _Client:
         loop: unlike Stats it never waits for an engine step). A draining worker answers
         NOT_SERVING and is alive; no answer within `timeout_s` is False."""
         try:
-            await self._health.Check(health_pb2.HealthCheckRequest(service=""),
+            # HealthStub's stubs omit the methods it sets up per channel (types-grpcio-health).
+            await self._health.Check(health_pb2.HealthCheckRequest(service=""),  # type: ignore[attr-defined]
                                      timeout=timeout_s, metadata=self._md())
             return True
         except grpc.aio.AioRpcError:
@@ -227,7 +228,8 @@ async def _events(call: grpc.aio.UnaryStreamCall, first_timeout_s: float,
             if chunk is grpc.aio.EOF:
                 raise CapacityError("decode stream ended without a final token",
                                     code="worker_unavailable")
-            ev = convert.token_event_from_chunk(chunk)
+            # grpc's stubs type read() as `object` (their EOF alias): past EOF it is a chunk.
+            ev = convert.token_event_from_chunk(cast(decode_pb2.TokenChunk, chunk))
             yield ev
             if ev.finished:
                 return

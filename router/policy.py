@@ -69,7 +69,7 @@ def decide_route(prompt_len: int, cached_tokens: int, latency: LatencyClass,
         return Decision(Route.LOCAL, reason, uncached)
     if prefill_backlog_tokens is None:
         return Decision(Route.LOCAL, "no_prefill_worker", uncached)
-    limit = policy.max_prefill_backlog_tokens
+    limit: float = policy.max_prefill_backlog_tokens
     if latency is LatencyClass.BATCH:
         limit *= policy.batch_backlog_fraction
     if prefill_backlog_tokens > limit:

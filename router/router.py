@@ -1,5 +1,6 @@
-"""The router: per request, find cached prefixes, decide local vs remote prefill, pick
-workers, and stream tokens back. Implements gateway.backend.GenerationBackend in-process."""
+"""The router: per request, look up cached prefixes in its KV index (no worker is asked),
+decide local vs remote prefill, pick workers, and stream tokens back. Implements
+pdserve.gateway.backend.GenerationBackend in-process."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.control.directory import WorkerDirectory
+from pdserve.control.kv_events import KVEventStreams
 from pdserve.control.registry import WorkerRegistry
 from pdserve.control.workers import WorkerInfo
 from pdserve.engine.metrics import WorkerLoadCollector
@@ -28,6 +30,7 @@ from pdserve.types import (
     PdserveError,
     TokenEvent,
 )
+from router import placement
 from router.admission import AdmissionConfig, AdmissionController, Ticket
 from router.clients import (
     DecodeClient,
@@ -36,14 +39,9 @@ from router.clients import (
     RemoteSlot,
     WorkerChannels,
 )
-from router.policy import (
-    Decision,
-    DecodeCandidate,
-    Route,
-    RouterPolicy,
-    choose_decode,
-    decide_route,
-)
+from router.kv_follow import KVIndexFollower
+from router.kv_index import KVIndex
+from router.policy import Decision, Route, RouterPolicy
 
 log = structlog.get_logger(__name__)
 
@@ -51,7 +49,6 @@ log = structlog.get_logger(__name__)
 @dataclass(frozen=True)
 class RouterConfig:
     policy: RouterPolicy = field(default_factory=RouterPolicy)
-    cached_prefix_timeout_s: float = 0.25
     allocate_timeout_s: float = 5.0
     prefill_timeout_s: float = 30.0
     transfer_timeout_s: float = 30.0
@@ -102,10 +99,17 @@ class Router:
             registry, poll_s=poll_s, max_staleness_s=self.config.directory_max_staleness_s)
         self._channels = channels or WorkerChannels()  # the router closes it
         self._placements: dict[str, str] = {}  # request id -> decode worker id
+        self._placed: collections.Counter[str] = collections.Counter()  # worker id -> requests
         # request id -> the id it runs under on its decode worker, where they differ
         self._worker_ids: dict[str, str] = {}
         self._watch: asyncio.Task[None] | None = None
         self.metrics_registry = metrics_registry or CollectorRegistry()
+        # What each decode worker's prefix cache holds, from its KV events (router.kv_index).
+        self.kv_index = KVIndex()
+        self.kv_follower = KVIndexFollower(
+            KVEventStreams(registry), self.kv_index,
+            lambda: [w.worker_id for w in self.workers("decode")],
+            metrics_registry=self.metrics_registry)
         self.decisions = Counter("pdserve_router_decisions_total",
                                  "Routing decisions by route and reason", ["route", "reason"],
                                  registry=self.metrics_registry)
@@ -148,6 +152,7 @@ class Router:
 
     async def start(self) -> None:
         await self.directory.start()
+        await self.kv_follower.start()
         self._watch = asyncio.create_task(self._follow_workers())
 
     async def close(self) -> None:
@@ -159,6 +164,7 @@ class Router:
             task.cancel()
         if self._background:
             await asyncio.wait(self._background, timeout=5)
+        await self.kv_follower.close()
         await self.directory.close()
         await self._channels.close()
 
@@ -276,38 +282,29 @@ class Router:
 
     # ------------------------------------------------------------------ placement
 
-    async def _cached(self, w: WorkerInfo, ids: tuple[int, ...]) -> int:
-        """0 when the worker does not answer in time: routing never waits on one worker."""
-        try:
-            return await self._channels.decode(w).cached_prefix(
-                ids, timeout_s=self.config.cached_prefix_timeout_s)
-        except (PdserveError, TimeoutError):
-            return 0
-
     async def place(self, req: GenerateRequest, exclude: frozenset[str] = frozenset()
                     ) -> tuple[WorkerInfo, WorkerInfo | None, Decision]:
         decoders = [w for w in self.workers("decode")
                      if w.worker_id not in exclude and not self._is_lost(w.worker_id)]
         if not decoders:
             raise CapacityError("no decode worker is available", code="no_decode_worker")
-        ids = req.token_ids  # a migrated request's output too: it is prefilled with it
-        cached = await asyncio.gather(*(self._cached(w, ids) for w in decoders))
-        # Heartbeats lag a burst by up to a second: what this router placed since counts too,
-        # or a burst would all go to the worker that looked idlest at the last heartbeat.
-        placed = collections.Counter(self._placements.values())
-        cands = [DecodeCandidate(w.worker_id, c, max(w.load.running, placed[w.worker_id]),
-                                 w.load.backlog, w.load.free_blocks, w.load.total_blocks)
-                 for w, c in zip(decoders, cached, strict=True)]
-        best = choose_decode(cands, len(ids), self.config.policy)
-        decode = next(w for w in decoders if w.worker_id == best.worker_id)
-        self._placements[req.request_id] = decode.worker_id  # before any await: the next sees it
         prefills = [w for w in self.workers("prefill") if not self._is_lost(w.worker_id)]
-        prefill = min(prefills, key=lambda w: (w.load.queued_tokens, w.load.running)
-                      ) if prefills else None
-        backlog = None if prefill is None else prefill.load.queued_tokens
-        decision = decide_route(len(ids), best.cached_tokens, req.latency_class, backlog,
-                                self.config.policy)
-        return decode, prefill, decision
+        # A migrated request's output counts too: it is prefilled with it.
+        p = placement.place(req.token_ids, req.latency_class, decoders, prefills,
+                            self.kv_index, self._placed, self.config.policy)
+        self._set_placement(req.request_id, p.decode.worker_id)  # before any await
+        return p.decode, p.prefill, p.decision
+
+    def _set_placement(self, request_id: str, worker_id: str | None) -> None:
+        """Where a request runs now (None: nowhere), with the per-worker count kept in step."""
+        old = self._placements.pop(request_id, None)
+        if old is not None:
+            self._placed[old] -= 1
+            if not self._placed[old]:
+                del self._placed[old]
+        if worker_id is not None:
+            self._placements[request_id] = worker_id
+            self._placed[worker_id] += 1
 
     # ------------------------------------------------------------------ generation
 
@@ -416,7 +413,7 @@ class Router:
                             from_worker=decode.worker_id, resumed_tokens=len(streamed),
                             migration=migrations, error=_describe(exc))
             finally:
-                self._placements.pop(req.request_id, None)
+                self._set_placement(req.request_id, None)
                 self._worker_ids.pop(req.request_id, None)
 
     async def _attempt(self, req: GenerateRequest, decode: WorkerInfo, prefill: WorkerInfo | None,
@@ -521,8 +518,8 @@ class Router:
         prefill_task = asyncio.create_task(
             prefill.prefill(req, slot, timeout_s=prefill_timeout_s))
         try:
-            await asyncio.wait({prefill_task, first_task, prefill_lost},
-                               return_when=asyncio.FIRST_COMPLETED)
+            racing: set[asyncio.Future[Any]] = {prefill_task, first_task, prefill_lost}
+            await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
             if not first_task.done() and prefill_lost.done():
                 raise RemotePrefillFailed(f"prefill worker {prefill.worker_id} is lost",
                                           code="prefill_worker_lost")
@@ -666,7 +663,7 @@ async def _until(lost: asyncio.Future[None], events: AsyncIterator[TokenEvent],
     last = time.monotonic()
     try:
         while True:
-            read = asyncio.ensure_future(anext(events))  # type: ignore[arg-type]
+            read = asyncio.ensure_future(anext(events))
             try:
                 while not read.done():
                     if lost.done():
@@ -675,7 +672,8 @@ async def _until(lost: asyncio.Future[None], events: AsyncIterator[TokenEvent],
                             break
                         await asyncio.wait({read}, timeout=left)
                         continue
-                    await asyncio.wait({read, lost}, timeout=stall_s,
+                    either: set[asyncio.Future[Any]] = {read, lost}
+                    await asyncio.wait(either, timeout=stall_s,
                                        return_when=asyncio.FIRST_COMPLETED)
                     if (on_stall is not None and not read.done() and not lost.done()
                             and time.monotonic() - last >= stall_s):

@@ -200,6 +200,20 @@ class WorkerRegistry:
 
     # ------------------------------------------------------------------ keys
 
+    def key(self, suffix: str) -> str:
+        """A key of this namespace (``pdserve:{namespace}:{suffix}``), for other parts of the
+        control plane that share this registry's client (pdserve.control.kv_events)."""
+        return self._prefix + suffix
+
+    @property
+    def redis(self) -> aioredis.Redis:
+        """The client; commands on it go through `call` to keep their bound."""
+        return self._redis
+
+    async def call(self, op: Awaitable[T], *, timeout_s: float | None = None) -> T:
+        """`_call` for the other control-plane modules: one command, bounded in time."""
+        return await self._call(op, timeout_s=timeout_s)
+
     def worker_key(self, worker_id: str) -> str:
         return f"{self._prefix}worker:{worker_id}"
 
@@ -395,7 +409,7 @@ class WorkerRegistry:
 
     # ------------------------------------------------------------------ plumbing
 
-    async def _call(self, op: Awaitable[T]) -> T:
+    async def _call(self, op: Awaitable[T], *, timeout_s: float | None = None) -> T:
         """Await one Redis command, bounded by `op_timeout_s`.
 
         The command runs in its own task behind `asyncio.shield`: a timeout (or the caller
@@ -404,12 +418,13 @@ class WorkerRegistry:
         another command's reply. The abandoned command ends by itself within the client's
         socket timeouts (set to `op_timeout_s` by `from_url`) and returns its connection."""
         task = asyncio.ensure_future(op)
+        bound = self.op_timeout_s if timeout_s is None else timeout_s
         try:
-            async with asyncio.timeout(self.op_timeout_s):
+            async with asyncio.timeout(bound):
                 return await asyncio.shield(task)
         except TimeoutError as exc:
             task.add_done_callback(_consume)
-            raise ControlPlaneError(f"redis did not answer within {self.op_timeout_s}s") from exc
+            raise ControlPlaneError(f"redis did not answer within {bound}s") from exc
         except asyncio.CancelledError:
             task.add_done_callback(_consume)
             raise
@@ -417,7 +432,7 @@ class WorkerRegistry:
             raise ControlPlaneError(f"redis error: {exc}") from exc
 
 
-def _consume(task: asyncio.Future[object]) -> None:
+def _consume(task: asyncio.Future[T]) -> None:
     """Retrieve an abandoned command's outcome so asyncio does not log it as never awaited."""
     if not task.cancelled():
         task.exception()

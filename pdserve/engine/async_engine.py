@@ -24,6 +24,7 @@ import structlog
 import torch
 
 from pdserve.engine.llm_engine import EngineStats, LLMEngine, RemoteAllocation
+from pdserve.kv_events import KVOp
 from pdserve.types import (
     GenerateRequest,
     InvalidRequestError,
@@ -170,11 +171,11 @@ class AsyncEngine:
         # Aborts and releases change the numbers between steps too; refresh before any caller
         # resumes, so what it reads next already shows its command's effect.
         self._stats = self._engine.stats()
-        for fut, result, exc in done:
-            if exc is None:
+        for fut, result, error in done:
+            if error is None:
                 fut.set_result(result)
             else:
-                fut.set_exception(exc)
+                fut.set_exception(error)
 
     def _deliver(self, events: list[TokenEvent]) -> None:
         stats = self._engine.stats()
@@ -331,6 +332,27 @@ class AsyncEngine:
 
     async def num_cached_tokens(self, token_ids: list[int] | tuple[int, ...]) -> int:
         return await self.call(lambda: self._engine.num_cached_tokens(token_ids))
+
+    async def take_kv_events(self) -> list[tuple[KVOp, bytes]] | None:
+        """Prefix-cache changes since the last call, in order (pdserve.kv_events); None when
+        the engine's bounded queue overflowed and only `kv_snapshot` can resynchronise.
+        The first call starts the recording."""
+        def take() -> list[tuple[KVOp, bytes]] | None:
+            bm = self._engine.block_manager
+            bm.enable_events()
+            if bm.events_overflowed:
+                return None
+            return list(bm.drain_events())
+        return await self.call(take)
+
+    async def kv_snapshot(self) -> list[bytes]:
+        """Every block hash the prefix cache holds now; later `take_kv_events` calls return
+        what changed after it (queued changes before it are dropped)."""
+        def snap() -> list[bytes]:
+            bm = self._engine.block_manager
+            bm.enable_events()
+            return list(bm.take_snapshot())
+        return await self.call(snap)
 
     async def stats(self) -> EngineStats:
         return await self.call(self._engine.stats)

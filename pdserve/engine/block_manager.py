@@ -10,6 +10,11 @@ sequence owns the list of its full blocks' hashes (`Sequence.block_hashes`) and 
 extends it lazily, block by block, as lookups, allocation and registration need more. A
 preempted and re-admitted sequence, or one that is looked up then allocated, never hashes a
 block twice.
+
+With `record_events`, every hash the cache gains (`STORED`) or loses (`REMOVED`) is queued in
+order for `drain_events` (see pdserve.kv_events): routers keep an exact copy of the cache from
+them. The queue is bounded; past its bound it is dropped and `events_overflowed` is set, and
+the owner publishes a snapshot (`take_snapshot`) instead.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from typing import NewType
+
+from pdserve.kv_events import KVOp
 
 BlockHash = NewType("BlockHash", bytes)
 
@@ -49,7 +56,8 @@ class BlockManager:
     """Owns the ref counts, the hash index and the free list of ``num_blocks`` KV blocks."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 hash_extra: bytes = b""):
+                 hash_extra: bytes = b"", record_events: bool = False,
+                 max_pending_events: int = 1 << 20):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -66,6 +74,9 @@ class BlockManager:
         self.prefix_queries = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
+        self._events: list[tuple[KVOp, BlockHash]] | None = [] if record_events else None
+        self._max_pending_events = max_pending_events
+        self.events_overflowed = False
 
     # ------------------------------------------------------------------ queries
 
@@ -177,6 +188,7 @@ class BlockManager:
             if h not in self._cached and self._hash_of[block] is None:
                 self._cached[h] = block
                 self._hash_of[block] = h
+                self._event(KVOp.STORED, h)
 
     def free(self, request_id: str, block_table: Seq[int]) -> None:
         """Drop one reference to each block; blocks reaching zero become free (tail first)."""
@@ -197,6 +209,45 @@ class BlockManager:
             if self._ref[b] == 0:
                 del self._cached[h]
                 self._hash_of[b] = None
+                self._event(KVOp.REMOVED, h)
+
+    # ------------------------------------------------------------------ KV events
+
+    def enable_events(self) -> None:
+        """Start queueing cache changes (idempotent); the first `take_snapshot` after this is
+        the baseline they apply to."""
+        if self._events is None:
+            self._events = []
+
+    def drain_events(self) -> list[tuple[KVOp, BlockHash]]:
+        """The cache changes since the last drain, in order (empty unless `record_events`).
+        After an overflow this is empty until `take_snapshot` resynchronises the owner."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash the cache holds now."""
+        return list(self._cached)
+
+    def take_snapshot(self) -> list[BlockHash]:
+        """`cached_hashes`, as the new baseline for events: drops the queued events and
+        clears the overflow (the snapshot supersedes them)."""
+        if self._events is not None:
+            self._events = []
+        self.events_overflowed = False
+        return list(self._cached)
+
+    def _event(self, op: KVOp, h: BlockHash) -> None:
+        events = self._events
+        if events is None or self.events_overflowed:
+            return
+        if len(events) >= self._max_pending_events:
+            events.clear()
+            self.events_overflowed = True
+            return
+        events.append((op, h))
 
     # ------------------------------------------------------------------ internals
 
@@ -214,5 +265,6 @@ class BlockManager:
             self._hash_of[block] = None
             if self._cached.get(h) == block:
                 del self._cached[h]
+                self._event(KVOp.REMOVED, h)
         self._ref[block] = 1
         return block

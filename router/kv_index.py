@@ -1,0 +1,208 @@
+"""An exact index of which decode worker holds which prefix block, kept from KV events.
+
+Workers publish every block their prefix cache stores or evicts (pdserve.kv_events); the
+router folds those batches in here, in order, and asks this index, not the workers, how much
+of a prompt each one holds. Block hashes are chained (a block's hash covers every token before
+it), so a worker holds a prompt's first k blocks exactly when it holds the hashes of blocks
+1..k; `match` finds that k for every worker in one walk over the prompt's hashes.
+
+Exactness rests on the numbering: a worker's batches carry (epoch, seq). A batch that is not
+the next one (a gap: an entry trimmed, lost while Redis was down, or a malformed one), a new
+epoch that does not open with a snapshot, or more blocks than any worker could hold, drops
+what the index knew of that worker and answers RESYNC; the caller then asks the worker for a
+snapshot, and until it arrives the worker simply counts as holding nothing (routing degrades
+to load balancing, never to a wrong answer about KV). Plain Python, no I/O.
+
+Memory: one dict entry per distinct block (its hash and an int bitmask of holders) plus one
+set entry per (worker, block); `memory_bytes()` measures it.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from pdserve.kv_events import KVEventBatch, KVOp
+
+
+class Applied(enum.Enum):
+    OK = "ok"
+    STALE = "stale"  # an old epoch's or an already-applied batch: ignored
+    RESYNC = "resync"  # the worker's view was dropped: request a snapshot
+
+
+@dataclass
+class _Worker:
+    slot: int
+    held: set[bytes]
+    epoch: int = -1
+    seq: int = 0
+    block_size: int = 0
+    synced: bool = False
+
+
+class KVIndex:
+    """Block hash -> holders, for every decode worker the caller follows."""
+
+    def __init__(self, *, max_blocks_per_worker: int = 1 << 22):
+        self.max_blocks_per_worker = max_blocks_per_worker
+        self._workers: dict[str, _Worker] = {}
+        self._ids: list[str | None] = []  # slot -> worker id
+        self._free_slots: list[int] = []
+        self._holders: dict[bytes, int] = {}  # hash -> bitmask of slots
+        self.ops_applied = 0
+        self.resyncs = 0
+
+    # ------------------------------------------------------------------ queries
+
+    def match(self, hashes: Sequence[bytes]) -> dict[str, int]:
+        """worker id -> how many leading blocks of `hashes` it holds (workers holding none
+        are absent). One walk: the set of workers still matching shrinks block by block."""
+        out: dict[str, int] = {}
+        if not hashes:
+            return out
+        holders = self._holders
+        active = holders.get(hashes[0], 0)
+        depth = 0
+        n = len(hashes)
+        ids = self._ids
+        while active:
+            depth += 1
+            still = active & holders.get(hashes[depth], 0) if depth < n else 0
+            gone = active & ~still
+            while gone:
+                low = gone & -gone
+                worker_id = ids[low.bit_length() - 1]
+                if worker_id is not None:
+                    out[worker_id] = depth
+                gone ^= low
+            active = still
+        return out
+
+    def synced(self, worker_id: str) -> bool:
+        w = self._workers.get(worker_id)
+        return w is not None and w.synced
+
+    def block_size(self, worker_id: str) -> int | None:
+        """The worker's block size, once a snapshot told it."""
+        w = self._workers.get(worker_id)
+        return w.block_size if w is not None and w.synced else None
+
+    def held(self, worker_id: str) -> frozenset[bytes]:
+        w = self._workers.get(worker_id)
+        return frozenset(w.held) if w is not None else frozenset()
+
+    @property
+    def workers(self) -> list[str]:
+        return list(self._workers)
+
+    @property
+    def num_blocks(self) -> int:
+        """Distinct blocks held by any worker."""
+        return len(self._holders)
+
+    @property
+    def num_entries(self) -> int:
+        """(worker, block) pairs."""
+        return sum(len(w.held) for w in self._workers.values())
+
+    def memory_bytes(self) -> int:
+        """The index's own memory: dict and set tables, hash keys and bitmask values (keys
+        shared between the dict and the sets are counted once)."""
+        total = sys.getsizeof(self._holders)
+        for h, mask in self._holders.items():
+            total += sys.getsizeof(h) + (sys.getsizeof(mask) if mask > 256 else 0)
+        for w in self._workers.values():
+            total += sys.getsizeof(w.held)
+        return total
+
+    # ------------------------------------------------------------------ updates
+
+    def apply(self, worker_id: str, batch: KVEventBatch) -> Applied:
+        w = self._workers.get(worker_id)
+        if w is None:
+            w = self._add(worker_id)
+        if batch.snapshot:
+            if w.synced and batch.epoch == w.epoch and batch.seq <= w.seq:
+                return Applied.STALE
+            if w.synced and batch.epoch < w.epoch:
+                return Applied.STALE
+            self._clear(w)
+            w.epoch, w.seq, w.block_size, w.synced = batch.epoch, batch.seq, batch.block_size, True
+            return self._ops(worker_id, w, batch)
+        if not w.synced:
+            return Applied.RESYNC  # waiting for a snapshot: increments mean nothing yet
+        if batch.epoch < w.epoch or (batch.epoch == w.epoch and batch.seq <= w.seq):
+            return Applied.STALE
+        if batch.epoch > w.epoch or batch.seq != w.seq + 1 or batch.block_size != w.block_size:
+            return self._resync(w)
+        w.seq = batch.seq
+        return self._ops(worker_id, w, batch)
+
+    def invalid(self, worker_id: str) -> Applied:
+        """A malformed entry from this worker: a gap like any other."""
+        w = self._workers.get(worker_id) or self._add(worker_id)
+        return self._resync(w)
+
+    def remove_worker(self, worker_id: str) -> None:
+        w = self._workers.pop(worker_id, None)
+        if w is None:
+            return
+        self._clear(w)
+        self._ids[w.slot] = None
+        self._free_slots.append(w.slot)
+
+    def sync_workers(self, worker_ids: Iterable[str]) -> None:
+        """Forget workers not in `worker_ids` (they left the directory)."""
+        keep = set(worker_ids)
+        for worker_id in [w for w in self._workers if w not in keep]:
+            self.remove_worker(worker_id)
+
+    # ------------------------------------------------------------------ internals
+
+    def _add(self, worker_id: str) -> _Worker:
+        if self._free_slots:
+            slot = self._free_slots.pop()
+            self._ids[slot] = worker_id
+        else:
+            slot = len(self._ids)
+            self._ids.append(worker_id)
+        w = self._workers[worker_id] = _Worker(slot, set())
+        return w
+
+    def _ops(self, worker_id: str, w: _Worker, batch: KVEventBatch) -> Applied:
+        holders, held, bit = self._holders, w.held, 1 << w.slot
+        for op, h in batch.ops:
+            if op is KVOp.STORED:
+                if h not in held:
+                    held.add(h)
+                    holders[h] = holders.get(h, 0) | bit
+            elif h in held:
+                held.discard(h)
+                mask = holders[h] & ~bit
+                if mask:
+                    holders[h] = mask
+                else:
+                    del holders[h]
+        self.ops_applied += len(batch.ops)
+        if len(held) > self.max_blocks_per_worker:
+            return self._resync(w)
+        return Applied.OK
+
+    def _clear(self, w: _Worker) -> None:
+        holders, bit = self._holders, 1 << w.slot
+        for h in w.held:
+            mask = holders[h] & ~bit
+            if mask:
+                holders[h] = mask
+            else:
+                del holders[h]
+        w.held = set()
+
+    def _resync(self, w: _Worker) -> Applied:
+        self._clear(w)
+        w.synced = False
+        self.resyncs += 1
+        return Applied.RESYNC

@@ -1,0 +1,297 @@
+"""The router's exact prefix index (router.kv_index) against the engine's real block manager:
+every cache change becomes a KV event, events cross the real codec (and real Redis streams in
+the last tests), and the index must equal the caches after inserts, evictions, dropped
+batches and worker restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdserve.control.kv_events import MAX_OPS_PER_ENTRY, KVEventPublisher, KVEventStreams
+from pdserve.control.registry import WorkerRegistry
+from pdserve.engine.block_manager import BlockManager, block_hashes
+from pdserve.kv_events import KVEventBatch, KVEventError, KVOp, encode_ops
+from router.kv_follow import KVIndexFollower
+from router.kv_index import Applied, KVIndex
+
+BS = 4
+EXTRA = b"model-x"
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def batch(seq: int, *ops: tuple[KVOp, bytes], epoch: int = 1, snapshot: bool = False
+          ) -> KVEventBatch:
+    return KVEventBatch(epoch, seq, BS, tuple(ops), snapshot=snapshot)
+
+
+S, R = KVOp.STORED, KVOp.REMOVED
+
+
+# ---------------------------------------------------------------------- the index alone
+
+
+def test_match_is_the_longest_held_prefix_per_worker() -> None:
+    idx = KVIndex()
+    assert idx.apply("a", batch(1, (S, h(1)), (S, h(2)), (S, h(3)), snapshot=True)) is Applied.OK
+    assert idx.apply("b", batch(1, (S, h(1)), (S, h(3)), snapshot=True)) is Applied.OK
+    assert idx.apply("c", batch(1, (S, h(9)), snapshot=True)) is Applied.OK
+    assert idx.match([h(1), h(2), h(3), h(4)]) == {"a": 3, "b": 1}
+    assert idx.match([h(9)]) == {"c": 1}
+    assert idx.match([h(2)]) == {"a": 1}
+    assert idx.match([]) == {}
+    assert idx.num_blocks == 4 and idx.num_entries == 6
+
+
+def test_increments_apply_in_order_and_gaps_resync() -> None:
+    idx = KVIndex()
+    assert idx.apply("a", batch(2, (S, h(1)))) is Applied.RESYNC  # no snapshot yet
+    assert idx.apply("a", batch(1, snapshot=True)) is Applied.OK
+    assert idx.apply("a", batch(2, (S, h(1)), (S, h(2)))) is Applied.OK
+    assert idx.apply("a", batch(2, (S, h(7)))) is Applied.STALE  # a duplicate
+    assert idx.apply("a", batch(3, (R, h(2)), (S, h(2)), (R, h(1)))) is Applied.OK  # in order
+    assert idx.held("a") == {h(2)}
+    assert idx.apply("a", batch(5, (S, h(3)))) is Applied.RESYNC  # 4 went missing
+    assert not idx.synced("a") and idx.held("a") == frozenset() and idx.match([h(2)]) == {}
+    assert idx.apply("a", batch(6, (S, h(3)))) is Applied.RESYNC  # still waiting
+    assert idx.apply("a", batch(7, (S, h(2)), snapshot=True)) is Applied.OK
+    assert idx.apply("a", batch(8, (S, h(3)))) is Applied.OK
+    assert idx.held("a") == {h(2), h(3)}
+
+
+def test_a_new_epoch_must_open_with_a_snapshot_and_old_epochs_are_ignored() -> None:
+    idx = KVIndex()
+    idx.apply("a", batch(1, (S, h(1)), snapshot=True))
+    assert idx.apply("a", batch(2, (S, h(2)), epoch=2)) is Applied.RESYNC
+    assert idx.apply("a", batch(1, (S, h(5)), epoch=2, snapshot=True)) is Applied.OK
+    assert idx.apply("a", batch(9, (S, h(6)), epoch=1)) is Applied.STALE  # the zombie
+    assert idx.apply("a", batch(2, (S, h(6)), epoch=1, snapshot=True)) is Applied.STALE
+    assert idx.held("a") == {h(5)}
+
+
+def test_workers_leave_and_slots_are_reused() -> None:
+    idx = KVIndex()
+    for i, w in enumerate("abc"):
+        idx.apply(w, batch(1, (S, h(1)), (S, h(10 + i)), snapshot=True))
+    idx.remove_worker("b")
+    assert idx.match([h(1)]) == {"a": 1, "c": 1}
+    idx.apply("d", batch(1, (S, h(1)), snapshot=True))
+    assert idx.match([h(1), h(10)]) == {"a": 2, "c": 1, "d": 1}
+    idx.sync_workers(["d"])
+    assert idx.workers == ["d"] and idx.num_blocks == 1
+
+
+def test_a_worker_claiming_more_blocks_than_allowed_is_dropped() -> None:
+    idx = KVIndex(max_blocks_per_worker=3)
+    assert idx.apply("a", batch(1, *((S, h(i)) for i in range(4)), snapshot=True)) \
+        is Applied.RESYNC
+    assert idx.num_blocks == 0
+
+
+def test_codec_round_trip_and_refusals() -> None:
+    b = batch(3, (S, h(1)), (R, h(2)))
+    assert KVEventBatch.from_fields(b.to_fields(), max_ops=8) == b
+    fields = b.to_fields()
+    for bad in ({**fields, b"ops": fields[b"ops"][:-1]},  # truncated op
+                {**fields, b"ops": b"?" + bytes(16)},  # unknown op
+                {**fields, b"seq": b"-1"}, {**fields, b"snap": b"2"},
+                {k: v for k, v in fields.items() if k != b"epoch"}):
+        with pytest.raises(KVEventError):
+            KVEventBatch.from_fields(bad, max_ops=8)
+    with pytest.raises(KVEventError):
+        KVEventBatch.from_fields(fields, max_ops=1)  # over the cap
+    with pytest.raises(KVEventError):
+        encode_ops([(S, b"short")])
+    with pytest.raises(KVEventError):
+        batch(1, (R, h(1)), snapshot=True)
+
+
+# ---------------------------------------------------------------------- vs the block manager
+
+
+class _Worker:
+    """A decode worker's prefix cache: the engine's real BlockManager, requests that start,
+    compute and finish, and its KV event numbering."""
+
+    def __init__(self, num_blocks: int, epoch: int):
+        self.bm = BlockManager(num_blocks, BS, hash_extra=EXTRA, record_events=True)
+        self.epoch, self.seq = epoch, 0
+        self.live: dict[str, list[int]] = {}
+
+    def next_batch(self, *, snapshot: bool = False) -> KVEventBatch:
+        self.seq += 1
+        if snapshot:
+            ops = tuple((S, x) for x in self.bm.take_snapshot())
+        else:
+            ops = tuple(self.bm.drain_events())
+        return KVEventBatch(self.epoch, self.seq, BS, ops, snapshot=snapshot)
+
+    def run(self, rid: str, ids: list[int]) -> None:
+        alloc = self.bm.allocate_prompt(rid, ids, len(ids), max_cached=len(ids) - 1)
+        if alloc is None:
+            return
+        table, _ = alloc
+        self.bm.register_full_blocks(rid, ids, len(ids), table)
+        self.live[rid] = table
+
+    def finish(self, rid: str) -> None:
+        self.bm.free(rid, self.live.pop(rid))
+
+
+def _prompts(rng: random.Random, n: int) -> list[list[int]]:
+    """Prompts sharing prefixes: a few system prompts, each extended by several turns."""
+    systems = [[rng.randrange(50) for _ in range(rng.randrange(4, 24))] for _ in range(3)]
+    out = []
+    for _ in range(n):
+        p = list(rng.choice(systems))
+        for _ in range(rng.randrange(3)):
+            p += [rng.randrange(50) for _ in range(rng.randrange(1, 12))]
+        out.append(p)
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), drop_rate=st.sampled_from([0.0, 0.1, 0.3]),
+       restart_rate=st.sampled_from([0.0, 0.05]))
+def test_index_equals_the_block_managers_after_random_traffic(
+        seed: int, drop_rate: float, restart_rate: float) -> None:
+    """Random requests on three workers with small pools (so blocks are evicted), batches
+    lost on the way, workers restarted: after each resync the index equals every cache, and
+    `match` equals each block manager's own `num_cached_tokens` for every prompt."""
+    rng = random.Random(seed)
+    names = ["w0", "w1", "w2"]
+    workers = {n: _Worker(rng.choice([6, 10, 16]), epoch=1) for n in names}
+    idx = KVIndex()
+    for n, w in workers.items():
+        assert idx.apply(n, w.next_batch(snapshot=True)) is Applied.OK
+    prompts = _prompts(rng, 40)
+    for step in range(120):
+        n = rng.choice(names)
+        w = workers[n]
+        if rng.random() < restart_rate:  # a new incarnation with an empty cache
+            w = workers[n] = _Worker(w.bm.num_blocks, epoch=w.epoch + 1)
+            result = idx.apply(n, w.next_batch(snapshot=True))
+            assert result is Applied.OK
+            continue
+        if w.live and rng.random() < 0.5:
+            w.finish(rng.choice(list(w.live)))
+        else:
+            w.run(f"r{step}", rng.choice(prompts))
+        b = w.next_batch()
+        if rng.random() < drop_rate:
+            continue  # lost on the way: the next batch shows a gap
+        b = KVEventBatch.from_fields(b.to_fields(), max_ops=MAX_OPS_PER_ENTRY)  # the codec
+        if idx.apply(n, b) is Applied.RESYNC:
+            assert idx.apply(n, w.next_batch(snapshot=True)) is Applied.OK
+    for n, w in workers.items():  # bring every worker up to date, then compare exactly
+        if idx.apply(n, w.next_batch()) is Applied.RESYNC:
+            idx.apply(n, w.next_batch(snapshot=True))
+        assert idx.held(n) == set(w.bm.cached_hashes()), n
+    for p in prompts:
+        got = idx.match(block_hashes(p, BS, EXTRA))
+        for n, w in workers.items():
+            assert got.get(n, 0) * BS == w.bm.num_cached_tokens(p), (n, p)
+
+
+# ---------------------------------------------------------------------- through real Redis
+
+
+class _EngineSource:
+    """What KVEventPublisher reads from an AsyncEngine (take_kv_events, kv_snapshot), here
+    straight off a real BlockManager; `version` changes as the engine's stats would."""
+
+    def __init__(self, worker: _Worker):
+        self.worker = worker
+        self.version = 0
+
+    async def take_kv_events(self) -> list[tuple[KVOp, bytes]] | None:
+        bm = self.worker.bm
+        return None if bm.events_overflowed else list(bm.drain_events())
+
+    async def kv_snapshot(self) -> list[bytes]:
+        return list(self.worker.bm.take_snapshot())
+
+
+async def _until(cond: object, timeout_s: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_publisher_and_follower_over_real_redis(redis_server: str) -> None:
+    """Two workers publish through Redis streams; a router-side follower keeps the index
+    equal to their caches through traffic, a trimmed stream (a router joining late), a
+    malformed entry and a worker restart."""
+    ns = f"kv-{uuid.uuid4().hex[:8]}"
+    rng = random.Random(7)
+    prompts = _prompts(rng, 20)
+    async with WorkerRegistry.from_url(redis_server, namespace=ns) as reg:
+        streams = KVEventStreams(reg, maxlen=8)
+        workers = {"d0": _Worker(12, 1), "d1": _Worker(20, 1)}
+        sources = {n: _EngineSource(w) for n, w in workers.items()}
+        pubs = {n: KVEventPublisher(streams, sources[n], lambda n=n: sources[n].version,
+                                    worker_id=n, epoch=1, block_size=BS, interval_s=0.005,
+                                    snapshot_poll_s=0.05, max_ops=5)
+                for n in workers}
+        for p in pubs.values():
+            await p.start()
+
+        def traffic(k: int) -> None:
+            for i in range(k):
+                n = rng.choice(list(workers))
+                w = workers[n]
+                if w.live and rng.random() < 0.5:
+                    w.finish(rng.choice(list(w.live)))
+                else:
+                    w.run(f"r{i}-{rng.random()}", rng.choice(prompts))
+                sources[n].version += 1
+
+        def equal() -> bool:
+            return all(idx.synced(n) and idx.held(n) == set(w.bm.cached_hashes())
+                       for n, w in workers.items())
+
+        traffic(60)  # long before the router starts: the streams are trimmed by then
+        await asyncio.sleep(0.3)
+        idx = KVIndex()
+        follower = KVIndexFollower(streams, idx, lambda: list(workers), block_ms=50,
+                                   resync_retry_s=0.2)
+        await follower.start()
+        try:
+            await _until(equal)
+            traffic(80)
+            await _until(equal)
+            # A malformed entry in d0's stream: the index drops d0 and asks for a snapshot.
+            await reg.call(reg.redis.xadd(streams.stream_key("d0"), {b"ops": b"junk"}))
+            resyncs = follower.resyncs_total._value.get()
+            await _until(lambda: follower.resyncs_total._value.get() > resyncs)
+            await _until(equal)
+            # d1 restarts: a new epoch with an empty cache, its stream reset.
+            await pubs["d1"].close()
+            workers["d1"] = _Worker(20, 2)
+            sources["d1"].worker = workers["d1"]
+            pubs["d1"] = KVEventPublisher(streams, sources["d1"], lambda: sources["d1"].version,
+                                          worker_id="d1", epoch=2, block_size=BS,
+                                          interval_s=0.005, snapshot_poll_s=0.05)
+            await pubs["d1"].start()
+            traffic(40)
+            await _until(equal)
+            for p in prompts:
+                got = idx.match(block_hashes(p, BS, EXTRA))
+                for n, w in workers.items():
+                    assert got.get(n, 0) * BS == w.bm.num_cached_tokens(p)
+            # d0 leaves the directory: forgotten.
+            del workers["d0"]
+            await _until(lambda: "d0" not in idx.workers)
+        finally:
+            await follower.close()
+            for p in pubs.values():
+                await p.close()
