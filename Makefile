@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint typecheck bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,12 @@ test: install
 
 lint: install
 	$(BIN)/ruff check .
+	$(MAKE) typecheck
+
+# The runtime packages, strictly (pyproject.toml [tool.mypy]); tests/test_typecheck.py runs
+# the same check in the test suite.
+typecheck: install
+	$(BIN)/mypy pdserve router prefill_svc decode_svc kvxfer
 
 clean:
 	rm -rf $(VENV) build *.egg-info

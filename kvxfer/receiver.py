@@ -331,7 +331,7 @@ class KVReceiver:
                     await conn.reply(seq, reject, self._frame_timeout_s)
         finally:
             self._conns.discard(conn)
-            self._tasks.discard(serving)  # type: ignore[arg-type]
+            self._tasks.discard(serving)
             conn.abort("connection closed")
 
     async def _on_write(self, conn: _Connection, seq: int, msg: dict[str, Any]) -> None:

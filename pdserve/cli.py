@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pdserve {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(parent: argparse._SubParsersAction, name: str,  # type: ignore[type-arg]
+    def add(parent: argparse._SubParsersAction, name: str,
             help: str) -> argparse.ArgumentParser:
         return parent.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
 

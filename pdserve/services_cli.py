@@ -248,10 +248,11 @@ def _cmd_health(args: argparse.Namespace) -> int:
 
     with grpc.insecure_channel(args.grpc) as channel:
         try:
-            resp = health_pb2_grpc.HealthStub(channel).Check(
+            # HealthStub's stubs omit the methods it sets up per channel (types-grpcio-health).
+            resp = health_pb2_grpc.HealthStub(channel).Check(  # type: ignore[attr-defined]
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
         except grpc.RpcError as exc:
-            print(f"unhealthy: {args.grpc}: {exc.code().name}: {exc.details()}",  # type: ignore[attr-defined]
+            print(f"unhealthy: {args.grpc}: {exc.code().name}: {exc.details()}",
                   file=sys.stderr)
             return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

@@ -390,8 +390,9 @@ class KVLayout:
 
     # ------------------------------------------------------------------ the one codec
 
-    def to_wire(self) -> dict[str, int | str]:
-        """Field name -> value, the form every encoding carries (JSON, protobuf fields)."""
+    def to_wire(self) -> dict[str, Any]:
+        """Field name -> value (int or str), the form every encoding carries (JSON, protobuf
+        fields)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod

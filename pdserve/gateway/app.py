@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import structlog
 from fastapi import FastAPI, Request, Response
@@ -249,7 +249,9 @@ class _Gateway:
             used = _usage(prep, choices)
             out = prep.fmt.response(_best(prep, choices), used)
             if want_timings:
-                out["pdserve"] = info = _pdserve_info(choices[0].last)
+                last = choices[0].last
+                assert last is not None  # _collect returns once every choice has finished
+                out["pdserve"] = info = _pdserve_info(last)
                 headers[TIMINGS_HEADER] = json.dumps(info, separators=(",", ":"))
             return JSONResponse(out, headers=headers)
 
@@ -316,10 +318,10 @@ class _Gateway:
         index_of = prep.index_of()
         lasts: dict[int, TokenEvent] = {}
         try:
-            for chunk in fmt.opening_chunks():
+            for opening in fmt.opening_chunks():
                 if prep.continuous_usage:
-                    chunk["usage"] = _usage(prep, lasts)
-                yield _sse_data(chunk)
+                    opening["usage"] = _usage(prep, lasts)
+                yield _sse_data(opening)
             for k in range(len(prep.gens)):
                 if prep.echo_for(k):
                     yield _sse_data(fmt.chunk(prep.echo_for(k), [], None, k))
@@ -329,7 +331,7 @@ class _Gateway:
                 k = index_of.get(ev.request_id, 0)
                 lasts[k] = ev
                 lps = [ev.logprob] if ev.logprob is not None and fmt.logprobs else []
-                chunk = None
+                chunk: dict[str, Any] | None = None
                 if ev.finished:
                     err = _finish_error(ev, self.config.retry_after_s)
                     if err is not None:
@@ -499,11 +501,12 @@ class _Gateway:
         tok = self.backend.tokenizer
         if isinstance(prompt, str):
             return [(tok.encode(prompt), prompt)]
+        # all(isinstance(...)) does not narrow the list's type: cast() says what it checked.
         if prompt and all(isinstance(p, str) for p in prompt):
-            return [(tok.encode(p), p) for p in prompt]  # type: ignore[arg-type]
+            return [(tok.encode(p), p) for p in cast(list[str], prompt)]
         if prompt and all(isinstance(p, list) for p in prompt):
-            return [self._token_prompt(p) for p in prompt]  # type: ignore[arg-type]
-        return [self._token_prompt(prompt)]  # type: ignore[arg-type]
+            return [self._token_prompt(p) for p in cast(list[list[int]], prompt)]
+        return [self._token_prompt(cast(list[int], prompt))]
 
     def _token_prompt(self, ids: list[int]) -> tuple[list[int], str]:
         vocab = self.backend.tokenizer.vocab_size

@@ -28,7 +28,7 @@ _LATENCY_TO_PROTO = {
     LatencyClass.STANDARD: common_pb2.LATENCY_CLASS_STANDARD,
     LatencyClass.BATCH: common_pb2.LATENCY_CLASS_BATCH,
 }
-_LATENCY_FROM_PROTO = {
+_LATENCY_FROM_PROTO: dict[int, LatencyClass] = {
     **{v: k for k, v in _LATENCY_TO_PROTO.items()},
     common_pb2.LATENCY_CLASS_UNSPECIFIED: LatencyClass.STANDARD,
 }
@@ -38,11 +38,11 @@ _FINISH_TO_PROTO = {
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
     FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
 }
-_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
+_FINISH_FROM_PROTO: dict[int, FinishReason] = {v: k for k, v in _FINISH_TO_PROTO.items()}
 _INT64 = (-(2**63), 2**63 - 1)
 
 
-def latency_to_proto(latency: LatencyClass) -> common_pb2.LatencyClass.ValueType:
+def latency_to_proto(latency: LatencyClass) -> common_pb2.LatencyClass:
     return _LATENCY_TO_PROTO[latency]
 
 
@@ -56,7 +56,7 @@ def latency_from_proto(value: int) -> LatencyClass:
         ) from None
 
 
-def finish_reason_to_proto(reason: FinishReason | None) -> common_pb2.FinishReason.ValueType:
+def finish_reason_to_proto(reason: FinishReason | None) -> common_pb2.FinishReason:
     return common_pb2.FINISH_REASON_UNSPECIFIED if reason is None else _FINISH_TO_PROTO[reason]
 
 

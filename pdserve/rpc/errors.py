@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -65,9 +65,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
@@ -101,6 +102,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
+        assert handler.stream_stream is not None  # a handler is one of the four kinds
         return grpc.stream_stream_rpc_method_handler(
             _wrap_stream(behavior(handler.stream_stream), method, request_id),
             request_deserializer=handler.request_deserializer,
@@ -161,7 +163,8 @@ def _clip(message: str) -> str:
     return message[:MAX_ERROR_MESSAGE_CHARS] + f"... ({len(message)} characters)"
 
 
-def _wrap_unary(behavior: Callable[..., Any], method: str, request_id: str | None):
+def _wrap_unary(behavior: Callable[..., Any], method: str, request_id: str | None
+                ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             _check_decoded(request)
@@ -175,7 +178,9 @@ def _wrap_unary(behavior: Callable[..., Any], method: str, request_id: str | Non
     return unary
 
 
-def _wrap_stream(behavior: Callable[..., Any], method: str, request_id: str | None):
+def _wrap_stream(
+    behavior: Callable[..., Any], method: str, request_id: str | None
+) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any] | Awaitable[None]]:
     if inspect.isasyncgenfunction(behavior):
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -217,7 +222,10 @@ def error_from_rpc(exc: grpc.RpcError) -> PdserveError | TimeoutError:
     """
     status = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
     message = (exc.details() if callable(getattr(exc, "details", None)) else None) or str(status)
-    trailers = exc.trailing_metadata() if callable(getattr(exc, "trailing_metadata", None)) else ()
+    # grpc's stubs type the trailers as `_Metadatum` records; they are (key, value) pairs.
+    trailers: Iterable[tuple[str, Any]] = (
+        exc.trailing_metadata()  # type: ignore[assignment]
+        if callable(getattr(exc, "trailing_metadata", None)) else ())
     code = metadata_value(trailers, ERROR_CODE_KEY)
     param = metadata_value(trailers, ERROR_PARAM_KEY)
     if code is None and status == grpc.StatusCode.UNAVAILABLE:

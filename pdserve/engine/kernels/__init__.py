@@ -90,18 +90,18 @@ class FusedCpuKernels(TorchKernels):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
                  eps: float) -> torch.Tensor:
-        return self._ext.rms_norm(x, weight, eps)  # type: ignore[no-any-return]
+        return self._ext.rms_norm(x, weight, eps)
 
     def add_rms_norm_(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                       eps: float) -> torch.Tensor:
-        return self._ext.add_rms_norm_(residual, delta, weight, eps)  # type: ignore[no-any-return]
+        return self._ext.add_rms_norm_(residual, delta, weight, eps)
 
     def rope_(self, x: torch.Tensor, heads: int,  # type: ignore[override]
               cos: torch.Tensor, sin: torch.Tensor) -> None:
         self._ext.rope_(x, heads, cos, sin)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return self._ext.silu_mul(gate_up)  # type: ignore[no-any-return]
+        return self._ext.silu_mul(gate_up)
 
     def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor,  # type: ignore[override]
                  v: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
@@ -110,7 +110,7 @@ class FusedCpuKernels(TorchKernels):
     def decode_attention(self, q: torch.Tensor, kv_layer: torch.Tensor,  # type: ignore[override]
                          tables: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor,
                          scale: float) -> torch.Tensor:
-        return self._ext.paged_decode_attention(  # type: ignore[no-any-return]
+        return self._ext.paged_decode_attention(
             q, kv_layer, tables, lens, scale)
 
 

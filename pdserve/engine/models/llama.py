@@ -9,6 +9,8 @@ transformers' (fp32 RMSNorm, rotate-half RoPE), so greedy float32 outputs agree 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -46,6 +48,8 @@ def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor
 
 
 class RotaryEmbedding(nn.Module):
+    inv_freq: torch.Tensor  # a buffer (register_buffer), which nn.Module's typing cannot see
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         inv = _inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -153,7 +157,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        # nn.ModuleList is not generic (its items type as Module): typed as what it holds.
+        self.layers = cast(Sequence[DecoderLayer], nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_layers)))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
