@@ -104,7 +104,7 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
                 # Prefix-cache events for the routers' index, opening with a snapshot
                 # before we are listed, so a router never routes on a cache it cannot see.
                 kv_events = KVEventPublisher(
-                    KVEventStreams(registry), aengine, lambda: aengine.last_stats,
+                    KVEventStreams(registry), aengine, lambda: aengine.kv_event_count,
                     worker_id=config.worker_id, epoch=epoch,
                     block_size=engine.config.block_size)
                 await kv_events.start()

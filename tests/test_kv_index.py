@@ -228,9 +228,9 @@ async def _until(cond: object, timeout_s: float = 20.0) -> None:
 
 
 async def test_publisher_and_follower_over_real_redis(redis_server: str) -> None:
-    """Two workers publish through Redis streams; a router-side follower keeps the index
-    equal to their caches through traffic, a trimmed stream (a router joining late), a
-    malformed entry and a worker restart."""
+    """Two workers publish through Redis streams; two routers' followers (replicas on one
+    Redis) each keep their index equal to the caches through traffic, a router joining late,
+    a malformed entry and a worker restart."""
     ns = f"kv-{uuid.uuid4().hex[:8]}"
     rng = random.Random(7)
     prompts = _prompts(rng, 20)
@@ -256,22 +256,25 @@ async def test_publisher_and_follower_over_real_redis(redis_server: str) -> None
                 sources[n].version += 1
 
         def equal() -> bool:
-            return all(idx.synced(n) and idx.held(n) == set(w.bm.cached_hashes())
-                       for n, w in workers.items())
+            return all(i.synced(n) and i.held(n) == set(w.bm.cached_hashes())
+                       for i in (idx, idx2) for n, w in workers.items())
 
         traffic(60)  # long before the router starts: the streams are trimmed by then
         await asyncio.sleep(0.3)
-        idx = KVIndex()
+        idx, idx2 = KVIndex(), KVIndex()
         follower = KVIndexFollower(streams, idx, lambda: list(workers), block_ms=50,
                                    resync_retry_s=0.2)
+        follower2 = KVIndexFollower(streams, idx2, lambda: list(workers), block_ms=50,
+                                    resync_retry_s=0.2)
         await follower.start()
+        await follower2.start()
         try:
             await _until(equal)
             traffic(80)
             await _until(equal)
             # A malformed entry in d0's stream: the index drops d0 and asks for a snapshot.
-            await reg.call(reg.redis.xadd(streams.stream_key("d0"), {b"ops": b"junk"}))
             resyncs = follower.resyncs_total._value.get()
+            await reg.call(reg.redis.xadd(streams.stream_key("d0"), {b"ops": b"junk"}))
             await _until(lambda: follower.resyncs_total._value.get() > resyncs)
             await _until(equal)
             # d1 restarts: a new epoch with an empty cache, its stream reset.
@@ -290,8 +293,9 @@ async def test_publisher_and_follower_over_real_redis(redis_server: str) -> None
                     assert got.get(n, 0) * BS == w.bm.num_cached_tokens(p)
             # d0 leaves the directory: forgotten.
             del workers["d0"]
-            await _until(lambda: "d0" not in idx.workers)
+            await _until(lambda: "d0" not in idx.workers and "d0" not in idx2.workers)
         finally:
             await follower.close()
+            await follower2.close()
             for p in pubs.values():
                 await p.close()

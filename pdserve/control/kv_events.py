@@ -122,10 +122,11 @@ class KVEventSource(Protocol):
 
 
 class KVEventPublisher:
-    """A decode worker's side: after every change of the engine's stats (each step and each
-    batch of commands), move the prefix cache's events to the worker's stream, batched at
-    most every `interval_s`; answer snapshot requests; after any failure to publish, or an
-    overflow of the engine's bounded queue, publish a snapshot so readers resynchronise."""
+    """A decode worker's side: whenever `changed()` moved (the engine's count of recorded
+    cache changes), move the prefix cache's events to the worker's stream, batched at most
+    every `interval_s`; answer snapshot requests; after any failure to publish, or an
+    overflow of the engine's bounded queue, publish a snapshot so readers resynchronise.
+    An idle worker costs one Redis GETDEL per `snapshot_poll_s` and nothing on its engine."""
 
     def __init__(self, streams: KVEventStreams, source: KVEventSource,
                  changed: Callable[[], object], *, worker_id: str, epoch: int,
@@ -202,7 +203,7 @@ class KVEventPublisher:
                     need_snapshot = False
                     continue
                 now = self._changed()
-                if now is seen:
+                if now == seen:
                     continue
                 seen = now
                 ops = await self.source.take_kv_events()

@@ -333,6 +333,12 @@ class AsyncEngine:
     async def num_cached_tokens(self, token_ids: list[int] | tuple[int, ...]) -> int:
         return await self.call(lambda: self._engine.num_cached_tokens(token_ids))
 
+    @property
+    def kv_event_count(self) -> int:
+        """Prefix-cache changes recorded so far (grows only once `take_kv_events` or
+        `kv_snapshot` started the recording): poll it to know when to take events."""
+        return self._engine.block_manager.event_count
+
     async def take_kv_events(self) -> list[tuple[KVOp, bytes]] | None:
         """Prefix-cache changes since the last call, in order (pdserve.kv_events); None when
         the engine's bounded queue overflowed and only `kv_snapshot` can resynchronise.

@@ -77,6 +77,7 @@ class BlockManager:
         self._events: list[tuple[KVOp, BlockHash]] | None = [] if record_events else None
         self._max_pending_events = max_pending_events
         self.events_overflowed = False
+        self.event_count = 0  # cache changes ever recorded: cheap to poll from another thread
 
     # ------------------------------------------------------------------ queries
 
@@ -241,7 +242,10 @@ class BlockManager:
 
     def _event(self, op: KVOp, h: BlockHash) -> None:
         events = self._events
-        if events is None or self.events_overflowed:
+        if events is None:
+            return
+        self.event_count += 1
+        if self.events_overflowed:
             return
         if len(events) >= self._max_pending_events:
             events.clear()
