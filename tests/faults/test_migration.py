@@ -109,6 +109,23 @@ async def _all_blocks_free(cluster: LocalCluster) -> None:
             assert free == total, (name, free, total)
 
 
+async def test_cache_affinity_from_the_kv_index(cluster, prompt_ids) -> None:
+    """With two decode workers the router knows from their KV events, without asking either,
+    which one holds a prompt: the same long prompt again goes to the worker that has it and
+    finds its prefix cached there (then: greedy output unchanged)."""
+    ids = list(prompt_ids[-1])
+    ids[2] = 3002  # nothing has cached this prompt
+    first = await generate(cluster.grpc_address, ids, max_tokens=8)
+    assert first.route == "remote"
+    await asyncio.sleep(0.5)  # the worker publishes within ~20 ms; the router reads at once
+    again = await generate(cluster.grpc_address, ids, max_tokens=8)
+    assert again.decode_worker == first.decode_worker, (first, again)
+    assert again.route == "local" and again.cached_tokens >= len(ids) - 16, again
+    assert again.tokens == first.tokens
+    folded = _counter(f"{cluster.http_url}/metrics", "pdserve_router_kv_events_ops_total")
+    assert folded >= len(ids) // 16, folded
+
+
 async def test_sigkill_of_a_decode_worker_mid_stream(cluster, prompt_ids) -> None:
     prompts = [list(p) for p in prompt_ids[:6]]
     refs = await _reference(cluster, prompts)
