@@ -157,7 +157,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         router=RouterConfig(policy=RouterPolicy(
             remote_min_uncached_tokens=args.remote_threshold,
-            max_prefill_backlog_tokens=args.max_prefill_backlog),
+            max_prefill_backlog_tokens=args.max_prefill_backlog, placement=args.placement),
             admission=admission_config_from_args(args),
             directory_max_staleness_s=args.max_directory_staleness))
     return _run_until_signal(lambda stop: run_router(cfg, stop), args.log_level,
@@ -165,7 +165,8 @@ def _cmd_router(args: argparse.Namespace) -> int:
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
-    router_args = ["--remote-threshold", str(args.remote_threshold)]
+    router_args = ["--remote-threshold", str(args.remote_threshold),
+                   "--placement", args.placement]
     router_args += admission_argv(args)
     router_args += ["--max-directory-staleness", str(args.max_directory_staleness)]
     served = _served_name(args)
@@ -305,7 +306,11 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds the router keeps routing on its last known workers while "
                    "Redis is unreachable (then /health says not ready)")
     p.add_argument("--remote-threshold", type=int, default=256,
-                   help="uncached prompt tokens from which prefill goes to the prefill pool")
+                   help="uncached prompt tokens from which prefill goes to the prefill pool "
+                   "(--placement threshold)")
+    p.add_argument("--placement", choices=("threshold", "cost"), default="threshold",
+                   help="local vs remote prefill: a fixed threshold on uncached tokens, or "
+                   "the predicted TTFT and decode stall from the workers' measured rates")
 
 
 def register(sub: Any, add: Adder) -> None:

@@ -544,6 +544,10 @@ class EngineStats:
     preemptions: int
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Measured by the engine (pdserve.engine.step_rates), for the router's cost model.
+    prefill_tokens_per_s: float = 0.0  # 0: no sample yet
+    decode_step_s: float = 0.0
+    waiting_prompt_tokens: int = 0  # prompt tokens admitted and not computed yet
     queue_time: HistogramSnapshot = field(
         default_factory=lambda: DurationHistogram(QUEUE_TIME_BUCKETS).snapshot())
 

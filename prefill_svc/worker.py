@@ -115,6 +115,9 @@ class PrefillWorker:
         self.inflight = 0
         self.queued_by_class: dict[str, int] = {c.value: 0 for c in LatencyClass}
         self.metrics = metrics if metrics is not None else PrefillMetrics()
+        # Seconds of KV transfer per prompt token sent (moving average; 0: none yet): the
+        # router's cost model prices a remote prefill with it.
+        self.transfer_s_per_token = 0.0
         self.metrics.watch(worker_id, lambda: engine.last_stats,
                            lambda: dict(self.queued_by_class),
                            lambda: self.gate.queued_tokens, lambda: self.gate.active)
@@ -124,7 +127,8 @@ class PrefillWorker:
         return dataclasses.replace(
             WorkerLoad.from_dict(engine_load(self.engine.last_stats)),
             queued=self.gate.num_waiting, running=self.gate.active,
-            queued_tokens=self.gate.queued_tokens)
+            queued_tokens=self.gate.queued_tokens,
+            kv_transfer_s_per_token=self.transfer_s_per_token)
 
     async def drained(self, timeout_s: float) -> bool:
         """Wait until no prefill (queued, computing or transferring) is left, or the timeout."""
@@ -190,6 +194,12 @@ class PrefillWorker:
             if outcome != "ok":
                 log.info("prefill_finished", outcome=outcome, prompt_tokens=n,
                          latency_class=lc)
+        if sent:
+            layout = self.engine.layout
+            tokens = sent / (layout.block_nbytes / layout.block_size)
+            rate = (transferred - computed) / tokens
+            old = self.transfer_s_per_token
+            self.transfer_s_per_token = rate if old == 0.0 else old + 0.2 * (rate - old)
         out = PrefillOutcome(
             first_token=first.token_id, logprob=first.logprob,
             queued_ms=(started - arrived) * 1000, compute_ms=(computed - started) * 1000,

@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from pdserve.control.workers import WorkerInfo
 from pdserve.engine.block_manager import block_hashes
 from pdserve.types import LatencyClass
+from router.cost import CostModel, decide_by_cost, local_estimate, remote_estimate
 from router.kv_index import KVIndex
 from router.policy import Decision, DecodeCandidate, RouterPolicy, choose_decode, decide_route
+
+_NONE: Mapping[str, float] = {}
 
 
 @dataclass(frozen=True)
@@ -48,16 +51,31 @@ def cached_tokens(index: KVIndex, ids: Sequence[int],
 
 def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerInfo],
           prefills: Sequence[WorkerInfo], index: KVIndex, placed: Mapping[str, int],
-          policy: RouterPolicy) -> Placement:
+          policy: RouterPolicy, *, cost: CostModel | None = None, target_s: float = 30.0,
+          inflight_tokens: Mapping[str, float] = _NONE) -> Placement:
     """`decoders` must not be empty. `placed`: requests this router placed per decode worker
     and not finished; heartbeats lag a burst by up to a second, so those count as running
-    too, or a burst would all go to the worker that looked idlest at the last heartbeat."""
+    too, or a burst would all go to the worker that looked idlest at the last heartbeat.
+    With `policy.placement == "cost"`, local vs remote (and the prefill worker) follow
+    router.cost against `target_s` (the latency class's TTFT target); `inflight_tokens`:
+    prompt tokens this router sent each worker to prefill that are not done yet."""
     cached = cached_tokens(index, ids, decoders)
     cands = [DecodeCandidate(w.worker_id, c, max(w.load.running, placed.get(w.worker_id, 0)),
                              w.load.backlog, w.load.free_blocks, w.load.total_blocks)
              for w, c in zip(decoders, cached, strict=True)]
     best = choose_decode(cands, len(ids), policy)
     decode = next(w for w in decoders if w.worker_id == best.worker_id)
+    if policy.placement == "cost":
+        model = cost or CostModel()
+        uncached = max(0, len(ids) - best.cached_tokens)
+        local = local_estimate(decode.load, uncached, model,
+                               inflight_tokens=inflight_tokens.get(decode.worker_id, 0.0))
+        remotes = [(remote_estimate(p.load, decode.load, uncached, model,
+                                    inflight_tokens=inflight_tokens.get(p.worker_id, 0.0)), p)
+                   for p in prefills]
+        remote, pick = min(remotes, key=lambda r: r[0].ttft_s) if remotes else (None, None)
+        decision, _ = decide_by_cost(local, remote, uncached, target_s, model)
+        return Placement(decode, pick, decision, best.cached_tokens)
     prefill = min(prefills, key=lambda w: (w.load.queued_tokens, w.load.running)
                   ) if prefills else None
     backlog = None if prefill is None else prefill.load.queued_tokens

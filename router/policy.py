@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Literal
 
 from pdserve.types import LatencyClass
 
@@ -24,6 +25,9 @@ class RouterPolicy:
     batch_backlog_fraction: float = 0.5
     # Weight of cache affinity against load when picking a decode worker.
     affinity_weight: float = 2.0
+    # Local vs remote prefill: "threshold" (the rule above) or "cost" (router.cost: predicted
+    # TTFT and decode stall from the workers' measured rates).
+    placement: Literal["threshold", "cost"] = "threshold"
 
 
 @dataclass(frozen=True)

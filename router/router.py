@@ -39,6 +39,7 @@ from router.clients import (
     RemoteSlot,
     WorkerChannels,
 )
+from router.cost import CostModel
 from router.kv_follow import KVIndexFollower
 from router.kv_index import KVIndex
 from router.policy import Decision, Route, RouterPolicy
@@ -70,6 +71,7 @@ class RouterConfig:
     # While Redis is unreachable, route on the last known workers for at most this long.
     directory_max_staleness_s: float = 30.0
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    cost: CostModel = field(default_factory=CostModel)  # policy.placement == "cost"
 
 
 class RemotePrefillFailed(PdserveError):
@@ -100,6 +102,9 @@ class Router:
         self._channels = channels or WorkerChannels()  # the router closes it
         self._placements: dict[str, str] = {}  # request id -> decode worker id
         self._placed: collections.Counter[str] = collections.Counter()  # worker id -> requests
+        # Prompt tokens placed for prefill and not done, per worker (see _charge).
+        self._inflight_tokens: collections.Counter[str] = collections.Counter()
+        self._charges: dict[str, tuple[str, int]] = {}
         # request id -> the id it runs under on its decode worker, where they differ
         self._worker_ids: dict[str, str] = {}
         self._watch: asyncio.Task[None] | None = None
@@ -291,9 +296,28 @@ class Router:
         prefills = [w for w in self.workers("prefill") if not self._is_lost(w.worker_id)]
         # A migrated request's output counts too: it is prefilled with it.
         p = placement.place(req.token_ids, req.latency_class, decoders, prefills,
-                            self.kv_index, self._placed, self.config.policy)
+                            self.kv_index, self._placed, self.config.policy,
+                            cost=self.config.cost,
+                            target_s=self.config.admission.deadline_s(req.latency_class),
+                            inflight_tokens=self._inflight_tokens)
         self._set_placement(req.request_id, p.decode.worker_id)  # before any await
+        # Its prompt is pending work where it is prefilled until its first token.
+        where = p.prefill if p.decision.route is Route.REMOTE else p.decode
+        self._charge(req.request_id, where.worker_id if where else None,
+                     p.decision.uncached_tokens)
         return p.decode, p.prefill, p.decision
+
+    def _charge(self, request_id: str, worker_id: str | None, tokens: int) -> None:
+        """Prompt tokens this router sent `worker_id` to prefill (None: done), so placement
+        sees them before the worker's next heartbeat does."""
+        old = self._charges.pop(request_id, None)
+        if old is not None:
+            self._inflight_tokens[old[0]] -= old[1]
+            if self._inflight_tokens[old[0]] <= 0:
+                del self._inflight_tokens[old[0]]
+        if worker_id is not None and tokens > 0:
+            self._charges[request_id] = (worker_id, tokens)
+            self._inflight_tokens[worker_id] += tokens
 
     def _set_placement(self, request_id: str, worker_id: str | None) -> None:
         """Where a request runs now (None: nowhere), with the per-worker count kept in step."""
@@ -378,6 +402,8 @@ class Router:
                         clock.started + first_token_timeout_s - time.monotonic(),
                         timed=not streamed)) as events:
                     async for ev in events:
+                        if req.request_id in self._charges:  # its prompt is prefilled
+                            self._charge(req.request_id, None, 0)
                         if ev.token_id is not None:
                             streamed.append(ev.token_id)
                         yield ev
@@ -414,6 +440,7 @@ class Router:
                             migration=migrations, error=_describe(exc))
             finally:
                 self._set_placement(req.request_id, None)
+                self._charge(req.request_id, None, 0)
                 self._worker_ids.pop(req.request_id, None)
 
     async def _attempt(self, req: GenerateRequest, decode: WorkerInfo, prefill: WorkerInfo | None,

@@ -41,6 +41,11 @@ class WorkerLoad:
     preemptions: float | None = None
     used_blocks: float | None = None
     steps: float | None = None
+    prefill_tokens_per_s: float | None = None  # measured (0: no sample yet)
+    decode_step_s: float | None = None
+    waiting_prompt_tokens: float | None = None
+    # Prefill workers: seconds of KV transfer per prompt token (moving average; 0: none yet).
+    kv_transfer_s_per_token: float | None = None
     metrics_port: int | None = None  # where the worker serves Prometheus text
 
     def __post_init__(self) -> None:

@@ -20,6 +20,7 @@ from pdserve.engine.model_runner import _DTYPES, ModelRunner
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import SeqMode, SeqStatus, Sequence
+from pdserve.engine.step_rates import StepRates
 from pdserve.types import (
     QUEUE_TIME_BUCKETS,
     CapacityError,
@@ -74,6 +75,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_preemptions = 0
         self.queue_time = DurationHistogram(QUEUE_TIME_BUCKETS)
+        self.rates = StepRates()
 
     @classmethod
     def from_dir(cls, model_dir: Path, config: EngineConfig | None = None) -> LLMEngine:
@@ -117,6 +119,9 @@ class LLMEngine:
             steps=self.num_steps, preemptions=self.num_preemptions,
             prefix_cache_queries=self.block_manager.prefix_query_tokens,
             prefix_cache_hits=self.block_manager.prefix_hit_tokens,
+            prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
+            decode_step_s=self.rates.decode_step_s,
+            waiting_prompt_tokens=s.waiting_prompt_tokens,
             queue_time=self.queue_time.snapshot())
 
     def num_cached_tokens(self, token_ids: list[int] | tuple[int, ...]) -> int:
@@ -235,15 +240,17 @@ class LLMEngine:
             if not s.seq.timings.scheduled:
                 s.seq.timings.scheduled = now
                 self.queue_time.observe(now - s.seq.arrival)
+        prefill_tokens = sum(s.num_new_tokens for s in out.scheduled
+                             if s.start < s.seq.num_prompt_tokens)
         sampling, logits = self.runner.run(out)
         self.scheduler.postprocess(out)
         self.num_steps += 1
-        if not sampling:
-            return events
-        seqs = [s.seq for s in sampling]
-        tokens, logprobs = self.sampler.sample(logits, seqs, self._constraint(seqs))
-        for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True):
-            events.append(self._process_token(seq, tok, lp))
+        if sampling:
+            seqs = [s.seq for s in sampling]
+            tokens, logprobs = self.sampler.sample(logits, seqs, self._constraint(seqs))
+            for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True):
+                events.append(self._process_token(seq, tok, lp))
+        self.rates.observe(time.monotonic() - now, prefill_tokens)
         return events
 
     def fail_all(self, message: str) -> list[TokenEvent]:

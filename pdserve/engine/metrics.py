@@ -74,6 +74,17 @@ ENGINE_METRICS: tuple[EngineMetric, ...] = (
                  lambda s: s.total_blocks, "total_blocks"),
     EngineMetric("pdserve_engine_steps", "counter", "Engine steps run.",
                  lambda s: s.steps, "steps"),
+    # Measured step costs (pdserve.engine.step_rates): the router's cost model reads them
+    # from the load record.
+    EngineMetric("pdserve_engine_prefill_tokens_per_second", "gauge",
+                 "Prompt tokens per second in steps that prefilled (moving average; 0: none "
+                 "yet).", lambda s: s.prefill_tokens_per_s, "prefill_tokens_per_s"),
+    EngineMetric("pdserve_engine_decode_step_seconds", "gauge",
+                 "Seconds of a step that prefilled nothing (moving average; 0: none yet).",
+                 lambda s: s.decode_step_s, "decode_step_s"),
+    EngineMetric("pdserve_engine_waiting_prompt_tokens", "gauge",
+                 "Prompt tokens admitted and not computed yet.",
+                 lambda s: s.waiting_prompt_tokens, "waiting_prompt_tokens"),
 )
 
 QUEUE_TIME = "pdserve:request_queue_time_seconds"

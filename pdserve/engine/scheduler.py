@@ -58,6 +58,17 @@ class Scheduler:
         return len(self._waiting)
 
     @property
+    def waiting_prompt_tokens(self) -> int:
+        """Tokens still to prefill: waiting sequences' and the unfinished prompts (chunks to
+        go) of running ones. A decoding sequence has one token to compute; it is not counted."""
+        left = sum(seq.num_tokens - seq.num_computed_tokens for _, _, seq in self._waiting)
+        for seq in self.running:
+            todo = seq.num_tokens - seq.num_computed_tokens
+            if todo > 1:
+                left += todo
+        return left
+
+    @property
     def has_work(self) -> bool:
         return bool(self.running or self._waiting)
 
