@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -65,6 +66,7 @@ UCX_NO_SPIN_ENV = {"UCXPY_ENABLE_PYTHON_FUTURE": "1"}
 
 BASELINE = "colocated"
 DISAGG = "disaggregated"
+DISAGG_COST = "disaggregated-cost"  # the same 1P1D cluster, router --placement cost
 TIMINGS_HEADER = "X-Pdserve-Timings"
 _CALIBRATION_SEED_OFFSET = 7_000_001  # unloaded probes must not share prompts with the sweep
 
@@ -188,8 +190,9 @@ def colocated(setup: Setup) -> Iterator[StartedSystem]:
 
 
 @contextmanager
-def disaggregated(setup: Setup) -> Iterator[StartedSystem]:
-    """1P1D LocalCluster: each worker pinned to its cores with one torch thread per core."""
+def disaggregated(setup: Setup, placement: str = "threshold") -> Iterator[StartedSystem]:
+    """1P1D LocalCluster: each worker pinned to its cores with one torch thread per core;
+    the router decides local vs remote prefill by `placement` (threshold or cost)."""
     from pdserve.cluster import LocalCluster
 
     if len(setup.prefill_cores) != len(setup.decode_cores):
@@ -199,6 +202,7 @@ def disaggregated(setup: Setup) -> Iterator[StartedSystem]:
     router_args = (
         "--remote-threshold", str(setup.remote_threshold),
         "--max-prefill-backlog", str(setup.max_prefill_backlog),
+        "--placement", placement,
         "--log-level", "WARNING",
     )  # fmt: skip
     cluster = LocalCluster(
@@ -207,7 +211,8 @@ def disaggregated(setup: Setup) -> Iterator[StartedSystem]:
         model=setup.model,
         extra_worker_args=worker_args,
         router_args=router_args,
-        log_dir=setup.log_dir / "disaggregated",
+        log_dir=setup.log_dir / ("disaggregated" if placement == "threshold"
+                                 else f"disaggregated-{placement}"),
         env=dict(setup.worker_env),
     )
     cluster.log_dir.mkdir(parents=True, exist_ok=True)
@@ -224,7 +229,8 @@ def disaggregated(setup: Setup) -> Iterator[StartedSystem]:
         )
         if setup.worker_env:
             layout += ", env " + " ".join(f"{k}={v}" for k, v in setup.worker_env.items())
-        yield StartedSystem(DISAGG, cluster.http_url, layout, affinity)
+        name = DISAGG if placement == "threshold" else f"{DISAGG}-{placement}"
+        yield StartedSystem(name, cluster.http_url, layout, affinity)
 
 
 # --------------------------------------------------------------------------- measuring
@@ -570,9 +576,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def _main(args: argparse.Namespace) -> int:
     systems = [name.strip() for name in args.systems.split(",") if name.strip()]
-    unknown = set(systems) - {BASELINE, DISAGG}
+    unknown = set(systems) - {BASELINE, DISAGG, DISAGG_COST}
     if unknown or not systems:
-        raise LoadgenError(f"--systems: expected {BASELINE} and/or {DISAGG}, got {args.systems!r}")
+        raise LoadgenError(f"--systems: expected some of {BASELINE}, {DISAGG}, {DISAGG_COST}; "
+                           f"got {args.systems!r}")
     if args.tokenizer is None:  # exact prompt lengths with the served model's tokenizer
         from pdserve.engine.model_store import resolve_model
 
@@ -593,8 +600,9 @@ async def _main(args: argparse.Namespace) -> int:
         log_dir=args.log_dir or args.out / "logs",
         worker_env={} if args.ucx_spin else dict(UCX_NO_SPIN_ENV),
     )
-    given = {BASELINE: args.colocated_url, DISAGG: args.disagg_url}
-    starters = {BASELINE: colocated, DISAGG: disaggregated}
+    given = {BASELINE: args.colocated_url, DISAGG: args.disagg_url, DISAGG_COST: None}
+    starters = {BASELINE: colocated, DISAGG: disaggregated,
+                DISAGG_COST: functools.partial(disaggregated, placement="cost")}
     notes: dict[str, Any] = {
         "command": "python -m bench.goodput " + " ".join(sys.argv[1:]),
         "machine": machine_info(),
