@@ -38,7 +38,7 @@ class CostModel:
     prior_transfer_s_per_token: float = 2e-4
     remote_overhead_s: float = 0.02  # allocate + prefill dispatch + admission on arrival
     # Seconds of TTFT one second of stall on one running stream is worth.
-    stall_weight: float = 0.5
+    stall_weight: float = 2.0
     absorbed_tokens: int = 64
 
     def prefill_rate(self, load: WorkerLoad) -> float:
