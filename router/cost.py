@@ -20,7 +20,9 @@ looked idle a second ago. Until a worker has measured anything, conservative pri
 
 The choice: the route whose predicted TTFT meets the latency class's target, and of those the
 one with the least cost = TTFT + stall_weight x (stall summed over w's running streams); if
-neither meets it, the faster. Plain arithmetic, no I/O.
+neither meets it, the faster. A local prefill longer than `max_local_prefill_s` is taken only
+when remote would miss the target: it would hold up whoever arrives at w in the meantime (the
+model cannot see arrivals; bench.goodput run 2 showed it). Plain arithmetic, no I/O.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class CostModel:
     # Seconds of TTFT one second of stall on one running stream is worth.
     stall_weight: float = 2.0
     absorbed_tokens: int = 64
+    # Longest local prefill (seconds of compute) the model prefers to a remote one that meets
+    # the target: about an interactive TTFT target, since it blocks the next arrivals.
+    max_local_prefill_s: float = 1.0
 
     def prefill_rate(self, load: WorkerLoad) -> float:
         return load.prefill_tokens_per_s or self.prior_prefill_tokens_per_s
@@ -53,6 +58,7 @@ class Estimate:
     route: Route
     ttft_s: float
     stall_s: float  # summed over the decode worker's running streams
+    compute_s: float = 0.0  # the prefill's own compute where it runs
 
     def cost(self, model: CostModel) -> float:
         return self.ttft_s + model.stall_weight * self.stall_s
@@ -64,7 +70,7 @@ def local_estimate(decode: WorkerLoad, uncached: int, model: CostModel, *,
     pending = max(decode.waiting_prompt_tokens or 0.0, inflight_tokens)
     stall = max(0, uncached - model.absorbed_tokens) / rate
     return Estimate(Route.LOCAL, (pending + uncached) / rate + model.decode_step(decode),
-                    stall * decode.running)
+                    stall * decode.running, uncached / rate)
 
 
 def remote_estimate(prefill: WorkerLoad, decode: WorkerLoad, uncached: int, model: CostModel,
@@ -84,6 +90,8 @@ def decide_by_cost(local: Estimate, remote: Estimate | None, uncached: int, targ
     if remote is None:
         return Decision(Route.LOCAL, "no_prefill_worker", uncached), local
     meets = [e for e in (local, remote) if e.ttft_s <= target_s]
+    if remote in meets and local.compute_s > model.max_local_prefill_s:
+        meets = [remote]
     if meets:
         best = min(meets, key=lambda e: e.cost(model))
         reason = f"cost_{best.route.value}"

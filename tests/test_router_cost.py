@@ -34,14 +34,15 @@ def test_long_prompts_leave_a_busy_decode_worker_short_ones_stay() -> None:
 def test_an_idle_decode_worker_prefills_itself_when_the_pool_is_backed_up() -> None:
     idle = WorkerLoad(running=0, prefill_tokens_per_s=1000.0, decode_step_s=0.02)
     backed_up = WorkerLoad(queued_tokens=30000, prefill_tokens_per_s=1500.0)
-    assert _route(idle, backed_up, 2000) is Route.LOCAL
+    assert _route(idle, backed_up, 2000, target_s=10.0) is Route.LOCAL  # remote: ~21 s
     assert _route(idle, PREFILL, 2000) is Route.REMOTE  # faster pool, nothing queued there
 
 
 def test_in_flight_tokens_count_before_the_next_heartbeat() -> None:
     idle = WorkerLoad(running=0, prefill_tokens_per_s=1000.0)
     assert _route(idle, PREFILL, 2000) is Route.REMOTE
-    assert _route(idle, PREFILL, 2000, remote=40000) is Route.LOCAL  # a burst went there
+    # A burst went there: remote would take ~28 s.
+    assert _route(idle, PREFILL, 2000, target_s=10.0, remote=40000) is Route.LOCAL
 
 
 def test_the_target_decides_when_only_one_route_meets_it() -> None:
@@ -76,3 +77,11 @@ def test_placement_with_the_cost_policy() -> None:
     short = place(list(range(10)), LatencyClass.STANDARD, decoders, prefills, KVIndex(), {},
                   policy)
     assert short.decision.route is Route.LOCAL
+
+
+def test_a_long_local_prefill_is_taken_only_when_remote_misses_the_target() -> None:
+    idle = WorkerLoad(running=0, prefill_tokens_per_s=1000.0, decode_step_s=0.02)
+    queued_pool = WorkerLoad(queued_tokens=3000, prefill_tokens_per_s=1000.0)
+    # Local would be faster (2 s vs 5 s) and stalls nobody now, but blocks the next arrivals.
+    assert _route(idle, queued_pool, 2000, target_s=30.0) is Route.REMOTE
+    assert _route(idle, queued_pool, 2000, target_s=3.0) is Route.LOCAL
