@@ -16,6 +16,8 @@ Failures raise `RouterError` with the gRPC status name and pdserve's stable erro
 
 from __future__ import annotations
 
+import ipaddress
+import json
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -130,13 +132,50 @@ def _chunk(resp: router_pb2.GenerateResponse) -> Chunk:
                  prefill_worker=resp.prefill_worker)
 
 
+def replicas_target(addresses: Sequence[str]) -> str:
+    """One gRPC target naming several routers by IP (``ipv4:a:p,b:p`` / ``ipv6:...``). For
+    host names, give one DNS name that resolves to every replica (a headless Service)."""
+    hosts = [a.rpartition(":")[0].strip("[]") for a in addresses]
+    try:
+        versions = {ipaddress.ip_address(h).version for h in hosts}
+    except ValueError:
+        raise ValueError("several router addresses must be IP:port; for host names use one "
+                         "DNS name that resolves to every replica") from None
+    if len(versions) != 1:
+        raise ValueError("router addresses must all be IPv4 or all IPv6")
+    return f"ipv{versions.pop()}:" + ",".join(addresses)
+
+
+# Several routers behind one channel: requests spread over them (round robin), and one that
+# fails with UNAVAILABLE before any response reached us (a router that is down, or refused it
+# while draining) is retried on another by gRPC itself. A stream that has started is never
+# retried: it ends with the error (its tokens could not be replayed exactly by the client).
+_REPLICAS_SERVICE_CONFIG = json.dumps({
+    "loadBalancingConfig": [{"round_robin": {}}],
+    "methodConfig": [{
+        "name": [{"service": "pdserve.v1.Router"}],
+        "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
+                        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+    }],
+})
+
+
 class RouterClient:
-    """One channel to a router; use ``async with`` (or call `close`). `api_key` is sent as
+    """A channel to a router, or to several replicas (`target` a list of ``IP:port``: load
+    spread over them, and requests that had not started streaming retried on another when
+    one fails); use ``async with`` (or call `close`). `api_key` is sent as
     ``authorization: Bearer <key>`` metadata, for a router started with API keys."""
 
-    def __init__(self, target: str, *, channel: grpc.aio.Channel | None = None,
+    def __init__(self, target: str | Sequence[str], *, channel: grpc.aio.Channel | None = None,
                  timeout_s: float | None = 600.0, api_key: str | None = None):
-        self._channel = channel or grpc.aio.insecure_channel(target)
+        if channel is None:
+            if isinstance(target, str):
+                channel = grpc.aio.insecure_channel(target)
+            else:
+                channel = grpc.aio.insecure_channel(replicas_target(target), options=[
+                    ("grpc.service_config", _REPLICAS_SERVICE_CONFIG),
+                    ("grpc.enable_retries", 1)])
+        self._channel = channel
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._timeout_s = timeout_s
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None

@@ -209,6 +209,16 @@ class LocalCluster:
             wait_port(port, proc, timeout_s, name)
         return name
 
+    def add_router(self, index: int, timeout_s: float = 120) -> tuple[int, int]:
+        """Another router (a replica: same Redis, namespace and secret, its own index from
+        the same KV events) as process ``router-{index}``; returns its (gRPC, HTTP) ports."""
+        grpc_port, http_port = free_port(), free_port()
+        proc = self._spawn(f"router-{index}", self._pdserve(
+            "router", "--port", str(grpc_port), "--http-port", str(http_port),
+            *self.router_args))
+        wait_port(http_port, proc, timeout_s, f"router-{index}")
+        return grpc_port, http_port
+
     def start(self, timeout_s: float = 300) -> LocalCluster:
         """Start everything; TimeoutError unless ready within `timeout_s` in all."""
         deadline = time.monotonic() + timeout_s

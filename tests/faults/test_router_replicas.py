@@ -1,0 +1,70 @@
+"""Two routers on one Redis serve the same cluster: each keeps its own prefix index from the
+same KV events, and a client naming both (pdserve.client.RouterClient with a list) loses no
+request that had not started streaming when one router is killed."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from pdserve.client import RouterClient, RouterError, Sampling
+from pdserve.cluster import LocalCluster
+
+pytestmark = [pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def replicas(model_dir) -> Iterator[tuple[LocalCluster, str, str]]:  # type: ignore[no-untyped-def]
+    with LocalCluster(prefill=1, decode=1, model=str(model_dir),
+                      extra_worker_args=("--kv-cache-mb", "96"),
+                      router_args=("--remote-threshold", "64")) as c:
+        grpc_port, http_port = c.add_router(1)
+        yield c, f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"
+
+
+def _index_blocks(url: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "pdserve_router_kv_index_blocks")
+
+
+async def test_killing_one_router_loses_no_request_that_had_not_started(
+        replicas, prompt_ids) -> None:  # type: ignore[no-untyped-def]
+    cluster, second_grpc, second_http = replicas
+    prompts = [list(p) for p in prompt_ids[:6]]
+    sampling = Sampling(max_tokens=8, temperature=0.0)
+    async with RouterClient([cluster.grpc_address, second_grpc]) as client:
+        before = await asyncio.gather(*(client.complete(token_ids=p, sampling=sampling)
+                                        for p in prompts))
+        # Both routers folded the same workers' events into their own index.
+        for url in (cluster.http_url, second_http):
+            for _ in range(50):
+                if _index_blocks(url) > 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert _index_blocks(url) > 0, url
+        cluster.procs["router"].send_signal(signal.SIGKILL)
+        cluster.procs["router"].wait(10)
+        # Every request sent from now on is served by the replica; none fails.
+        after = await asyncio.gather(*(client.complete(token_ids=p, sampling=sampling)
+                                       for p in prompts * 2), return_exceptions=True)
+    errors = [r for r in after if isinstance(r, BaseException)]
+    assert not errors, errors
+    for a, b in zip(after, before * 2, strict=True):
+        assert not isinstance(a, BaseException) and a.token_ids == b.token_ids
+    cluster.procs.pop("router")
+
+
+async def test_a_single_target_client_sees_the_router_go(replicas, prompt_ids) -> None:  # type: ignore[no-untyped-def]
+    """What a client that names one router sees when it is gone: UNAVAILABLE, retryable."""
+    cluster, _, _ = replicas
+    async with RouterClient(cluster.grpc_address, timeout_s=10) as client:
+        with pytest.raises(RouterError) as err:
+            await client.complete(token_ids=list(prompt_ids[0]), sampling=Sampling(max_tokens=2))
+    assert err.value.status == "UNAVAILABLE"
