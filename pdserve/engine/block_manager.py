@@ -39,12 +39,19 @@ def hash_block(parent: BlockHash | None, tokens: Seq[int], extra: bytes = b"") -
 
 
 def block_hashes(token_ids: Seq[int], block_size: int, extra: bytes = b"") -> list[BlockHash]:
-    """Chained hashes of every *full* block of ``token_ids``."""
+    """Chained hashes of every *full* block of ``token_ids``: `hash_block` down the prompt,
+    with the token bytes packed once (the router hashes every prompt it places)."""
+    n = len(token_ids) // block_size
+    raw = memoryview(array("q", token_ids[: n * block_size]).tobytes())
+    step = block_size * 8
+    parent = b"\0" * 16
     hashes: list[BlockHash] = []
-    parent: BlockHash | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], extra)
-        hashes.append(parent)
+    for off in range(0, n * step, step):
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(raw[off : off + step])
+        h.update(extra)
+        parent = h.digest()
+        hashes.append(BlockHash(parent))
     return hashes
 
 
