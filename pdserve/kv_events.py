@@ -99,9 +99,11 @@ def decode_ops(raw: bytes, *, max_ops: int) -> tuple[tuple[KVOp, bytes], ...]:
         raise KVEventError(f"{n} ops in one entry, more than the {max_ops} allowed")
     ops = []
     for i in range(0, len(raw), _OP_BYTES):
-        try:
-            op = KVOp(raw[i])
-        except ValueError:
-            raise KVEventError(f"unknown KV op {raw[i]!r}") from None
+        op = _OPS.get(raw[i])
+        if op is None:
+            raise KVEventError(f"unknown KV op {raw[i]!r}")
         ops.append((op, bytes(raw[i + 1 : i + _OP_BYTES])))
     return tuple(ops)
+
+
+_OPS = {op.value: op for op in KVOp}  # the enum's constructor costs ~0.45 us an op

@@ -28,13 +28,17 @@ class KVIndexFollower:
     def __init__(self, streams: KVEventStreams, index: KVIndex,
                  worker_ids: Callable[[], Iterable[str]], *,
                  metrics_registry: CollectorRegistry | None = None, block_ms: int = 500,
-                 count: int = 512, resync_retry_s: float = 2.0):
+                 count: int = 64, resync_retry_s: float = 2.0, yield_every: int = 64):
         self.streams = streams
         self.index = index
         self._worker_ids = worker_ids
         self.block_ms = block_ms
         self.count = count
         self.resync_retry_s = resync_retry_s
+        # The follower shares the router's event loop: folding a backlog (a router starting
+        # against full streams) yields to it every `yield_every` entries, and one read takes
+        # at most `count` entries per stream.
+        self.yield_every = yield_every
         self._offsets: dict[str, bytes] = {}
         self._asked: dict[str, float] = {}  # worker id -> when we last asked for a snapshot
         self._since: dict[str, float] = {}  # worker id -> when we started following it
@@ -78,7 +82,9 @@ class KVIndexFollower:
         entries = await self.streams.read(self._offsets, count=self.count,
                                           block_ms=self.block_ms)
         resync: set[str] = set()
-        for e in entries:
+        for n, e in enumerate(entries, 1):
+            if n % self.yield_every == 0:
+                await asyncio.sleep(0)
             if e.worker_id not in self._offsets:
                 continue  # left while we read
             self._offsets[e.worker_id] = e.entry_id

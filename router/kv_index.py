@@ -109,11 +109,13 @@ class KVIndex:
         return sum(len(w.held) for w in self._workers.values())
 
     def memory_bytes(self) -> int:
-        """The index's own memory: dict and set tables, hash keys and bitmask values (keys
-        shared between the dict and the sets are counted once)."""
+        """The index's own memory: dict and set tables, hash keys and bitmask values. Each
+        holder keeps its own copy of a hash (decoded from its own batches; the dict shares
+        the first holder's), so a key counts once per holder."""
         total = sys.getsizeof(self._holders)
         for h, mask in self._holders.items():
-            total += sys.getsizeof(h) + (sys.getsizeof(mask) if mask > 256 else 0)
+            total += sys.getsizeof(h) * mask.bit_count() + (
+                sys.getsizeof(mask) if mask > 256 else 0)
         for w in self._workers.values():
             total += sys.getsizeof(w.held)
         return total

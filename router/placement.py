@@ -16,7 +16,7 @@ from pdserve.engine.block_manager import block_hashes
 from pdserve.types import LatencyClass
 from router.cost import CostModel, decide_by_cost, local_estimate, remote_estimate
 from router.kv_index import KVIndex
-from router.policy import Decision, DecodeCandidate, RouterPolicy, choose_decode, decide_route
+from router.policy import Decision, RouterPolicy, best_decode, decide_route
 
 _NONE: Mapping[str, float] = {}
 
@@ -52,22 +52,23 @@ def cached_tokens(index: KVIndex, ids: Sequence[int],
 def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerInfo],
           prefills: Sequence[WorkerInfo], index: KVIndex, placed: Mapping[str, int],
           policy: RouterPolicy, *, cost: CostModel | None = None, target_s: float = 30.0,
-          inflight_tokens: Mapping[str, float] = _NONE) -> Placement:
+          inflight_tokens: Mapping[str, float] = _NONE, tiebreak: int = 0) -> Placement:
     """`decoders` must not be empty. `placed`: requests this router placed per decode worker
     and not finished; heartbeats lag a burst by up to a second, so those count as running
     too, or a burst would all go to the worker that looked idlest at the last heartbeat.
     With `policy.placement == "cost"`, local vs remote (and the prefill worker) follow
     router.cost against `target_s` (the latency class's TTFT target); `inflight_tokens`:
-    prompt tokens this router sent each worker to prefill that are not done yet."""
+    prompt tokens this router sent each worker to prefill that are not done yet; `tiebreak`:
+    where equal scores start (the router advances it per request)."""
     cached = cached_tokens(index, ids, decoders)
-    cands = [DecodeCandidate(w.worker_id, c, max(w.load.running, placed.get(w.worker_id, 0)),
-                             w.load.backlog, w.load.free_blocks, w.load.total_blocks)
-             for w, c in zip(decoders, cached, strict=True)]
-    best = choose_decode(cands, len(ids), policy)
-    decode = next(w for w in decoders if w.worker_id == best.worker_id)
+    rows = [(c, max(w.load.running, placed.get(w.worker_id, 0)), w.load.backlog,
+             w.load.free_blocks, w.load.total_blocks)
+            for w, c in zip(decoders, cached, strict=True)]
+    i = best_decode(rows, len(ids), policy, tiebreak)
+    decode, best_cached = decoders[i], cached[i]
     if policy.placement == "cost":
         model = cost or CostModel()
-        uncached = max(0, len(ids) - best.cached_tokens)
+        uncached = max(0, len(ids) - best_cached)
         local = local_estimate(decode.load, uncached, model,
                                inflight_tokens=inflight_tokens.get(decode.worker_id, 0.0))
         remotes = [(remote_estimate(p.load, decode.load, uncached, model,
@@ -75,9 +76,9 @@ def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerIn
                    for p in prefills]
         remote, pick = min(remotes, key=lambda r: r[0].ttft_s) if remotes else (None, None)
         decision, _ = decide_by_cost(local, remote, uncached, target_s, model)
-        return Placement(decode, pick, decision, best.cached_tokens)
+        return Placement(decode, pick, decision, best_cached)
     prefill = min(prefills, key=lambda w: (w.load.queued_tokens, w.load.running)
                   ) if prefills else None
     backlog = None if prefill is None else prefill.load.queued_tokens
-    decision = decide_route(len(ids), best.cached_tokens, latency, backlog, policy)
-    return Placement(decode, prefill, decision, best.cached_tokens)
+    decision = decide_route(len(ids), best_cached, latency, backlog, policy)
+    return Placement(decode, prefill, decision, best_cached)

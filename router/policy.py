@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -47,20 +48,39 @@ class Decision:
     uncached_tokens: int
 
 
-def choose_decode(candidates: list[DecodeCandidate], prompt_len: int,
-                  policy: RouterPolicy) -> DecodeCandidate:
-    """Least loaded, with a bonus for holding more of the prompt in the prefix cache."""
-    if not candidates:
+# A candidate as `best_decode` reads it: (cached_tokens, running, waiting, free_blocks,
+# total_blocks). Plain tuples: the router scores every decode worker on every request.
+Row = tuple[float, float, float, float, float]
+
+
+def best_decode(rows: Sequence[Row], prompt_len: int, policy: RouterPolicy,
+                tiebreak: int = 0) -> int:
+    """Index of the best row: least loaded, with a bonus for holding more of the prompt in
+    the prefix cache and a small one for free memory. Equal scores go to the first row from
+    position `tiebreak` on (round robin when the caller advances it), so idle workers share
+    new prompts instead of the same one taking them all."""
+    if not rows:
         raise ValueError("no decode candidates")
-    max_load = max(c.running + c.waiting for c in candidates) or 1.0
+    n = len(rows)
+    max_load = max(r[1] + r[2] for r in rows) or 1.0
+    weight = policy.affinity_weight / max(prompt_len, 1)
+    best, best_score = -1, float("-inf")
+    for k in range(n):
+        i = (tiebreak + k) % n
+        cached, running, waiting, free, total = rows[i]
+        score = weight * cached - (running + waiting) / max_load + (
+            0.5 * free / total if total else 0.0)
+        if score > best_score:
+            best, best_score = i, score
+    return best
 
-    def score(c: DecodeCandidate) -> tuple[float, str]:
-        load = (c.running + c.waiting) / max_load
-        affinity = c.cached_tokens / max(prompt_len, 1)
-        memory = c.free_blocks / c.total_blocks if c.total_blocks else 0.0
-        return (policy.affinity_weight * affinity - load + 0.5 * memory, c.worker_id)
 
-    return max(candidates, key=score)
+def choose_decode(candidates: list[DecodeCandidate], prompt_len: int,
+                  policy: RouterPolicy, tiebreak: int = 0) -> DecodeCandidate:
+    """`best_decode` over named candidates."""
+    rows = [(c.cached_tokens, c.running, c.waiting, c.free_blocks, c.total_blocks)
+            for c in candidates]
+    return candidates[best_decode(rows, prompt_len, policy, tiebreak)]
 
 
 def decide_route(prompt_len: int, cached_tokens: int, latency: LatencyClass,

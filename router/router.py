@@ -8,6 +8,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import itertools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -105,6 +106,7 @@ class Router:
         # Prompt tokens placed for prefill and not done, per worker (see _charge).
         self._inflight_tokens: collections.Counter[str] = collections.Counter()
         self._charges: dict[str, tuple[str, int]] = {}
+        self._tiebreak = itertools.count()  # equal-score decode workers take turns
         # request id -> the id it runs under on its decode worker, where they differ
         self._worker_ids: dict[str, str] = {}
         self._watch: asyncio.Task[None] | None = None
@@ -299,7 +301,8 @@ class Router:
                             self.kv_index, self._placed, self.config.policy,
                             cost=self.config.cost,
                             target_s=self.config.admission.deadline_s(req.latency_class),
-                            inflight_tokens=self._inflight_tokens)
+                            inflight_tokens=self._inflight_tokens,
+                            tiebreak=next(self._tiebreak))
         self._set_placement(req.request_id, p.decode.worker_id)  # before any await
         # Its prompt is pending work where it is prefilled until its first token.
         where = p.prefill if p.decision.route is Route.REMOTE else p.decode
