@@ -987,7 +987,7 @@ def run_policy(name: str, reqs: Sequence[ChatRequest], cfg: Config, inflight: in
         if name == "index":
             ids = req.conv.tokens[:prompt_len].tolist()
             p = place(ids, LatencyClass.STANDARD, sim.infos, prefills, sim.index,
-                      sim.running(), policy)
+                      sim.running(), policy, tiebreak=step)  # the router advances it too
             w = int(p.decode.worker_id.rsplit("-", 1)[1])
         elif name == "oracle":
             prompt = req.conv.tokens[:prompt_len]
@@ -995,7 +995,7 @@ def run_policy(name: str, reqs: Sequence[ChatRequest], cfg: Config, inflight: in
             cands = [DecodeCandidate(x.worker_id, x.bm.num_cached_tokens(prompt, ph),
                                      len(x.live), 0.0, x.bm.num_free_blocks, cap)
                      for x in sim.workers]
-            best = choose_decode(cands, prompt_len, policy)
+            best = choose_decode(cands, prompt_len, policy, tiebreak=step)
             w = int(best.worker_id.rsplit("-", 1)[1])
         elif name == "load_only":
             least = min(len(x.live) for x in sim.workers)
