@@ -1,0 +1,129 @@
+"""The real 1P2D cluster under bench.goodput's load, for validating the simulator.
+
+    python -m bench.sim.real --out docs/bench/cluster_sim/real_1p2d --rates 0.2,0.45,0.8 \\
+        --workload mixed-cpu --num-requests 30 --calibrate 2 --ttft-slo-ms 1500 \\
+        --tpot-slo-ms 150 --class-slo batch:15000:150 --quiet
+
+bench.goodput starts only 1P1D clusters; this starts `LocalCluster(prefill=1, decode=2)` the
+way `pdserve cluster up --prefill 1 --decode 2` lays it out on this machine (decode worker i
+pinned to CPU i, the prefill worker unpinned at nice 5), with bench.goodput's engine and
+router flags (one torch thread per worker), and sweeps it with bench.goodput's own functions,
+so the records have the same format. `--systems` picks the placements (threshold, cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+from bench.goodput import (
+    TIMINGS_HEADER,
+    UCX_NO_SPIN_ENV,
+    Setup,
+    StartedSystem,
+    Unloaded,
+    allowed_cpus,
+    build_parser,
+    calibrate,
+    loadavg,
+    machine_info,
+    replace_ns,
+    write_comparison,
+)
+from bench.loadgen.cli import config_from_args, parse_rates
+from bench.loadgen.errors import LoadgenError
+from bench.loadgen.runner import SweepResult, sweep
+
+NAMES = {"threshold": "1p2d", "cost": "1p2d-cost"}
+
+
+@contextmanager
+def one_p_two_d(setup: Setup, placement: str) -> Iterator[StartedSystem]:
+    from pdserve.cluster import LocalCluster
+
+    worker_args = (*setup.engine_args(1), "--log-level", "WARNING")
+    router_args = (
+        "--remote-threshold", str(setup.remote_threshold),
+        "--max-prefill-backlog", str(setup.max_prefill_backlog),
+        "--placement", placement,
+        "--log-level", "WARNING",
+    )  # fmt: skip
+    cluster = LocalCluster(prefill=1, decode=2, model=setup.model,
+                           extra_worker_args=worker_args, router_args=router_args,
+                           log_dir=setup.log_dir / NAMES[placement], env=dict(setup.worker_env))
+    cluster.log_dir.mkdir(parents=True, exist_ok=True)
+    with cluster:
+        affinity = {name: allowed_cpus(proc.pid) for name, proc in cluster.procs.items()}
+        layout = (f"LocalCluster 1P2D (pdserve cluster up placement: decode-i on CPU i, "
+                  f"prefill unpinned at nice {cluster.prefill_nice}), workers "
+                  f"`{' '.join(worker_args)}`, router `{' '.join(router_args)}`")
+        yield StartedSystem(NAMES[placement], cluster.http_url, layout, affinity)
+
+
+async def _main(args: argparse.Namespace, placements: Sequence[str]) -> int:
+    if args.tokenizer is None:
+        from pdserve.engine.model_store import resolve_model
+
+        args.tokenizer = str(resolve_model(args.model_path or "default", progress=False))
+    config = config_from_args(replace_ns(args, header=[*args.header, f"{TIMINGS_HEADER}:1"]),
+                              "http://127.0.0.1:1")
+    setup = Setup(model=args.model_path, kv_cache_mb=args.kv_cache_mb,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_prefill_chunk=args.max_prefill_chunk,
+                  remote_threshold=args.remote_threshold,
+                  max_prefill_backlog=args.max_prefill_backlog,
+                  log_dir=args.log_dir or args.out / "logs",
+                  worker_env={} if args.ucx_spin else dict(UCX_NO_SPIN_ENV))
+    notes: dict[str, Any] = {"command": "python -m bench.sim.real " + " ".join(sys.argv[1:]),
+                             "machine": machine_info(),
+                             "setup": {k: str(v) for k, v in vars(setup).items()},
+                             "systems": {}}
+    results: dict[str, SweepResult] = {}
+    unloaded: dict[str, list[Unloaded]] = {}
+    for i, placement in enumerate(placements):
+        if i and args.cooldown > 0:
+            await asyncio.sleep(args.cooldown)
+        started, before = time.monotonic(), loadavg()
+        with one_p_two_d(setup, placement) as system:
+            print(f"{system.name}: {system.url} {system.layout} {dict(system.affinity)}",
+                  file=sys.stderr)
+            cfg = replace(config, url=system.url)
+            if args.calibrate:
+                unloaded[system.name] = await calibrate(cfg, args.calibrate)
+            results[system.name] = await sweep(cfg, parse_rates(args.rates), label=system.name,
+                                               progress=not args.quiet,
+                                               cooldown_s=args.cooldown, fresh_prompts=True)
+        notes["systems"][system.name] = {
+            "layout": system.layout, "affinity": dict(system.affinity),
+            "loadavg_before": before, "loadavg_after": loadavg(),
+            "wall_s": round(time.monotonic() - started, 1)}
+    print(write_comparison(results, args.out, notes=notes, unloaded=unloaded))
+    print(json.dumps(notes, indent=2), file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    parser.prog = "python -m bench.sim.real"
+    parser.set_defaults(systems="threshold,cost")
+    args = parser.parse_args(argv)
+    placements = [p.strip() for p in args.systems.split(",") if p.strip()]
+    if not placements or set(placements) - set(NAMES):
+        print(f"error: --systems: some of {', '.join(NAMES)}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_main(args, placements))
+    except LoadgenError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
