@@ -1,0 +1,316 @@
+"""The simulated cluster: workers (bench.sim.workers), the router's real placement code, the
+heartbeats it reads and the KV events that feed its prefix index, on one event queue.
+
+Per request, as router/router.py does: `router.placement.place` (threshold or cost) or a
+baseline decode chooser, over `WorkerInfo`s whose `WorkerLoad` is each worker's last
+heartbeat (every `heartbeat_s`, so up to a second stale), with the router's own `placed`
+counts and in-flight prompt tokens (`_set_placement` / `_charge`) on top; the prefix index is
+a real `KVIndex` fed by each decode worker's `BlockManager` events `event_lag_s` after they
+happen. Remote: allocate on the decode worker (refused: local, as the router falls back),
+prefill on the prefill worker, transfer, admission. Deterministic for a seed: one heap
+ordered by (time, sequence number), one seeded RNG.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from bench.loadgen.config import SLO
+from bench.loadgen.metrics import RequestResult, RunSummary, summarize
+from bench.sim.workers import (
+    MODEL_ID,
+    Clock,
+    DecodeSim,
+    Host,
+    PrefillSim,
+    Progress,
+    SimRequest,
+    SimWorker,
+    StepCost,
+)
+from pdserve.control.workers import WorkerInfo
+from pdserve.kv_events import KVEventBatch
+from router import placement
+from router.admission import AdmissionConfig
+from router.cost import CostModel
+from router.kv_index import KVIndex
+from router.policy import Decision, Route, RouterPolicy, decide_route
+
+Policy = Literal["threshold", "cost", "least-loaded", "random", "round-robin"]
+POLICIES: tuple[Policy, ...] = ("threshold", "cost", "least-loaded", "random", "round-robin")
+# How the workers share CPUs: "own" (a machine each), "1p1d" (bench.goodput: prefill pinned
+# to core 0, decode to core 1), "cluster-up" (pdserve cluster up on 2 cores: decode i pinned
+# to core i, prefill unpinned at nice 5).
+Sharing = Literal["own", "1p1d", "cluster-up"]
+NICE_5 = 335.0  # CFS weight of nice 5 (nice 0: 1024)
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Time outside the engine steps, calibrated from unloaded requests (bench.cluster_sim)."""
+
+    local_s: float = 0.0  # client -> decode engine: HTTP, router, gRPC (and back)
+    remote_s: float = 0.0  # client -> prefill engine, allocate RPC and hand-off included
+    step_s: float = 0.0  # per engine step outside the model: streaming, the event loop
+    transfer_s_per_token: float = 1e-4
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    n_decode: int = 1
+    n_prefill: int = 1
+    policy: Policy = "threshold"
+    router: RouterPolicy = field(default_factory=RouterPolicy)
+    cost: CostModel = field(default_factory=CostModel)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    sharing: Sharing = "own"
+    overheads: Overheads = field(default_factory=Overheads)
+    num_blocks: int = 728  # 512 MiB of KV for SmolLM2-135M float32 (737,280 bytes a block)
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: int = 512
+    max_num_seqs: int = 64
+    heartbeat_s: float = 1.0
+    event_lag_s: float = 0.05  # publisher (<= 20 ms batches) + XREAD + apply
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.n_decode < 1 or self.n_prefill < 0:
+            raise ValueError("need >= 1 decode worker and >= 0 prefill workers")
+        if self.sharing != "own" and (self.n_prefill, self.n_decode) not in ((1, 1), (1, 2)):
+            raise ValueError(f"sharing {self.sharing!r} models 1P1D or 1P2D on 2 cores only")
+
+
+@dataclass(frozen=True)
+class SimResult:
+    config: SimConfig
+    requests: tuple[RequestResult, ...]
+    summary: RunSummary
+    prefix_hit_rate: float  # prompt tokens served from the decode workers' caches
+    routes: dict[str, int]
+    decisions: list[tuple[str, str, str]]  # per request (decode worker, route, reason)
+    leaked_blocks: int  # blocks held by a request after the run (0: every block freed)
+
+    @property
+    def goodput_rps(self) -> float:
+        """Requests per second that met both SLOs."""
+        s = self.summary
+        return s.overall.attainment.both * s.num_sent / s.duration_s if s.duration_s else 0.0
+
+
+class Simulation(Clock):
+    def __init__(self, config: SimConfig, cost: StepCost):
+        self.config = config
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._count = itertools.count()
+        self.rng = random.Random(config.seed)
+        c = config
+        hosts: list[Host] = []
+
+        def host() -> Host:
+            if c.sharing == "own" or not hosts:
+                hosts.append(Host(1 if c.sharing == "own" else 2))
+            return hosts[-1]
+
+        kw = dict(num_blocks=c.num_blocks, block_size=c.block_size,
+                  max_num_batched_tokens=c.max_num_batched_tokens,
+                  max_prefill_chunk=c.max_prefill_chunk, max_num_seqs=c.max_num_seqs,
+                  step_overhead_s=c.overheads.step_s)
+        self.decoders = [DecodeSim(f"decode-{i:03d}", self, cost, host(),
+                                   core=0 if c.sharing == "own" else
+                                   (1 if c.sharing == "1p1d" else i),
+                                   on_token=self._token, on_finish=self._finish,
+                                   on_step=self._publish, **kw)
+                         for i in range(c.n_decode)]
+        self.prefills = [PrefillSim(f"prefill-{i:03d}", self, cost, host(),
+                                    core=0 if c.sharing in ("own", "1p1d") else None,
+                                    weight=NICE_5 if c.sharing == "cluster-up" else 1024.0,
+                                    transfer_s_per_token=c.overheads.transfer_s_per_token,
+                                    **kw)
+                         for i in range(c.n_prefill)]
+        self.by_id: dict[str, SimWorker] = {w.worker_id: w
+                                            for w in [*self.decoders, *self.prefills]}
+        self.infos = {w.worker_id: WorkerInfo(
+            worker_id=w.worker_id, role="decode" if isinstance(w, DecodeSim) else "prefill",
+            grpc_address=f"127.0.0.1:{20000 + i}", model_id=MODEL_ID, epoch=1, started_at=0.0,
+            load=w.load()) for i, w in enumerate(self.by_id.values())}
+        self.index = KVIndex()
+        self._event_seq = {d.worker_id: 1 for d in self.decoders}
+        for d in self.decoders:
+            self.index.apply(d.worker_id, KVEventBatch(1, 1, c.block_size, (), snapshot=True))
+        self.placed: collections.Counter[str] = collections.Counter()
+        self.inflight_tokens: collections.Counter[str] = collections.Counter()
+        self._charges: dict[str, tuple[str, int]] = {}
+        self._tiebreak = itertools.count()
+        self._placements: dict[str, str] = {}
+        self.progress: dict[str, Progress] = {}
+        self.decisions: list[tuple[str, str, str]] = []
+        self._unfinished = 0
+
+    # ------------------------------------------------------------------ the event loop
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (t, next(self._count), fn))
+
+    def run(self, requests: Sequence[SimRequest], slo: SLO) -> SimResult:
+        for r in requests:
+            self.at(r.arrival_s, lambda r=r: self._arrive(r))  # type: ignore[misc]
+        for w in self.by_id.values():  # heartbeats at a random phase each, then every period
+            self.at(self.rng.uniform(0, self.config.heartbeat_s),
+                    lambda w=w: self._heartbeat(w))  # type: ignore[misc]
+        self._unfinished = len(requests)
+        while self._heap and self._unfinished:
+            t, _, fn = heapq.heappop(self._heap)
+            self.now = t
+            fn()
+        return self._result(requests, slo)
+
+    def _heartbeat(self, w: SimWorker) -> None:
+        self.infos[w.worker_id] = self.infos[w.worker_id].with_load(w.load())
+        self.at(self.now + self.config.heartbeat_s, lambda: self._heartbeat(w))
+
+    def _publish(self, d: DecodeSim) -> None:
+        ops = d.bm.drain_events()
+        if not ops:
+            return
+        self._event_seq[d.worker_id] += 1
+        batch = KVEventBatch(1, self._event_seq[d.worker_id], self.config.block_size,
+                             tuple((op, bytes(h)) for op, h in ops))
+        self.at(self.now + self.config.event_lag_s,
+                lambda: self.index.apply(d.worker_id, batch))  # type: ignore[func-returns-value]
+
+    # ------------------------------------------------------------------ the router
+
+    def _arrive(self, req: SimRequest) -> None:
+        c = self.config
+        p = self.progress[req.rid] = Progress(req)
+        decoders = [self.infos[d.worker_id] for d in self.decoders]
+        prefills = [self.infos[w.worker_id] for w in self.prefills]
+        tiebreak = next(self._tiebreak)
+        if c.policy in ("threshold", "cost"):
+            router_policy = RouterPolicy(**{**c.router.__dict__, "placement": c.policy})
+            pl = placement.place(req.ids, req.latency_class, decoders, prefills, self.index,
+                                 self.placed, router_policy, cost=c.cost,
+                                 target_s=c.admission.deadline_s(req.latency_class),
+                                 inflight_tokens=self.inflight_tokens, tiebreak=tiebreak)
+            decode_info, prefill_info, decision = pl.decode, pl.prefill, pl.decision
+        else:
+            decode_info = decoders[self._baseline(decoders, tiebreak)]
+            cached = placement.cached_tokens(self.index, req.ids, [decode_info])[0]
+            prefill_info = min(prefills, key=lambda w: (w.load.queued_tokens, w.load.running)
+                               ) if prefills else None
+            backlog = None if prefill_info is None else prefill_info.load.queued_tokens
+            decision = decide_route(len(req.ids), cached, req.latency_class, backlog,
+                                    c.router)
+        self._dispatch(req, p, decode_info, prefill_info, decision)
+
+    def _baseline(self, decoders: list[WorkerInfo], tiebreak: int) -> int:
+        n = len(decoders)
+        if self.config.policy == "random":
+            return self.rng.randrange(n)
+        if self.config.policy == "round-robin":
+            return tiebreak % n
+        loads = [max(w.load.running, self.placed.get(w.worker_id, 0)) + w.load.backlog
+                 for w in decoders]  # least-loaded, as the router counts load; ties rotate
+        least = min(loads)
+        return next(i % n for i in range(tiebreak, tiebreak + n) if loads[i % n] == least)
+
+    def _dispatch(self, req: SimRequest, p: Progress, decode_info: WorkerInfo,
+                  prefill_info: WorkerInfo | None, decision: Decision) -> None:
+        decode = self.by_id[decode_info.worker_id]
+        assert isinstance(decode, DecodeSim)
+        self.decisions.append((decode.worker_id, decision.route.value, decision.reason))
+        self._set_placement(req.rid, decode.worker_id)
+        p.decode = decode.worker_id
+        o = self.config.overheads
+        if decision.route is Route.REMOTE and prefill_info is not None:
+            seq = decode.allocate_remote(req)
+            if seq is not None:
+                prefill = self.by_id[prefill_info.worker_id]
+                assert isinstance(prefill, PrefillSim)
+                p.route, p.prefill = "remote", prefill.worker_id
+                self._charge(req.rid, prefill.worker_id, decision.uncached_tokens)
+                self.at(self.now + o.remote_s,
+                        lambda: prefill.submit(req, seq.num_cached_tokens, decode))
+                return
+            p.route = "fallback"
+        p.route = p.route or "local"
+        self._charge(req.rid, decode.worker_id, decision.uncached_tokens)
+
+        self.at(self.now + o.local_s, lambda: decode.add_local(req))  # type: ignore[func-returns-value]
+
+    def _set_placement(self, rid: str, worker_id: str | None) -> None:
+        old = self._placements.pop(rid, None)
+        if old is not None:
+            self.placed[old] -= 1
+            if not self.placed[old]:
+                del self.placed[old]
+        if worker_id is not None:
+            self._placements[rid] = worker_id
+            self.placed[worker_id] += 1
+
+    def _charge(self, rid: str, worker_id: str | None, tokens: int) -> None:
+        old = self._charges.pop(rid, None)
+        if old is not None:
+            self.inflight_tokens[old[0]] -= old[1]
+            if self.inflight_tokens[old[0]] <= 0:
+                del self.inflight_tokens[old[0]]
+        if worker_id is not None and tokens > 0:
+            self._charges[rid] = (worker_id, tokens)
+            self.inflight_tokens[worker_id] += tokens
+
+    # ------------------------------------------------------------------ the client
+
+    def _token(self, rid: str, t: float) -> None:
+        p = self.progress[rid]
+        if p.first_token_s is None:
+            p.first_token_s = t
+            self._charge(rid, None, 0)
+        p.tokens += 1
+        p.token_times.append(t)
+
+    def _finish(self, rid: str, cached_tokens: int) -> None:
+        p = self.progress[rid]
+        p.finish_s = self.now
+        p.cached_tokens = cached_tokens
+        self._unfinished -= 1
+        self._set_placement(rid, None)
+
+    def _result(self, requests: Sequence[SimRequest], slo: SLO) -> SimResult:
+        results = []
+        hit = total = 0
+        routes: collections.Counter[str] = collections.Counter()
+        for i, r in enumerate(requests):
+            p = self.progress.get(r.rid)
+            done = p is not None and p.finish_s is not None and p.first_token_s is not None
+            if not done or p is None or p.first_token_s is None or p.finish_s is None:
+                results.append(RequestResult(i, r.latency_class.value, len(r.ids), r.output_len,
+                                             0, r.arrival_s, None, None, error="not finished"))
+                continue
+            routes[p.route] += 1
+            hit += p.cached_tokens
+            total += len(r.ids)
+            times = p.token_times
+            results.append(RequestResult(
+                i, r.latency_class.value, len(r.ids), r.output_len, p.tokens, r.arrival_s,
+                p.first_token_s - r.arrival_s, p.finish_s - r.arrival_s,
+                tuple(b - a for a, b in itertools.pairwise(times)), status=200,
+                route=p.route))
+        end = max((p.finish_s or 0.0) for p in self.progress.values()) if self.progress else 0.0
+        leaked = sum(d.bm.num_blocks - d.bm.num_free_blocks for d in self.by_id.values())
+        return SimResult(self.config, tuple(results), summarize(results, slo, end),
+                         hit / total if total else 0.0, dict(routes), self.decisions, leaked)
+
+
+def simulate(config: SimConfig, requests: Sequence[SimRequest], slo: SLO,
+             cost: StepCost | None = None) -> SimResult:
+    return Simulation(config, cost or StepCost.load()).run(requests, slo)

@@ -1,0 +1,340 @@
+"""Simulated workers: the engine's real scheduler and block manager, priced by a step-cost
+profile instead of running a model, on a host whose cores they may share.
+
+A worker computes one engine step at a time, back to back while it has work, exactly as
+`AsyncEngine` does: `Scheduler.schedule()` picks the step (continuous batching, chunked
+prefill within the token budget, latency-class priority, preemption), the profile prices it
+(bench.engine_profile), and when the step's work is done `Scheduler.postprocess()` advances
+it. Commands that arrive during a step (a remote request's admission) wait for its end, as
+they wait for the engine thread. Tokens are dummies: every request runs to its output length
+(the real runs' lengths), so EOS never ends one early.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.engine_profile import predict
+from pdserve.control.load import WorkerLoad
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.sequence import SeqMode, SeqStatus
+from pdserve.engine.sequence import Sequence as Seq
+from pdserve.engine.step_rates import StepRates
+from pdserve.types import FinishReason, LatencyClass, SamplingParams
+
+PROFILE = Path(__file__).resolve().parents[2] / "docs/bench/cluster_sim/engine_profile.json"
+MODEL_ID = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of one step at full speed of one core, from a bench.engine_profile fit."""
+
+    coef: dict[str, float]
+
+    @classmethod
+    def load(cls, path: Path = PROFILE) -> StepCost:
+        return cls(json.loads(path.read_text())["coef"])
+
+    def step_s(self, pieces: Sequence[tuple[int, int]]) -> float:
+        """`pieces`: per scheduled sequence (context before, new tokens)."""
+        return max(predict(self.coef, pieces), 1e-4)
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    rid: str
+    arrival_s: float
+    ids: tuple[int, ...]  # prompt token ids
+    output_len: int
+    latency_class: LatencyClass
+    class_name: str = ""
+
+
+class Host:
+    """Cores shared by the workers placed on it, as Linux's CFS shares them: a busy worker
+    pinned to a core shares it with the other busy ones there in proportion to their weights
+    (nice 0: 1024, nice 5: 335); an unpinned one runs on the core with the least busy weight.
+    One worker alone on its core runs at full speed (the profile's)."""
+
+    def __init__(self, cores: int):
+        self.cores = cores
+        self.workers: list[SimWorker] = []
+
+    def speeds(self) -> dict[SimWorker, float]:
+        load = [0.0] * self.cores
+        busy = [w for w in self.workers if w.busy]
+        where: dict[SimWorker, int] = {}
+        for w in busy:
+            if w.core is not None:
+                where[w] = w.core
+                load[w.core] += w.weight
+        for w in busy:
+            if w.core is None:
+                c = min(range(self.cores), key=lambda i: (load[i], i))
+                where[w] = c
+                load[c] += w.weight
+        return {w: w.weight / load[c] for w, c in where.items()}
+
+
+class Clock:
+    """What workers need from the event loop: the time and a way to be called back."""
+
+    now: float
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        raise NotImplementedError
+
+
+class SimWorker:
+    """One worker's engine: steps, CPU share, measured rates (`StepRates`, as published)."""
+
+    def __init__(self, worker_id: str, clock: Clock, cost: StepCost, host: Host, *,
+                 core: int | None = None, weight: float = 1024.0, num_blocks: int = 728,
+                 block_size: int = 16, max_num_batched_tokens: int = 2048,
+                 max_prefill_chunk: int = 512, max_num_seqs: int = 64,
+                 step_overhead_s: float = 0.0):
+        self.worker_id = worker_id
+        self.clock, self.cost, self.host = clock, cost, host
+        self.core, self.weight = core, weight
+        self.step_overhead_s = step_overhead_s
+        self.bm = BlockManager(num_blocks, block_size, hash_extra=MODEL_ID.encode(),
+                               record_events=True)
+        self.sched = Scheduler(EngineConfig(
+            block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_prefill_chunk=max_prefill_chunk), self.bm)
+        self.rates = StepRates()
+        self.busy = False
+        self.steps = 0
+        self._out: SchedulerOutput | None = None
+        self._left = 0.0  # work (seconds at full speed) left in the current step
+        self._speed = 1.0
+        self._since = 0.0
+        self._started = 0.0
+        self._version = 0
+        host.workers.append(self)
+
+    # ------------------------------------------------------------------ stepping
+
+    def kick(self) -> None:
+        """Start the next step if idle and there is work."""
+        if self.busy or not self.sched.has_work:
+            return
+        out = self.sched.schedule()
+        if not out.scheduled:
+            return
+        self._out = out
+        self._left = self.step_overhead_s + self.cost.step_s(
+            [(s.start, s.num_new_tokens) for s in out.scheduled])
+        self._started = self._since = self.clock.now
+        self.busy = True
+        self._reshare()
+
+    def _reshare(self) -> None:
+        """Someone on the host started or stopped: bring every busy worker's progress up to
+        now and reschedule its step's end at its new speed."""
+        now = self.clock.now
+        speeds = self.host.speeds()
+        for w in self.host.workers:
+            if not w.busy:
+                continue
+            w._left -= w._speed * (now - w._since)
+            w._since, w._speed = now, speeds[w]
+            w._version += 1
+            version = w._version
+            w.clock.at(now + max(w._left, 0.0) / w._speed,
+                       lambda w=w, v=version: w._step_end(v))  # type: ignore[misc]
+
+    def _step_end(self, version: int) -> None:
+        if version != self._version or not self.busy:
+            return  # rescheduled since
+        out, self._out = self._out, None
+        assert out is not None
+        self.busy = False
+        self.steps += 1
+        self._left = 0.0
+        self.sched.postprocess(out)
+        prefill_tokens = sum(s.num_new_tokens for s in out.scheduled
+                             if s.start < s.seq.num_prompt_tokens)
+        self.rates.observe(self.clock.now - self._started, prefill_tokens)
+        sampled = [s.seq for s in out.scheduled
+                   if s.start + s.num_new_tokens == s.seq.num_tokens]
+        self.on_step(sampled)
+        self._reshare()
+        self.kick()
+
+    def on_step(self, sampled: list[Seq]) -> None:
+        """`sampled`: the sequences whose step produced a token (their logits row)."""
+        raise NotImplementedError
+
+    def load(self) -> WorkerLoad:
+        """The record its next heartbeat publishes."""
+        raise NotImplementedError
+
+    def base_load(self) -> WorkerLoad:
+        return WorkerLoad(
+            free_blocks=self.bm.num_free_blocks, total_blocks=self.bm.num_blocks,
+            prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
+            decode_step_s=self.rates.decode_step_s,
+            waiting_prompt_tokens=self.sched.waiting_prompt_tokens,
+            engine_running=len(self.sched.running), engine_waiting=self.sched.num_waiting)
+
+
+def _seq(req: SimRequest, now: float, mode: SeqMode = SeqMode.GENERATE,
+         max_tokens: int | None = None) -> Seq:
+    return Seq(req.rid, list(req.ids), SamplingParams(
+        max_tokens=max_tokens or req.output_len, ignore_eos=True),
+        latency_class=req.latency_class, mode=mode, arrival=now)
+
+
+@dataclass
+class Progress:
+    """What the client sees of one request."""
+
+    req: SimRequest
+    route: str = ""
+    decode: str = ""
+    prefill: str = ""
+    cached_tokens: int = 0  # prompt tokens served from the decode worker's prefix cache
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    tokens: int = 0
+    token_times: list[float] = field(default_factory=list)
+
+
+class DecodeSim(SimWorker):
+    """A decode worker: local requests (prefilled here, chunked) and remote ones (blocks
+    allocated, KV written from outside, admitted between steps with their first token)."""
+
+    def __init__(self, *args: object, on_token: Callable[[str, float], None],
+                 on_finish: Callable[[str, int], None],
+                 on_step: Callable[[DecodeSim], None], **kwargs: object):
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.on_token, self.on_finish, self.after_step = on_token, on_finish, on_step
+        self.seqs: dict[str, Seq] = {}
+        self._admits: list[str] = []
+
+    def add_local(self, req: SimRequest) -> Seq:
+        seq = self.seqs[req.rid] = _seq(req, self.clock.now)
+        self.sched.add(seq)
+        self.kick()
+        return seq
+
+    def allocate_remote(self, req: SimRequest) -> Seq | None:
+        """Blocks for a remote prefill, or None (the router prefills locally): pending
+        transfers may hold at most half the pool, as decode_svc allows."""
+        seq = _seq(req, self.clock.now)
+        pending = sum(len(s.block_table) for s in self.sched.awaiting_kv.values())
+        if pending + self.bm.blocks_needed(seq.num_tokens) > self.bm.num_blocks // 2:
+            return None
+        if not self.sched.allocate_remote(seq):
+            return None
+        self.seqs[req.rid] = seq
+        return seq
+
+    def kv_landed(self, rid: str) -> None:
+        """The KV and the first token arrived: admitted at the engine's next command turn."""
+        self._admits.append(rid)
+        if not self.busy:
+            self._admit_pending()
+            self.kick()
+
+    def _admit_pending(self) -> None:
+        for rid in self._admits:
+            seq = self.seqs[rid]
+            self.sched.admit_remote(seq, 0)
+            self._token(seq)
+        self._admits.clear()
+        self.after_step(self)
+
+    def on_step(self, sampled: list[Seq]) -> None:
+        for seq in sampled:
+            seq.append_token(0)
+            self._token(seq)
+        self._admit_pending()
+        self.after_step(self)
+
+    def _token(self, seq: Seq) -> None:
+        self.on_token(seq.request_id, self.clock.now)
+        if seq.num_output_tokens >= seq.sampling.max_tokens:
+            self.sched.finish(seq, FinishReason.LENGTH)
+            del self.seqs[seq.request_id]
+            self.on_finish(seq.request_id, seq.num_cached_tokens)
+
+    def load(self) -> WorkerLoad:
+        base = self.base_load()
+        waiting = self.sched.num_waiting
+        return WorkerLoad(**{**base.to_dict(), "running": len(self.sched.running),
+                             "waiting": waiting, "awaiting_kv": len(self.sched.awaiting_kv),
+                             "streams": len(self.seqs)})
+
+
+class PrefillSim(SimWorker):
+    """A prefill worker: at most `max_inflight` prompts in its engine or sending KV (the
+    rest queue by latency class, then arrival), each computed prefill-only, then its KV sent
+    to the decode worker (`transfer_s_per_token` of the part the decode worker lacks)."""
+
+    def __init__(self, *args: object, transfer_s_per_token: float, max_inflight: int = 4,
+                 **kwargs: object):
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.transfer_s_per_token = transfer_s_per_token
+        self.max_inflight = max_inflight
+        self.active = 0
+        self.queued_tokens = 0
+        self.measured_transfer_s_per_token = 0.0
+        self._queue: list[tuple[tuple[int, float], int, SimRequest, int, DecodeSim]] = []
+        self._count = itertools.count()
+        self._jobs: dict[str, tuple[SimRequest, int, DecodeSim]] = {}
+
+    def submit(self, req: SimRequest, skip_tokens: int, decode: DecodeSim) -> None:
+        """`skip_tokens`: the prompt's leading tokens the decode worker has cached."""
+        if self.active < self.max_inflight and not self._queue:
+            self._start(req, skip_tokens, decode)
+            return
+        self.queued_tokens += len(req.ids)
+        heapq.heappush(self._queue, ((req.latency_class.priority, self.clock.now),
+                                     next(self._count), req, skip_tokens, decode))
+
+    def _start(self, req: SimRequest, skip: int, decode: DecodeSim) -> None:
+        self.active += 1
+        self._jobs[req.rid] = (req, skip, decode)
+        self.sched.add(_seq(req, self.clock.now, SeqMode.PREFILL_ONLY, max_tokens=1))
+        self.kick()
+
+    def on_step(self, sampled: list[Seq]) -> None:
+        for seq in sampled:
+            seq.append_token(0)
+            self.sched.finish(seq, FinishReason.LENGTH)  # held: its blocks are kept
+            req, skip, decode = self._jobs.pop(seq.request_id)
+            tokens = max(1, len(req.ids) - skip)
+            seconds = tokens * self.transfer_s_per_token
+            self.clock.at(self.clock.now + seconds,
+                          lambda s=seq, r=req, d=decode, t=seconds, n=tokens:
+                          self._sent(s, r, d, t, n))
+
+    def _sent(self, seq: Seq, req: SimRequest, decode: DecodeSim, seconds: float,
+              tokens: int) -> None:
+        if seq.status is SeqStatus.HELD:
+            self.sched.release(seq)
+        rate, old = seconds / tokens, self.measured_transfer_s_per_token
+        self.measured_transfer_s_per_token = rate if old == 0.0 else old + 0.2 * (rate - old)
+        self.active -= 1
+        if self._queue:
+            _, _, nreq, nskip, ndecode = heapq.heappop(self._queue)
+            self.queued_tokens -= len(nreq.ids)
+            self._start(nreq, nskip, ndecode)
+        decode.kv_landed(req.rid)
+
+    def load(self) -> WorkerLoad:
+        base = self.base_load()
+        return WorkerLoad(**{**base.to_dict(), "running": self.active,
+                             "queued": len(self._queue), "queued_tokens": self.queued_tokens,
+                             "kv_transfer_s_per_token": self.measured_transfer_s_per_token})
