@@ -1,0 +1,346 @@
+"""A discrete-event simulator of a pdserve cluster, to compare placement policies at scale.
+
+    # predicted vs measured on the real runs' own traces (bench.goodput / bench.sim.real):
+    python -m bench.cluster_sim validate --real docs/bench/cluster_sim/real_1p1d:1p1d \\
+        --real docs/bench/cluster_sim/real_1p2d:1p2d --out docs/bench/cluster_sim/validation.json
+    # policies at 8-256 decode workers, mixed and multi-turn chat workloads:
+    python -m bench.cluster_sim compare --workers 8,16,64,256 \\
+        --out docs/bench/cluster_sim/compare.json
+
+The simulator (bench/sim/) runs the engine's own `Scheduler` and `BlockManager` per worker,
+prices each step with the step-cost profile measured on this machine (bench.engine_profile,
+docs/bench/cluster_sim/engine_profile.json), and places every request with the router's own
+`router.placement.place` (threshold, cost) over stale heartbeat loads and a `KVIndex` fed by
+the workers' KV events; least-loaded, random and round-robin pick the decode worker
+themselves and decide local vs remote by the threshold rule. Time outside the engine steps
+(HTTP, router, RPCs, streaming) is calibrated from each real run's *unloaded* requests
+(bench.goodput --calibrate), never from the loaded runs it is compared with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import re
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from bench.loadgen.arrivals import arrival_times
+from bench.loadgen.config import SLO
+from bench.loadgen.metrics import GroupSummary, Percentiles
+from bench.loadgen.workload import build_requests, named_workload
+from bench.sim.cluster import POLICIES, Overheads, Policy, SimConfig, SimResult, simulate
+from bench.sim.workers import SimRequest, StepCost
+from pdserve.types import LatencyClass
+from router.policy import RouterPolicy
+
+# bench.goodput's mixed SLOs (docs/bench/goodput: TTFT 1500 ms / TPOT 150 ms, batch 15 s).
+MIXED_SLO = SLO(ttft_ms=1500.0, tpot_ms=150.0, target=0.9, per_class=(("batch", 15000.0, 150.0),))
+# bench.goodput's router flags: remote prefill from 512 uncached tokens, no backlog limit.
+GOODPUT_ROUTER = RouterPolicy(remote_min_uncached_tokens=512,
+                              max_prefill_backlog_tokens=1_000_000)
+TRANSFER_S_PER_TOKEN = 8.7e-5  # median kv_transfer_ms / prompt tokens, goodput_placement run3
+
+
+# --------------------------------------------------------------------------- traces
+
+
+def _ids(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(100, 40000) for _ in range(n))
+
+
+def trace_from_record(path: Path, seed: int = 0) -> tuple[list[SimRequest], dict[str, Any]]:
+    """A real run's requests (bench.loadgen per-rate JSON) as they were sent: arrival, prompt
+    and output lengths, latency class. Prompt ids are drawn at random: the loadgen's
+    synthetic prompts are random words, so no two share a block either."""
+    rec = json.loads(path.read_text())
+    rng = random.Random(seed)
+    reqs = [SimRequest(f"r{r['index']}", float(r["start_s"]), _ids(rng, int(r["prompt_tokens"])),
+                       max(1, int(r["output_tokens"] or r["max_tokens"])),
+                       LatencyClass(r["latency_class"]))
+            for r in rec["requests"]]
+    return sorted(reqs, key=lambda r: r.arrival_s), rec
+
+
+def trace_mixed(n: int, rate: float, seed: int, workload: str = "mixed-cpu"
+                ) -> list[SimRequest]:
+    """bench.loadgen's workload and Poisson arrivals, as bench.goodput sends them."""
+    rng = random.Random(seed)
+    specs = build_requests(named_workload(workload), n, seed)
+    times = arrival_times(n, rate, 1.0, seed)
+    return [SimRequest(f"r{s.index}", float(t), _ids(rng, s.prompt_len), s.output_len,
+                       LatencyClass(s.latency_class), s.class_name)
+            for s, t in zip(specs, times, strict=True)]
+
+
+def trace_chat(n: int, rate: float, seed: int, open_conversations: int) -> list[SimRequest]:
+    """Multi-turn chat (bench.router_scale's corpus: 32 shared system prompts of 300-800
+    tokens, conversations of 3-8 turns whose histories grow), interactive class; replies of
+    30-120 tokens (router_scale's 100-300 would make every request a 10 s stream here)."""
+    from bench.router_scale import ChatSpec, chat_stream, make_systems
+
+    rng = random.Random(seed)
+    systems = make_systems(rng, 32, 300, 800)
+    spec = ChatSpec(turns=(3, 8), user=(50, 200), assistant=(30, 120), max_prompt=3000)
+    stream = chat_stream(rng, systems, spec, open_conversations)
+    times = arrival_times(n, rate, 1.0, seed)
+    return [SimRequest(f"r{i}", float(t), tuple(c.conv.tokens[:c.prompt_len]),
+                       c.full_len - c.prompt_len, LatencyClass.INTERACTIVE, "chat")
+            for i, (c, t) in enumerate(zip(itertools.islice(stream, n), times, strict=True))]
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+@dataclass(frozen=True)
+class Unloaded:
+    request_class: str
+    prompt_tokens: float
+    ttft_ms: float
+    tpot_ms: float
+
+
+def read_unloaded(comparison_md: Path, system: str) -> dict[str, Unloaded]:
+    """bench.goodput's "Unloaded" table rows of one system (p50s), by request class."""
+    out = {}
+    pat = re.compile(rf"^\| {re.escape(system)} \| ([\w-]+) \((\w+)\) \| (\d+) \| ([\d.]+) "
+                     r"\| ([\d.]+) \| [\d.]+ \| ([\d.]+) \|$")
+    for line in comparison_md.read_text().splitlines():
+        m = pat.match(line)
+        if m:
+            out[m.group(1)] = Unloaded(m.group(1), float(m.group(4)), float(m.group(5)),
+                                       float(m.group(6)))
+    return out
+
+
+def prefill_s(cost: StepCost, n: int, chunk: int = 512) -> float:
+    """A lone prompt of n tokens, chunked, on an idle engine."""
+    return sum(cost.step_s([(k, min(chunk, n - k))]) for k in range(0, n, chunk))
+
+
+def calibrate(unloaded: dict[str, Unloaded], cost: StepCost) -> Overheads:
+    """Time outside the modelled steps, from one-at-a-time requests: a chat prompt (local)
+    gives the per-step streaming overhead (its TPOT minus a one-row decode step) and the
+    local path's fixed cost (its TTFT minus its prefill); a long-batch one (remote) the
+    remote path's (its TTFT minus prefill and transfer)."""
+    chat, batch = unloaded["chat"], unloaded["long-batch"]
+    ctx = int(chat.prompt_tokens) + 24
+    step = max(0.0, chat.tpot_ms / 1e3 - cost.step_s([(ctx, 1)]))
+    local = max(0.0, chat.ttft_ms / 1e3 - prefill_s(cost, int(chat.prompt_tokens)) - step)
+    n = int(batch.prompt_tokens)
+    chunks = -(-n // 512)
+    remote = max(0.0, batch.ttft_ms / 1e3 - prefill_s(cost, n) - chunks * step
+                 - n * TRANSFER_S_PER_TOKEN)
+    return Overheads(local_s=local, remote_s=remote, step_s=step,
+                     transfer_s_per_token=TRANSFER_S_PER_TOKEN)
+
+
+# --------------------------------------------------------------------------- validation
+
+# (record directory, system name in it, layout) for each real cluster and placement.
+SYSTEMS = {
+    "1p1d": (("disaggregated", "threshold"), ("disaggregated-cost", "cost")),
+    "1p2d": (("1p2d", "threshold"), ("1p2d-cost", "cost")),
+}
+
+
+def _pcts(g: GroupSummary | None) -> dict[str, float | None]:
+    def get(p: Percentiles | None, q: str) -> float | None:
+        return None if p is None else round(getattr(p, q), 1)
+
+    return {"ttft_p50": get(g and g.ttft_ms, "p50"), "ttft_p90": get(g and g.ttft_ms, "p90"),
+            "tpot_p50": get(g and g.tpot_ms, "p50"), "tpot_p90": get(g and g.tpot_ms, "p90")}
+
+
+def metrics_of(summary: Any) -> dict[str, dict[str, float | None]]:
+    """TTFT/TPOT p50/p90 (ms) overall and per latency class, from a loadgen RunSummary (the
+    real run's is read back from JSON as a dict)."""
+    if isinstance(summary, dict):
+        def pc(d: dict[str, Any] | None) -> dict[str, float | None]:
+            def get(k: str, q: str) -> float | None:
+                v = d and d.get(k)
+                return None if not v else round(v[q], 1)
+
+            return {"ttft_p50": get("ttft_ms", "p50"), "ttft_p90": get("ttft_ms", "p90"),
+                    "tpot_p50": get("tpot_ms", "p50"), "tpot_p90": get("tpot_ms", "p90")}
+
+        return {"all": pc(summary["overall"]),
+                **{c: pc(g) for c, g in summary["by_class"].items()}}
+    return {"all": _pcts(summary.overall),
+            **{c: _pcts(g) for c, g in summary.by_class.items()}}
+
+
+def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int
+             ) -> dict[str, Any]:
+    rows = []
+    calib: dict[str, Any] = {}
+    for root, layout in reals:
+        systems = SYSTEMS[layout]
+        unloaded = read_unloaded(root / "comparison.md", systems[0][0])
+        overheads = calibrate(unloaded, cost)
+        calib[layout] = {"unloaded": {k: asdict(v) for k, v in unloaded.items()},
+                         "overheads": asdict(overheads)}
+        for system, policy in systems:
+            for path in sorted((root / system).glob("rate_*.json")):
+                reqs, rec = trace_from_record(path, seed)
+                cfg = SimConfig(n_decode=2 if layout == "1p2d" else 1, n_prefill=1,
+                                policy=policy, router=GOODPUT_ROUTER,  # type: ignore[arg-type]
+                                sharing="cluster-up" if layout == "1p2d" else "1p1d",
+                                overheads=overheads, seed=seed)
+                slo = SLO(**{**rec["config"]["slo"],
+                             "per_class": tuple(map(tuple, rec["config"]["slo"]["per_class"]))})
+                sim = simulate(cfg, reqs, slo, cost)
+                measured, predicted = metrics_of(rec["summary"]), metrics_of(sim.summary)
+                real_routes: dict[str, int] = {}
+                for r in rec["requests"]:
+                    real_routes[r.get("route") or "?"] = real_routes.get(r.get("route") or "?",
+                                                                         0) + 1
+                err = {g: {k: None if not m.get(k) or predicted.get(g, {}).get(k) is None
+                           else round(predicted[g][k] / m[k] - 1, 3)  # type: ignore[operator]
+                           for k in m} for g, m in measured.items()}
+                rows.append({
+                    "layout": layout, "policy": policy, "rate": rec["config"]["rate"],
+                    "n": len(reqs), "measured": measured, "predicted": predicted,
+                    "relative_error": err,
+                    "attainment": {"measured": rec["summary"]["overall"]["attainment"]["both"],
+                                   "predicted": sim.summary.overall.attainment.both},
+                    "routes": {"measured": real_routes, "predicted": sim.routes}})
+    return {"calibration": calib, "rows": rows}
+
+
+def validation_table(v: dict[str, Any]) -> str:
+    lines = ["| layout | policy | rate | class | TTFT p50 meas / sim (err) | TTFT p90 | "
+             "TPOT p50 | TPOT p90 |", "|---|---|---|---|---|---|---|---|"]
+    for r in v["rows"]:
+        for g in r["measured"]:
+            cells = []
+            for k in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"):
+                m, p = r["measured"][g].get(k), r["predicted"].get(g, {}).get(k)
+                e = r["relative_error"][g].get(k)
+                cells.append("n/a" if m is None or p is None else
+                             f"{m:.0f} / {p:.0f} ({e:+.0%})")
+            lines.append(f"| {r['layout']} | {r['policy']} | {r['rate']:g} | {g} | "
+                         + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- policy comparison
+
+
+def compare(workers: Sequence[int], policies: Sequence[Policy], workloads: Sequence[str],
+            loads: Sequence[float], n_per_worker: int, cost: StepCost, seed: int,
+            overheads: Overheads) -> list[dict[str, Any]]:
+    """Each (workload, N decode workers + N/4 prefill, per-worker rate, policy) once, on a
+    machine each. The rate is `load` requests/s per decode worker; requests:
+    `n_per_worker` x N (at least 200)."""
+    rows = []
+    for workload in workloads:
+        for n in workers:
+            for load in loads:
+                rate = load * n
+                count = max(200, n_per_worker * n)
+                reqs = (trace_mixed(count, rate, seed) if workload == "mixed" else
+                        trace_chat(count, rate, seed, open_conversations=8 * n))
+                for policy in policies:
+                    cfg = SimConfig(n_decode=n, n_prefill=max(1, n // 4), policy=policy,
+                                    router=GOODPUT_ROUTER, overheads=overheads, seed=seed)
+                    t = time.perf_counter()
+                    sim = simulate(cfg, reqs, MIXED_SLO, cost)
+                    row = summary_row(sim)
+                    row.update(workload=workload, decode_workers=n, prefill_workers=cfg.n_prefill,
+                               rate_per_worker=load, rate=rate, requests=count,
+                               wall_s=round(time.perf_counter() - t, 1))
+                    rows.append(row)
+                    print(f"{workload:6} N={n:<4} load={load:<5g} {policy:13} "
+                          f"att={row['attainment']:.2f} goodput={row['goodput_rps']:.2f}/s "
+                          f"hit={row['prefix_hit_rate']:.2f} ({row['wall_s']} s)",
+                          file=sys.stderr, flush=True)
+    return rows
+
+
+def summary_row(sim: SimResult) -> dict[str, Any]:
+    s = sim.summary
+    return {"policy": sim.config.policy, "attainment": round(s.overall.attainment.both, 3),
+            "goodput_rps": round(sim.goodput_rps, 3),
+            "prefix_hit_rate": round(sim.prefix_hit_rate, 3), "routes": sim.routes,
+            "errors": s.overall.num_errors, "metrics": metrics_of(s),
+            "attainment_by_class": {c: round(g.attainment.both, 3)
+                                    for c, g in s.by_class.items()}}
+
+
+def compare_table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = ["| workload | N decode | req/s per worker | policy | SLO att. | goodput req/s | "
+             "prefix hit | TTFT p50 / p90 ms | TPOT p50 / p90 ms | remote share |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m = r["metrics"]["all"]
+        n = sum(r["routes"].values()) or 1
+        lines.append(
+            f"| {r['workload']} | {r['decode_workers']} | {r['rate_per_worker']:g} | "
+            f"{r['policy']} | {r['attainment']:.0%} | {r['goodput_rps']:.2f} | "
+            f"{r['prefix_hit_rate']:.0%} | {m['ttft_p50'] or 0:.0f} / {m['ttft_p90'] or 0:.0f} "
+            f"| {m['tpot_p50'] or 0:.0f} / {m['tpot_p90'] or 0:.0f} | "
+            f"{r['routes'].get('remote', 0) / n:.0%} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _real(text: str) -> tuple[Path, str]:
+    path, _, layout = text.rpartition(":")
+    if layout not in SYSTEMS:
+        raise argparse.ArgumentTypeError(f"expected DIR:LAYOUT with LAYOUT in {list(SYSTEMS)}")
+    return Path(path), layout
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.cluster_sim",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", type=Path, default=None, help="bench.engine_profile JSON")
+    ap.add_argument("--seed", type=int, default=0)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("validate", help="predicted vs measured on real runs' traces")
+    v.add_argument("--real", type=_real, action="append", required=True,
+                   help="DIR:LAYOUT, a bench.goodput / bench.sim.real output (1p1d or 1p2d)")
+    v.add_argument("--out", type=Path, required=True)
+    c = sub.add_parser("compare", help="policies at scale")
+    c.add_argument("--workers", default="8,16,64,256")
+    c.add_argument("--policies", default=",".join(POLICIES))
+    c.add_argument("--workloads", default="mixed,chat")
+    c.add_argument("--loads", default="0.3,0.5,0.7,0.9", help="req/s per decode worker")
+    c.add_argument("--requests-per-worker", type=int, default=25)
+    c.add_argument("--calibration", type=Path, default=None,
+                   help="a validate output: use its 1p1d overheads (default: none)")
+    c.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    cost = StepCost.load(args.profile) if args.profile else StepCost.load()
+    record: dict[str, Any] = {"command": "python -m bench.cluster_sim " + " ".join(
+        sys.argv[1:] if argv is None else argv)}
+    if args.cmd == "validate":
+        record.update(validate(args.real, cost, args.seed))
+        print(validation_table(record))
+    else:
+        overheads = Overheads(transfer_s_per_token=TRANSFER_S_PER_TOKEN)
+        if args.calibration:
+            o = json.loads(args.calibration.read_text())["calibration"]["1p1d"]["overheads"]
+            overheads = replace(Overheads(**o))
+        rows = compare([int(x) for x in args.workers.split(",")],
+                       [p for p in args.policies.split(",") if p],  # type: ignore[misc]
+                       args.workloads.split(","), [float(x) for x in args.loads.split(",")],
+                       args.requests_per_worker, cost, args.seed, overheads)
+        record.update(overheads=asdict(overheads), rows=rows)
+        print(compare_table(rows))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
