@@ -1,0 +1,140 @@
+"""The cluster simulator (bench.cluster_sim, bench/sim/): it places with the router's own code,
+is deterministic, loses no request and no KV block, and prices an idle request exactly as the
+step-cost profile says."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import router.placement
+from bench.cluster_sim import GOODPUT_ROUTER, MIXED_SLO, trace_chat, trace_mixed
+from bench.sim.cluster import Overheads, SimConfig, SimResult, simulate
+from bench.sim.workers import Host, SimRequest, SimWorker, StepCost
+from pdserve.types import LatencyClass
+
+COST = StepCost.load()
+OVERHEADS = Overheads(local_s=0.05, remote_s=0.04, step_s=0.01, transfer_s_per_token=1e-4)
+
+
+def run(policy: str = "threshold", *, n_decode: int = 1, reqs: list[SimRequest] | None = None,
+        **kw: Any) -> SimResult:
+    cfg = SimConfig(n_decode=n_decode, n_prefill=max(1, n_decode // 4), policy=policy,  # type: ignore[arg-type]
+                    router=GOODPUT_ROUTER, overheads=kw.pop("overheads", OVERHEADS), **kw)
+    return simulate(cfg, reqs if reqs is not None else trace_mixed(30, 0.5, 1), MIXED_SLO, COST)
+
+
+@pytest.mark.parametrize("policy", ["threshold", "cost"])
+def test_places_with_the_routers_own_function(policy: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    real = router.placement.place
+    calls: list[router.placement.Placement] = []
+
+    def spy(*args: Any, **kwargs: Any) -> router.placement.Placement:
+        p = real(*args, **kwargs)
+        assert real(*args, **kwargs) == p  # a pure function of what the router sees
+        calls.append(p)
+        return p
+
+    monkeypatch.setattr(router.placement, "place", spy)
+    reqs = trace_mixed(30, 0.8, 2)
+    res = run(policy, n_decode=2, reqs=reqs, sharing="cluster-up")
+    assert len(calls) == len(reqs)
+    assert res.decisions == [(p.decode.worker_id, p.decision.route.value, p.decision.reason)
+                             for p in calls]
+    if policy == "threshold":  # bench.goodput's rule: remote from 512 uncached tokens
+        long = [i for i, r in enumerate(reqs) if len(r.ids) >= 512]
+        assert long and all(res.decisions[i][1] == "remote" for i in long)
+
+
+def test_baselines_do_not_call_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("baselines choose the decode worker themselves")
+
+    monkeypatch.setattr(router.placement, "place", boom)
+    res = run("round-robin", n_decode=4)
+    assert [d for d, _, _ in res.decisions[:8]] == [f"decode-{i % 4:03d}" for i in range(8)]
+
+
+def test_deterministic_for_a_seed() -> None:
+    def fingerprint(r: SimResult) -> list[Any]:
+        return [(q.ttft_s, q.e2e_s, q.route) for q in r.requests]
+
+    reqs = trace_chat(120, 6.0, 3, open_conversations=16)
+    for policy in ("cost", "random"):
+        a, b = run(policy, n_decode=4, reqs=reqs), run(policy, n_decode=4, reqs=reqs)
+        assert fingerprint(a) == fingerprint(b) and a.decisions == b.decisions
+
+
+@pytest.mark.parametrize("policy", ["threshold", "cost", "least-loaded", "random"])
+def test_every_request_finishes_and_every_block_is_freed(policy: str) -> None:
+    # A small pool and a burst: preemption (recompute) happens, and must lose nothing.
+    reqs = trace_chat(150, 30.0, 4, open_conversations=12)
+    res = run(policy, n_decode=4, reqs=reqs, num_blocks=400)
+    assert res.summary.overall.num_errors == 0
+    assert all(q.output_tokens == r.output_len for q, r in zip(res.requests, reqs, strict=True))
+    assert res.leaked_blocks == 0
+    assert sum(res.routes.values()) == len(reqs)
+    assert res.prefix_hit_rate > 0.2  # shared system prompts and growing histories
+
+
+def _one(n: int, out: int) -> list[SimRequest]:
+    return [SimRequest("r0", 0.0, tuple(range(100, 100 + n)), out, LatencyClass.INTERACTIVE)]
+
+
+def test_idle_local_request_costs_the_profile() -> None:
+    n, out, o = 100, 6, OVERHEADS
+    q = run("threshold", reqs=_one(n, out)).requests[0]
+    assert q.route == "local"
+    assert q.ttft_s == pytest.approx(o.local_s + o.step_s + COST.step_s([(0, n)]))
+    steps = [o.step_s + COST.step_s([(n + k, 1)]) for k in range(out - 1)]
+    assert q.tpot_s == pytest.approx(sum(steps) / len(steps))
+
+
+def test_idle_remote_request_costs_the_profile() -> None:
+    n, out, o = 1200, 4, OVERHEADS
+    q = run("threshold", reqs=_one(n, out)).requests[0]
+    assert q.route == "remote"
+    chunks = [o.step_s + COST.step_s([(k, min(512, n - k))]) for k in range(0, n, 512)]
+    assert q.ttft_s == pytest.approx(o.remote_s + sum(chunks) + n * o.transfer_s_per_token)
+    steps = [o.step_s + COST.step_s([(n + k, 1)]) for k in range(out - 1)]
+    assert q.tpot_s == pytest.approx(sum(steps) / len(steps))
+
+
+class _Busy(SimWorker):
+    def __init__(self, core: int | None, weight: float, host: Host) -> None:
+        self.core, self.weight, self.busy = core, weight, True
+        host.workers.append(self)
+
+
+def test_cpu_sharing_follows_cfs_weights() -> None:
+    host = Host(2)
+    d0, d1, p = _Busy(0, 1024.0, host), _Busy(1, 1024.0, host), _Busy(None, 335.0, host)
+    s = host.speeds()
+    assert s[d0] == pytest.approx(1024 / 1359) and s[d1] == 1.0
+    assert s[p] == pytest.approx(335 / 1359)
+    d1.busy = False  # an idle core: the unpinned prefill worker gets it whole
+    s = host.speeds()
+    assert s[d0] == 1.0 and s[p] == 1.0
+
+
+def test_scales_to_many_workers() -> None:
+    res = run("cost", n_decode=64, reqs=trace_mixed(300, 32.0, 5))
+    assert res.summary.overall.num_errors == 0 and res.leaked_blocks == 0
+    used = {d for d, _, _ in res.decisions}
+    assert len(used) > 32  # load spreads over the fleet
+
+
+def test_config_is_checked() -> None:
+    bad: list[Callable[[], object]] = [
+        lambda: SimConfig(policy="best"),  # type: ignore[arg-type]
+        lambda: SimConfig(n_decode=0),
+        lambda: SimConfig(n_decode=4, sharing="cluster-up"),
+    ]
+    for make in bad:
+        with pytest.raises(ValueError):
+            make()
+    assert dataclasses.replace(SimConfig(), policy="random").policy == "random"
