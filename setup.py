@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from setuptools import Command, find_packages, setup
+from setuptools import Command, Extension, find_packages, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
@@ -90,8 +90,16 @@ SERVICE_PACKAGES = ("router", "prefill_svc", "decode_svc", "kvxfer")
 PACKAGES = find_packages(include=["pdserve", "pdserve.*", *SERVICE_PACKAGES,
                                   *(f"{p}.*" for p in SERVICE_PACKAGES)])
 
+# The router hashes every prompt it places: chained block hashes in C (pdserve/_blockhash.c).
+# Optional: where it cannot be compiled, pdserve.engine.block_manager hashes in Python (the
+# same digests, ~5x slower).
+BLOCKHASH = Extension("pdserve._blockhash", ["pdserve/_blockhash.c"], optional=True,
+                      extra_compile_args=["-O3"])
+
 setup(
     packages=PACKAGES,
-    package_data={"pdserve.engine.kernels": ["*.cpp"], "pdserve.v1": ["*.pyi", "py.typed"]},
+    ext_modules=[BLOCKHASH],
+    package_data={"pdserve": ["_blockhash.pyi"], "pdserve.engine.kernels": ["*.cpp"],
+                  "pdserve.v1": ["*.pyi", "py.typed"]},
     cmdclass={"build_protos": BuildProtos, "build_py": BuildPyWithProtos},
 )

@@ -21,10 +21,18 @@ from __future__ import annotations
 
 import enum
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from pdserve.engine.block_manager import block_hashes
 from pdserve.kv_events import KVEventBatch, KVOp
+
+_native_match: Callable[[Sequence[int], int, bytes, dict[bytes, int]],
+                        list[tuple[int, int]]] | None
+try:
+    from pdserve._blockhash import match as _native_match
+except ImportError:  # not compiled here: hash in Python, then walk (the same answer)
+    _native_match = None
 
 
 class Applied(enum.Enum):
@@ -52,6 +60,8 @@ class KVIndex:
         self._ids: list[str | None] = []  # slot -> worker id
         self._free_slots: list[int] = []
         self._holders: dict[bytes, int] = {}  # hash -> bitmask of slots
+        self._geometry: dict[str, int] = {}  # synced worker -> block size
+        self.geometry_version = 0  # grows whenever `geometry()` changes
         self.ops_applied = 0
         self.resyncs = 0
 
@@ -80,6 +90,28 @@ class KVIndex:
                 gone ^= low
             active = still
         return out
+
+    def match_prompt(self, token_ids: Sequence[int], block_size: int,
+                     extra: bytes = b"") -> dict[str, int]:
+        """`match` of the prompt's chained block hashes, hashing only as far as some worker
+        still holds every block (in C where pdserve/_blockhash.c was built: the walk and the
+        hashing in one call)."""
+        if _native_match is None:
+            return self.match(block_hashes(token_ids, block_size, extra, stop=self._holders))
+        out: dict[str, int] = {}
+        ids = self._ids
+        for depth, gone in _native_match(token_ids, block_size, extra, self._holders):
+            while gone:
+                low = gone & -gone
+                worker_id = ids[low.bit_length() - 1]
+                if worker_id is not None:
+                    out[worker_id] = depth
+                gone ^= low
+        return out
+
+    def geometry(self) -> Mapping[str, int]:
+        """worker id -> block size, for the workers whose snapshot arrived."""
+        return self._geometry
 
     def synced(self, worker_id: str) -> bool:
         w = self._workers.get(worker_id)
@@ -133,6 +165,7 @@ class KVIndex:
                 return Applied.STALE
             self._clear(w)
             w.epoch, w.seq, w.block_size, w.synced = batch.epoch, batch.seq, batch.block_size, True
+            self._set_geometry(worker_id, batch.block_size)
             return self._ops(worker_id, w, batch)
         if not w.synced:
             return Applied.RESYNC  # waiting for a snapshot: increments mean nothing yet
@@ -150,6 +183,7 @@ class KVIndex:
 
     def remove_worker(self, worker_id: str) -> None:
         w = self._workers.pop(worker_id, None)
+        self._set_geometry(worker_id, None)
         if w is None:
             return
         self._clear(w)
@@ -193,6 +227,14 @@ class KVIndex:
             return self._resync(w)
         return Applied.OK
 
+    def _set_geometry(self, worker_id: str, block_size: int | None) -> None:
+        if self._geometry.get(worker_id) != block_size:
+            if block_size is None:
+                del self._geometry[worker_id]
+            else:
+                self._geometry[worker_id] = block_size
+            self.geometry_version += 1
+
     def _clear(self, w: _Worker) -> None:
         holders, bit = self._holders, 1 << w.slot
         for h in w.held:
@@ -206,5 +248,8 @@ class KVIndex:
     def _resync(self, w: _Worker) -> Applied:
         self._clear(w)
         w.synced = False
+        worker_id = self._ids[w.slot]
+        if worker_id is not None:
+            self._set_geometry(worker_id, None)
         self.resyncs += 1
         return Applied.RESYNC

@@ -43,6 +43,7 @@ from router.clients import (
 from router.cost import CostModel
 from router.kv_follow import KVIndexFollower
 from router.kv_index import KVIndex
+from router.placement import DecodeTable
 from router.policy import Decision, Route, RouterPolicy
 
 log = structlog.get_logger(__name__)
@@ -107,6 +108,7 @@ class Router:
         self._inflight_tokens: collections.Counter[str] = collections.Counter()
         self._charges: dict[str, tuple[str, int]] = {}
         self._tiebreak = itertools.count()  # equal-score decode workers take turns
+        self._decode_table = DecodeTable()  # placement's columns, kept between requests
         # request id -> the id it runs under on its decode worker, where they differ
         self._worker_ids: dict[str, str] = {}
         self._watch: asyncio.Task[None] | None = None
@@ -302,7 +304,7 @@ class Router:
                             cost=self.config.cost,
                             target_s=self.config.admission.deadline_s(req.latency_class),
                             inflight_tokens=self._inflight_tokens,
-                            tiebreak=next(self._tiebreak))
+                            tiebreak=next(self._tiebreak), table=self._decode_table)
         self._set_placement(req.request_id, p.decode.worker_id)  # before any await
         # Its prompt is pending work where it is prefilled until its first token.
         where = p.prefill if p.decision.route is Route.REMOTE else p.decode

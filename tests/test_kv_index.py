@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
+from array import array
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,8 +16,10 @@ from hypothesis import strategies as st
 
 from pdserve.control.kv_events import MAX_OPS_PER_ENTRY, KVEventPublisher, KVEventStreams
 from pdserve.control.registry import WorkerRegistry
-from pdserve.engine.block_manager import BlockManager, block_hashes
+from pdserve.engine import block_manager
+from pdserve.engine.block_manager import BlockManager, block_hashes, hash_block
 from pdserve.kv_events import KVEventBatch, KVEventError, KVOp, encode_ops
+from router import kv_index
 from router.kv_follow import KVIndexFollower
 from router.kv_index import Applied, KVIndex
 
@@ -197,8 +200,44 @@ def test_index_equals_the_block_managers_after_random_traffic(
         assert idx.held(n) == set(w.bm.cached_hashes()), n
     for p in prompts:
         got = idx.match(block_hashes(p, BS, EXTRA))
+        assert idx.match_prompt(p, BS, EXTRA) == got  # the router's walk: hashed lazily, in C
+        native, kv_index._native_match = kv_index._native_match, None
+        try:  # and where the C extension was not built
+            assert idx.match_prompt(p, BS, EXTRA) == got
+        finally:
+            kv_index._native_match = native
         for n, w in workers.items():
             assert got.get(n, 0) * BS == w.bm.num_cached_tokens(p), (n, p)
+
+
+# ---------------------------------------------------------------------- hashing in C
+
+
+def test_the_c_block_hashes_equal_hashlibs() -> None:
+    """pdserve/_blockhash.c (built by setup.py; the router's hot path) gives hash_block's
+    digests, block by block, and stops where the Python walk stops."""
+    assert block_manager._native_chain is not None, "setup.py did not build the C hashing"
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randrange(0, 120)
+        ids = [rng.randrange(-(2**40), 2**40) for _ in range(n)]
+        bs = rng.choice([1, 2, 16, 17, 32])
+        extra = rng.randbytes(rng.randrange(0, 200))
+        want: list[bytes] = []
+        parent = None
+        for i in range(n // bs):
+            parent = hash_block(parent, ids[i * bs:(i + 1) * bs], extra)
+            want.append(parent)
+        assert block_hashes(ids, bs, extra) == want
+        assert block_hashes(tuple(ids), bs, extra) == want
+        raw = memoryview(array("q", ids[: n // bs * bs]).tobytes())
+        stop = {h: 1 for h in want[: rng.randrange(len(want) + 1)]}
+        assert block_hashes(ids, bs, extra, stop) == block_manager._chain(
+            raw, bs * 8, extra, stop)
+    with pytest.raises(OverflowError):
+        block_hashes([2**63] * 16, 16)
+    with pytest.raises(TypeError):
+        block_hashes(["a"] * 16, 16)  # type: ignore[list-item]
 
 
 # ---------------------------------------------------------------------- through real Redis

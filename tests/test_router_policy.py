@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from pdserve.control.load import WorkerLoad
+from pdserve.control.workers import WorkerInfo
 from pdserve.types import LatencyClass
 from router.clients import PrefillOutcome
-from router.policy import DecodeCandidate, Route, RouterPolicy, choose_decode, decide_route
+from router.kv_index import KVIndex
+from router.placement import DecodeTable, best_of
+from router.policy import (
+    DecodeCandidate,
+    Route,
+    RouterPolicy,
+    best_decode,
+    choose_decode,
+    decide_route,
+)
 from router.router import _Timings
 
 POLICY = RouterPolicy(remote_min_uncached_tokens=256, max_prefill_backlog_tokens=4096)
@@ -54,6 +68,33 @@ def test_choose_decode_prefers_less_load() -> None:
 def test_choose_decode_prefers_cache_affinity_over_small_load_gap() -> None:
     best = choose_decode([_cand("a", 480, 5), _cand("b", 0, 4)], 500, POLICY)
     assert best.worker_id == "a"
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 6), st.integers(0, 6),
+                               st.integers(0, 8), st.sampled_from([0, 8]), st.integers(0, 8)),
+                     min_size=1, max_size=40),
+       prompt_len=st.integers(0, 4000), tiebreak=st.integers(0, 10**6),
+       affinity=st.sampled_from([0.0, 2.0, 7.5]))
+def test_the_routers_array_scoring_equals_best_decode(
+        rows: list[tuple[int, int, int, int, int, int]], prompt_len: int, tiebreak: int,
+        affinity: float) -> None:
+    """router.placement scores decode workers as arrays (the router's hot path); it must pick
+    exactly what the reference `best_decode` picks, ties and the tie-break included, with the
+    router's own placed counts taken as running."""
+    policy = RouterPolicy(affinity_weight=affinity)
+    decoders = [WorkerInfo(worker_id=f"d{i}", role="decode", grpc_address="127.0.0.1:1",
+                           model_id="m", epoch=1, started_at=0.0,
+                           load=WorkerLoad(running=r, waiting=q, free_blocks=min(f, t),
+                                           total_blocks=t))
+                for i, (_, r, q, f, t, _) in enumerate(rows)]
+    placed = {f"d{i}": p for i, (*_, p) in enumerate(rows) if p}
+    cols = DecodeTable().columns(decoders, KVIndex())
+    cached = np.array([float(c) for c, *_ in rows])
+    ref = [(c, max(r, placed.get(f"d{i}", 0)), w.load.backlog, min(f, t), t)
+           for i, ((c, r, _, f, t, _), w) in enumerate(zip(rows, decoders, strict=True))]
+    assert best_of(cols, cached, placed, prompt_len, policy, tiebreak) == best_decode(
+        ref, prompt_len, policy, tiebreak)
 
 
 def test_stage_timings_add_up_to_ttft_on_every_route() -> None:

@@ -46,7 +46,8 @@ def test_router_scale_quick_record(tmp_path: Path) -> None:
         for key in ("decisions_per_s", "mean_us", "p50_us", "p99_us"):
             assert r[key] > 0
         assert 0 < r["mean_cached_fraction"] <= 1  # the index finds the corpus' prefixes
-    assert {"hash", "match", "rest", "place"} <= d["split"].keys()
+    assert {"match_prompt", "rest", "place", "full_hash", "full_match"} <= d["split"].keys()
+    assert d["split"]["native_hashing"] is True  # setup.py builds pdserve/_blockhash.c
     assert d["split"]["workers"] == 64
     assert {"64", "256"} <= d["profile_top_tottime"].keys()
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import NewType
 
@@ -38,21 +39,41 @@ def hash_block(parent: BlockHash | None, tokens: Seq[int], extra: bytes = b"") -
     return BlockHash(h.digest())
 
 
-def block_hashes(token_ids: Seq[int], block_size: int, extra: bytes = b"") -> list[BlockHash]:
+def block_hashes(token_ids: Seq[int], block_size: int, extra: bytes = b"",
+                 stop: dict[bytes, int] | None = None) -> list[BlockHash]:
     """Chained hashes of every *full* block of ``token_ids``: `hash_block` down the prompt,
-    with the token bytes packed once (the router hashes every prompt it places)."""
+    with the token bytes packed once. With `stop`, the list ends before the first hash that
+    is not a key of it (a prefix index: no later block can match once one does not).
+
+    The router hashes every prompt it places, so this runs in C where the extension
+    (pdserve/_blockhash.c) was built; the Python loop below gives the same digests."""
+    if _native_chain is not None:
+        return _native_chain(token_ids, block_size, extra, stop)  # type: ignore[return-value]
     n = len(token_ids) // block_size
-    raw = memoryview(array("q", token_ids[: n * block_size]).tobytes())
-    step = block_size * 8
+    raw = array("q", token_ids[: n * block_size]).tobytes()
+    return _chain(memoryview(raw), block_size * 8, extra, stop)
+
+
+def _chain(raw: memoryview, step: int, extra: bytes,
+           stop: dict[bytes, int] | None) -> list[BlockHash]:
     parent = b"\0" * 16
     hashes: list[BlockHash] = []
-    for off in range(0, n * step, step):
+    for off in range(0, len(raw) - step + 1, step):
         h = hashlib.blake2b(parent, digest_size=16)
         h.update(raw[off : off + step])
         h.update(extra)
         parent = h.digest()
+        if stop is not None and parent not in stop:
+            break
         hashes.append(BlockHash(parent))
     return hashes
+
+
+_native_chain: Callable[[Seq[int], int, bytes, dict[bytes, int] | None], list[bytes]] | None
+try:
+    from pdserve._blockhash import chain as _native_chain
+except ImportError:  # not compiled here (setup.py builds it where a C compiler exists)
+    _native_chain = None
 
 
 class OutOfBlocksError(RuntimeError):

@@ -1,0 +1,6 @@
+from collections.abc import Sequence
+
+def chain(tokens: Sequence[int], block_size: int, extra: bytes,
+          stop: dict[bytes, int] | None = None) -> list[bytes]: ...
+def match(tokens: Sequence[int], block_size: int, extra: bytes,
+          holders: dict[bytes, int]) -> list[tuple[int, int]]: ...
