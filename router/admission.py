@@ -10,8 +10,14 @@ first tokens at:
 "Ahead" follows the workers' schedulers, which serve the more urgent latency class first: an
 interactive request waits only for pending interactive work, a batch request for all of it.
 A request's work is its prompt tokens plus `request_overhead_tokens` (a short prompt still
-costs a pass). `work_rate` calibrates itself: each first token observed gives one sample,
-(work that was ahead at admission + own work) / observed TTFT, folded into an EWMA.
+costs a pass). `work_rate` starts from the predictor placement uses (router.cost): the
+cluster's prefill capacity, the sum of each worker's measured prefill rate from its
+heartbeats, with the cost model's conservative prior (250 tokens/s) for a worker that has
+measured nothing yet, so a cold cluster does not admit a burst it cannot serve in time. Once
+`min_samples` first tokens were observed, the rate is what the router observes: each first
+token gives one sample, (work that was ahead at admission + own work) / observed TTFT, folded
+into an EWMA that the first sample seeds (it also sees what capacity cannot: prefix-cache
+hits, batching).
 
 Rules, in order (`AdmissionController.decide`):
 1. Hard cap: at most `max_in_flight` requests (admitted, not finished) per router; this bounds
@@ -52,9 +58,12 @@ class AdmissionConfig:
         default_factory=lambda: DEFAULT_TTFT_DEADLINES_S)
     class_share: Mapping[LatencyClass, float] = field(default_factory=lambda: DEFAULT_CLASS_SHARE)
     request_overhead_tokens: int = 64
-    initial_rate_tokens_per_s: float = 2000.0  # until the first sample
+    # Until the first sample, when the caller gives no capacity (no worker registered).
+    initial_rate_tokens_per_s: float = 250.0
     min_rate_tokens_per_s: float = 1.0
     rate_ewma_alpha: float = 0.2
+    # First tokens observed before the observed rate replaces the workers' measured capacity.
+    min_samples: int = 4
     # An admitted request that has no first token after deadline * this fails with a
     # retryable error (503 + Retry-After) instead of waiting for the stage timeouts. At 1 a
     # request is answered within its class's deadline or refused (`--deadline-factor 1`); the
@@ -66,6 +75,8 @@ class AdmissionConfig:
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
+        if self.min_samples < 0:
+            raise ValueError("min_samples must be >= 0")
         object.__setattr__(self, "ttft_deadlines_s",
                            MappingProxyType({**DEFAULT_TTFT_DEADLINES_S, **self.ttft_deadlines_s}))
         object.__setattr__(self, "class_share",
@@ -102,16 +113,33 @@ class Ticket:
 
 @dataclass
 class AdmissionController:
+    """`rate_tokens_per_s`: a fixed starting rate (tests); without one, the rate comes from
+    the capacity the caller passes to `decide` until `min_samples` first tokens, then from
+    the samples alone."""
+
     config: AdmissionConfig = field(default_factory=AdmissionConfig)
     rate_tokens_per_s: float = 0.0
     in_flight: int = 0
     pending: int = 0
+    samples: int = 0  # first tokens observed
+    capacity_tokens_per_s: float | None = None  # the last capacity `decide` was given
     _pending_work: dict[LatencyClass, float] = field(default_factory=dict)
+    _calibrating: bool = True  # no fixed rate: capacity first, then samples
 
     def __post_init__(self) -> None:
-        if self.rate_tokens_per_s <= 0:
+        if self.rate_tokens_per_s > 0:
+            self._calibrating = False
+        else:
             self.rate_tokens_per_s = self.config.initial_rate_tokens_per_s
         self._pending_work = dict.fromkeys(LatencyClass, 0.0)
+
+    @property
+    def rate(self) -> float:
+        """The work rate predictions use now (see the module doc)."""
+        if (self._calibrating and self.capacity_tokens_per_s is not None
+                and self.samples < self.config.min_samples):
+            return max(self.config.min_rate_tokens_per_s, self.capacity_tokens_per_s)
+        return self.rate_tokens_per_s
 
     @property
     def pending_work(self) -> float:
@@ -128,17 +156,20 @@ class AdmissionController:
 
     def predicted_wait_s(self, latency_class: LatencyClass = LatencyClass.BATCH,
                          external_backlog_tokens: float = 0.0) -> float:
-        return (self.work_ahead(latency_class) + external_backlog_tokens) \
-            / self.rate_tokens_per_s
+        return (self.work_ahead(latency_class) + external_backlog_tokens) / self.rate
 
     def decide(self, latency_class: LatencyClass, prompt_tokens: int, now: float,
-               external_backlog_tokens: float = 0.0) -> Ticket:
+               external_backlog_tokens: float = 0.0,
+               capacity_tokens_per_s: float | None = None) -> Ticket:
         """Admit (a Ticket) or raise OverloadedError. `external_backlog_tokens`: work queued
-        where the router does not see it (prefill workers' queued tokens)."""
+        where the router does not see it (prefill workers' queued tokens);
+        `capacity_tokens_per_s`: the cluster's prefill rate as router.cost predicts it."""
         cfg = self.config
+        if capacity_tokens_per_s is not None:
+            self.capacity_tokens_per_s = capacity_tokens_per_s
         work = self.work_of(prompt_tokens)
         ahead = self.work_ahead(latency_class) + external_backlog_tokens
-        wait = ahead / self.rate_tokens_per_s
+        wait = ahead / self.rate
         deadline = cfg.deadline_s(latency_class)
         if cfg.enabled:
             if self.in_flight >= cfg.cap(latency_class):
@@ -168,6 +199,9 @@ class AdmissionController:
         if ttft > 0:
             sample = (ticket.ahead + ticket.work) / ttft
             a = self.config.rate_ewma_alpha
+            if self._calibrating and self.samples == 0:
+                a = 1.0  # the first sample seeds the average: no made-up starting rate
+            self.samples += 1
             self.rate_tokens_per_s = max(self.config.min_rate_tokens_per_s,
                                          (1 - a) * self.rate_tokens_per_s + a * sample)
 

@@ -27,6 +27,7 @@ model cannot see arrivals; bench.goodput run 2 showed it). Plain arithmetic, no 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdserve.control.load import WorkerLoad
@@ -62,6 +63,12 @@ class Estimate:
 
     def cost(self, model: CostModel) -> float:
         return self.ttft_s + model.stall_weight * self.stall_s
+
+
+def prefill_capacity(loads: Iterable[WorkerLoad], model: CostModel) -> float:
+    """Prompt tokens per second the workers can prefill together: each one's measured rate,
+    the prior where it has none (admission control starts from this; router.admission)."""
+    return sum(model.prefill_rate(load) for load in loads)
 
 
 def local_estimate(decode: WorkerLoad, uncached: int, model: CostModel, *,

@@ -40,7 +40,7 @@ from router.clients import (
     RemoteSlot,
     WorkerChannels,
 )
-from router.cost import CostModel
+from router.cost import CostModel, prefill_capacity
 from router.kv_follow import KVIndexFollower
 from router.kv_index import KVIndex
 from router.placement import DecodeTable
@@ -339,10 +339,13 @@ class Router:
 
     def admit(self, req: GenerateRequest) -> Ticket:
         """Admission control (`router.admission`): a ticket, or OverloadedError (counted)."""
-        backlog = sum(w.load.queued_tokens for w in self.workers("prefill"))
+        prefills = self.workers("prefill")
+        backlog = sum(w.load.queued_tokens for w in prefills)
+        capacity = prefill_capacity((w.load for w in [*prefills, *self.workers("decode")]),
+                                    self.config.cost or CostModel())
         try:
             return self.admission.decide(req.latency_class, len(req.prompt_token_ids),
-                                         time.monotonic(), backlog)
+                                         time.monotonic(), backlog, capacity)
         except OverloadedError as exc:
             self.rejections.labels(req.latency_class.value, exc.reason).inc()
             log.info("request_rejected", request_id=req.request_id, reason=exc.reason,

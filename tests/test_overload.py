@@ -21,11 +21,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cli_args import add_admission_args, admission_argv, admission_config_from_args
 from pdserve.cluster import LocalCluster
+from pdserve.control.load import WorkerLoad
 from pdserve.errors import ERROR_CLASSES, ErrorKind, OverloadedError, kind_of, rebuild
 from pdserve.gateway.errors import from_pdserve
 from pdserve.rpc.errors import RETRY_AFTER_KEY, _error_metadata, status_for
 from pdserve.types import CapacityError, LatencyClass
 from router.admission import AdmissionConfig, AdmissionController, parse_deadlines
+from router.cost import CostModel, prefill_capacity
 
 INT, S, B = LatencyClass.INTERACTIVE, LatencyClass.STANDARD, LatencyClass.BATCH
 
@@ -99,6 +101,36 @@ def test_first_tokens_calibrate_the_rate() -> None:
     adm.release(first)
     adm.release(second)
     assert adm.in_flight == 0
+
+
+def test_a_cold_cluster_admits_what_its_measured_capacity_serves_in_time() -> None:
+    """No samples yet: the rate is the workers' prefill capacity as placement's cost model
+    predicts it (router.cost.prefill_capacity; priors where a worker measured nothing), not
+    an optimistic constant. A burst of 64 standard ~500-token prompts at 500 tokens/s admits
+    the 27 whose predicted wait fits the 30 s deadline."""
+    adm = AdmissionController(AdmissionConfig())
+    cold = [WorkerLoad(), WorkerLoad()]  # a prefill and a decode worker, nothing measured
+    capacity = prefill_capacity(cold, CostModel())
+    assert capacity == 2 * CostModel().prior_prefill_tokens_per_s == 500.0
+    admitted, refused = [], 0
+    for _ in range(64):
+        try:
+            admitted.append(adm.decide(S, 500, now=0.0, capacity_tokens_per_s=capacity))
+        except OverloadedError as exc:
+            assert exc.reason == "deadline"
+            refused += 1
+    assert len(admitted) == 27 and refused == 37  # 26 x 564 tokens ahead <= 30 s x 500/s
+    assert max(t.predicted_wait_s for t in admitted) <= 30.0
+    # Measured rates replace the priors at the next heartbeat: more fits.
+    warm = [WorkerLoad(prefill_tokens_per_s=1200.0), WorkerLoad(prefill_tokens_per_s=800.0)]
+    adm.decide(S, 500, now=0.0, capacity_tokens_per_s=prefill_capacity(warm, CostModel()))
+
+    # From min_samples first tokens on, the observed rate decides; the first sample seeds it.
+    for t in admitted[: adm.config.min_samples]:
+        assert adm.rate == 2000.0  # still the capacity
+        adm.first_token(t, now=(t.ahead + t.work) / 700.0)  # observed: 700 tokens/s
+    assert adm.samples == adm.config.min_samples
+    assert adm.rate == adm.rate_tokens_per_s == pytest.approx(700.0)
 
 
 def test_disabled_admits_everything() -> None:
