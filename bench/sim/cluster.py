@@ -57,7 +57,10 @@ class Overheads:
 
     local_s: float = 0.0  # client -> decode engine: HTTP, router, gRPC (and back)
     remote_s: float = 0.0  # client -> prefill engine, allocate RPC and hand-off included
-    step_s: float = 0.0  # per engine step outside the model: streaming, the event loop
+    step_s: float = 0.0  # per engine step outside the model: the event loop
+    # Per token a decode worker streams: gRPC, router, gateway and client work that competes
+    # for the same cores (calibrated from closed-loop runs: bench.sim.real streaming).
+    token_s: float = 0.0
     transfer_s_per_token: float = 1e-4
 
 
@@ -125,11 +128,12 @@ class Simulation(Clock):
                   max_num_batched_tokens=c.max_num_batched_tokens,
                   max_prefill_chunk=c.max_prefill_chunk, max_num_seqs=c.max_num_seqs,
                   step_overhead_s=c.overheads.step_s)
+        dkw = dict(kw, token_overhead_s=c.overheads.token_s)
         self.decoders = [DecodeSim(f"decode-{i:03d}", self, cost, host(),
                                    core=0 if c.sharing == "own" else
                                    (1 if c.sharing == "1p1d" else i),
                                    on_token=self._token, on_finish=self._finish,
-                                   on_step=self._publish, **kw)
+                                   on_step=self._publish, **dkw)
                          for i in range(c.n_decode)]
         self.prefills = [PrefillSim(f"prefill-{i:03d}", self, cost, host(),
                                     core=0 if c.sharing in ("own", "1p1d") else None,

@@ -9,6 +9,14 @@ way `pdserve cluster up --prefill 1 --decode 2` lays it out on this machine (dec
 pinned to CPU i, the prefill worker unpinned at nice 5), with bench.goodput's engine and
 router flags (one torch thread per worker), and sweeps it with bench.goodput's own functions,
 so the records have the same format. `--systems` picks the placements (threshold, cost).
+
+    python -m bench.sim.real streaming --out docs/bench/cluster_sim/streaming_1p1d \
+        --concurrency 1,4,8,12
+
+Calibration for the simulator, not validation: the 1P1D cluster of bench.goodput under a
+closed loop of short chat requests (64-128 prompt tokens, 64 output tokens, no EOS) at a few
+concurrencies; the records show what a streamed token costs beyond the engine step (gRPC,
+router, gateway and client work on the same cores), which bench.cluster_sim fits.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from bench.goodput import (
@@ -109,7 +118,49 @@ async def _main(args: argparse.Namespace, placements: Sequence[str]) -> int:
     return 0
 
 
+async def streaming(out: Path, concurrencies: Sequence[int], per_stream: int,
+                    log_dir: Path) -> int:
+    from bench.goodput import disaggregated
+    from bench.loadgen.config import RunConfig
+    from bench.loadgen.report import run_to_dict, write_json
+    from bench.loadgen.runner import run_load
+    from bench.loadgen.workload import LengthDist, custom_workload
+
+    workload = custom_workload(LengthDist("uniform", 64, 128), LengthDist("fixed", 64),
+                               "interactive")
+    notes: dict[str, Any] = {
+        "command": "python -m bench.sim.real " + " ".join(sys.argv[1:]),
+        "machine": machine_info(), "loadavg_before": loadavg(), "runs": {}}
+    with disaggregated(Setup(log_dir=log_dir)) as system:
+        notes["layout"], notes["affinity"] = system.layout, dict(system.affinity)
+        for i, c in enumerate(concurrencies):
+            cfg = RunConfig(url=system.url, workload=workload, num_requests=per_stream * c,
+                            concurrency=c, ignore_eos=True, seed=100 + i,
+                            warmup_requests=1 if i == 0 else 0,
+                            headers={TIMINGS_HEADER: "1"})
+            run = await run_load(cfg)
+            write_json(out / f"concurrency_{c}.json", run_to_dict(run))
+            tpot = run.summary.overall.tpot_ms
+            notes["runs"][c] = {"tpot_p50_ms": tpot and tpot.p50,
+                                "errors": run.summary.overall.num_errors}
+            print(f"concurrency {c}: TPOT p50 {tpot and tpot.p50:.1f} ms", file=sys.stderr)
+    notes["loadavg_after"] = loadavg()
+    (out / "setup.json").write_text(json.dumps(notes, indent=2) + "\n")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["streaming"]:
+        sp = argparse.ArgumentParser(prog="python -m bench.sim.real streaming")
+        sp.add_argument("--out", type=Path, required=True)
+        sp.add_argument("--concurrency", default="1,4,8,12")
+        sp.add_argument("--per-stream", type=int, default=3, help="requests per stream")
+        sp.add_argument("--log-dir", type=Path, default=Path("/tmp/pdserve-streaming-logs"))
+        a = sp.parse_args(args_list[1:])
+        a.out.mkdir(parents=True, exist_ok=True)
+        return asyncio.run(streaming(a.out, [int(c) for c in a.concurrency.split(",")],
+                                     a.per_stream, a.log_dir))
     parser = build_parser()
     parser.prog = "python -m bench.sim.real"
     parser.set_defaults(systems="threshold,cost")

@@ -100,11 +100,12 @@ class SimWorker:
                  core: int | None = None, weight: float = 1024.0, num_blocks: int = 728,
                  block_size: int = 16, max_num_batched_tokens: int = 2048,
                  max_prefill_chunk: int = 512, max_num_seqs: int = 64,
-                 step_overhead_s: float = 0.0):
+                 step_overhead_s: float = 0.0, token_overhead_s: float = 0.0):
         self.worker_id = worker_id
         self.clock, self.cost, self.host = clock, cost, host
         self.core, self.weight = core, weight
         self.step_overhead_s = step_overhead_s
+        self.token_overhead_s = token_overhead_s
         self.bm = BlockManager(num_blocks, block_size, hash_extra=MODEL_ID.encode(),
                                record_events=True)
         self.sched = Scheduler(EngineConfig(
@@ -132,8 +133,9 @@ class SimWorker:
         if not out.scheduled:
             return
         self._out = out
-        self._left = self.step_overhead_s + self.cost.step_s(
-            [(s.start, s.num_new_tokens) for s in out.scheduled])
+        streamed = sum(1 for s in out.scheduled if s.samples)
+        self._left = (self.step_overhead_s + self.token_overhead_s * streamed
+                      + self.cost.step_s([(s.start, s.num_new_tokens) for s in out.scheduled]))
         self._started = self._since = self.clock.now
         self.busy = True
         self._reshare()
