@@ -38,11 +38,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         req = self._request(request)
         lease = request.lease_ms / 1000 if request.lease_ms else None  # capped by the worker
         slot = await self.worker.allocate_remote(req, lease)
-        return decode_pb2.AllocateResponse(
-            block_ids=list(slot.allocation.block_ids),
-            num_cached_tokens=slot.allocation.num_cached_tokens,
-            descriptor_id=slot.descriptor_id, transfer_id=slot.transfer_id,
-            layout=convert.kv_layout_to_proto(self.worker.engine.layout))
+        return convert.destination_to_allocate_response(slot)
 
     @logs_request_id
     async def GenerateRemote(self, request: decode_pb2.RemoteGenerateRequest,

@@ -29,13 +29,13 @@ from decode_svc.metrics import DecodeMetrics
 from kvxfer.receiver import KVReceiver
 from pdserve.control.load import WorkerLoad
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.llm_engine import RemoteAllocation
 from pdserve.engine.metrics import engine_load
 from pdserve.handover import FirstToken
 from pdserve.types import (
     CapacityError,
     GenerateRequest,
     InvalidRequestError,
+    KVDestination,
     KVTransferError,
     PdserveError,
     RequestAbortedError,
@@ -45,18 +45,9 @@ from pdserve.types import (
 log = structlog.get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class RemoteSlot:
-    """What a prefill worker needs to write a request's KV here."""
-
-    allocation: RemoteAllocation
-    transfer_id: str
-    descriptor_id: str
-
-
 @dataclass
 class _Pending:
-    slot: RemoteSlot
+    slot: KVDestination
     expectation: asyncio.Future[dict] | object
     lease: asyncio.TimerHandle | None = None
     claimed: bool = False
@@ -144,11 +135,11 @@ class DecodeWorker:
     @property
     def pending_kv_blocks(self) -> int:
         """Blocks held by remote allocations whose KV has not landed (or being allocated)."""
-        return self._reserving + sum(len(p.slot.allocation.block_ids)
+        return self._reserving + sum(len(p.slot.block_ids)
                                      for p in self._pending.values())
 
     async def allocate_remote(self, req: GenerateRequest, lease_s: float | None = None
-                              ) -> RemoteSlot:
+                              ) -> KVDestination:
         """Reserve blocks for `req`'s KV. The lease is `lease_s` (None or 0: the default),
         at most `max_alloc_lease_s`; CapacityError when the blocks cannot be had now."""
         self._admit()
@@ -171,7 +162,8 @@ class DecodeWorker:
         except BaseException:
             await self.engine.abort(req.request_id)
             raise
-        slot = RemoteSlot(alloc, transfer_id, self.receiver.descriptor_id)
+        slot = KVDestination(alloc.request_id, alloc.block_ids, alloc.num_cached_tokens,
+                             self.receiver.descriptor_id, transfer_id, self.engine.layout)
         pending = _Pending(slot, expectation)
         loop = asyncio.get_running_loop()
         pending.lease = loop.call_later(lease, self._lease_expired, req.request_id)
@@ -270,7 +262,7 @@ class DecodeWorker:
             return
         if p.lease is not None:
             p.lease.cancel()
-        blocks = len(p.slot.allocation.block_ids)
+        blocks = len(p.slot.block_ids)
         try:
             await self.receiver.cancel(p.slot.transfer_id, reason=reason)
         except KVTransferError:
@@ -319,4 +311,4 @@ def _agen(events: AsyncIterator[TokenEvent]) -> AsyncGenerator[TokenEvent, None]
     return cast(AsyncGenerator[TokenEvent, None], events)
 
 
-__all__ = ["DecodeWorker", "PdserveError", "RemoteSlot"]
+__all__ = ["DecodeWorker", "PdserveError"]

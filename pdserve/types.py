@@ -428,6 +428,32 @@ class KVLayout:
         return cls(**values)
 
 
+@dataclass(frozen=True)
+class KVDestination:
+    """Where a prompt's KV goes: blocks a decode worker reserved for it (its AllocateRemote
+    answer) that a prefill worker writes into (Prefill's `destination`). The one type on
+    every side of the handover; pdserve.rpc.convert maps it to and from the protos."""
+
+    request_id: str
+    block_ids: tuple[int, ...]  # the prompt's blocks, in order (cached ones first)
+    num_cached_tokens: int  # already filled on the decode worker: not sent again
+    descriptor_id: str  # the decode worker's registered KV pool
+    transfer_id: str  # names this transfer in the sender's completion notice
+    layout: KVLayout | None = None  # the decode worker's pool (AllocateRemote tells it)
+
+
+@dataclass(frozen=True)
+class PrefillReport:
+    """A finished remote prefill as the prefill worker timed it (ms, its own clock)."""
+
+    worker_id: str
+    queued_ms: float  # arrival until its prompt was scheduled
+    compute_ms: float  # the forward pass
+    transfer_ms: float  # sending the KV (not freeing the blocks afterwards)
+    bytes_transferred: int
+    num_computed_tokens: int  # prompt tokens run there (the rest hit its own prefix cache)
+
+
 @dataclass
 class StageTimings:
     """Wall-clock stage boundaries of one request (time.monotonic seconds; 0 = not reached)."""

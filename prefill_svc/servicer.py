@@ -8,9 +8,8 @@ import grpc
 
 from pdserve.rpc import convert
 from pdserve.runtime import logs_request_id
-from pdserve.types import InvalidRequestError
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from prefill_svc.worker import Destination, PrefillWorker
+from prefill_svc.worker import PrefillWorker
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
@@ -21,25 +20,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
         req = convert.request_from_proto(request.input, self.worker.engine.max_model_len)
-        dest = None
-        if request.HasField("destination"):
-            d = request.destination
-            if not d.descriptor_id or not d.transfer_id or not d.block_ids:
-                raise InvalidRequestError("destination needs descriptor_id, transfer_id and "
-                                          "block_ids", param="destination")
-            dest = Destination(d.descriptor_id, tuple(d.block_ids), d.num_cached_tokens,
-                               d.transfer_id)
+        dest = (convert.destination_from_proto(req.request_id, request.destination)
+                if request.HasField("destination") else None)
         coro = self.worker.prefill(req, dest)
-        out = await (asyncio.wait_for(coro, request.deadline_ms / 1000)
-                     if request.deadline_ms else coro)
+        report = await (asyncio.wait_for(coro, request.deadline_ms / 1000)
+                        if request.deadline_ms else coro)
         # The first token went to the destination with the KV (pdserve.handover), not here.
-        return prefill_pb2.PrefillResponse(
-            request_id=req.request_id,
-            timings=common_pb2.StageTimings(queued_ms=out.queued_ms,
-                                            prefill_compute_ms=out.compute_ms,
-                                            kv_transfer_ms=out.transfer_ms),
-            bytes_transferred=out.bytes_transferred,
-            num_computed_tokens=out.num_computed_tokens, worker_id=self.worker.worker_id)
+        return convert.prefill_report_to_proto(req.request_id, report)
 
     async def Stats(self, request: common_pb2.StatsRequest,
                     context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillStats:

@@ -10,7 +10,6 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import structlog
 
@@ -23,8 +22,10 @@ from pdserve.types import (
     CapacityError,
     GenerateRequest,
     InvalidRequestError,
+    KVDestination,
     KVTransferError,
     LatencyClass,
+    PrefillReport,
     TokenLogprob,
 )
 from prefill_svc.metrics import PrefillMetrics
@@ -80,25 +81,6 @@ class PriorityGate:
         self.active -= 1
 
 
-@dataclass(frozen=True)
-class Destination:
-    descriptor_id: str
-    block_ids: tuple[int, ...]
-    num_cached_tokens: int
-    transfer_id: str
-
-
-@dataclass(frozen=True)
-class PrefillOutcome:
-    first_token: int
-    logprob: TokenLogprob | None
-    queued_ms: float
-    compute_ms: float
-    transfer_ms: float
-    bytes_transferred: int
-    num_computed_tokens: int
-
-
 class PrefillWorker:
     def __init__(self, engine: AsyncEngine, sender: KVSender, *, worker_id: str,
                  max_inflight: int = 4, transfer_timeout_s: float = 30.0,
@@ -140,7 +122,8 @@ class PrefillWorker:
             await asyncio.sleep(0.05)
         return True
 
-    async def prefill(self, req: GenerateRequest, dest: Destination | None) -> PrefillOutcome:
+    async def prefill(self, req: GenerateRequest, dest: KVDestination | None
+                      ) -> PrefillReport:
         if not self.accepting:
             self.metrics.requests.labels("rejected").inc()
             raise CapacityError(f"prefill worker {self.worker_id} is shutting down",
@@ -200,9 +183,9 @@ class PrefillWorker:
             rate = (transferred - computed) / tokens
             old = self.transfer_s_per_token
             self.transfer_s_per_token = rate if old == 0.0 else old + 0.2 * (rate - old)
-        out = PrefillOutcome(
-            first_token=first.token_id, logprob=first.logprob,
-            queued_ms=(started - arrived) * 1000, compute_ms=(computed - started) * 1000,
+        out = PrefillReport(
+            worker_id=self.worker_id, queued_ms=(started - arrived) * 1000,
+            compute_ms=(computed - started) * 1000,
             transfer_ms=(transferred - computed) * 1000, bytes_transferred=sent,
             num_computed_tokens=n - first.num_cached_tokens)
         log.info("prefill_finished", outcome=outcome, prompt_tokens=n, latency_class=lc,
@@ -211,7 +194,7 @@ class PrefillWorker:
                  kv_bytes=sent)
         return out
 
-    async def _transfer(self, src_blocks: tuple[int, ...], dest: Destination, first_token: int,
+    async def _transfer(self, src_blocks: tuple[int, ...], dest: KVDestination, first_token: int,
                         logprob: TokenLogprob | None) -> int:
         if len(dest.block_ids) != len(src_blocks):
             raise InvalidRequestError(

@@ -1,7 +1,7 @@
 """Typed clients for the worker services: the router's only way to talk to a worker.
 
 `DecodeClient` and `PrefillClient` speak domain types (`GenerateRequest`, `TokenEvent`,
-`RemoteSlot`, `PrefillOutcome`) and own everything about the wire: protobuf conversion,
+`KVDestination`, `PrefillReport`) and own everything about the wire: protobuf conversion,
 deadlines, call metadata (`x-request-id`, plus any pairs the caller configures, e.g. auth),
 cancelling a stream the caller leaves, and turning gRPC failures into the project's
 exceptions (`pdserve.errors`: CapacityError when a worker is busy or gone, KVTransferError,
@@ -30,37 +30,15 @@ from pdserve.rpc.transport import insecure_channel
 from pdserve.types import (
     CapacityError,
     GenerateRequest,
+    KVDestination,
     KVLayout,
+    PrefillReport,
     TokenEvent,
 )
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 Metadata = tuple[tuple[str, str], ...]
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class RemoteSlot:
-    """Blocks a decode worker reserved for a prompt whose KV a prefill worker will write."""
-
-    request_id: str
-    block_ids: tuple[int, ...]  # the prompt's blocks, in order (cached ones first)
-    num_cached_tokens: int  # already filled on the decode worker: not sent again
-    descriptor_id: str  # the decode worker's registered KV pool
-    transfer_id: str  # names this transfer in the sender's completion notice
-    layout: KVLayout
-
-
-@dataclass(frozen=True)
-class PrefillOutcome:
-    """A finished remote prefill, as the prefill worker timed it (ms, its own clock)."""
-
-    worker_id: str
-    queued_ms: float  # arrival until its prompt was scheduled
-    compute_ms: float  # the forward pass
-    transfer_ms: float  # sending the KV (not freeing the blocks afterwards)
-    bytes_transferred: int
-    num_computed_tokens: int  # prompt tokens run there (the rest hit its own prefix cache)
 
 
 @dataclass(frozen=True)
@@ -125,15 +103,13 @@ class DecodeClient(_Client):
         return int(resp.num_cached_tokens)
 
     async def allocate(self, req: GenerateRequest, *, lease_s: float,
-                       timeout_s: float) -> RemoteSlot:
+                       timeout_s: float) -> KVDestination:
         """Reserve blocks for `req`'s KV; CapacityError when the worker cannot now."""
         resp = await _unary(self._stub.AllocateRemote(
             decode_pb2.AllocateRequest(input=convert.input_to_proto(req),
                                        lease_ms=int(lease_s * 1000)),
             timeout=timeout_s, metadata=self._md(req.request_id)))
-        return RemoteSlot(req.request_id, tuple(resp.block_ids), resp.num_cached_tokens,
-                          resp.descriptor_id, resp.transfer_id,
-                          convert.kv_layout_from_proto(resp.layout))
+        return convert.destination_from_allocate_response(req.request_id, resp)
 
     def generate(self, req: GenerateRequest, *, first_token_timeout_s: float,
                  token_timeout_s: float) -> AsyncIterator[TokenEvent]:
@@ -142,7 +118,7 @@ class DecodeClient(_Client):
             input=convert.input_to_proto(req)), metadata=self._md(req.request_id))
         return _events(call, first_token_timeout_s, token_timeout_s)
 
-    def generate_remote(self, slot: RemoteSlot, *, transfer_timeout_s: float,
+    def generate_remote(self, slot: KVDestination, *, transfer_timeout_s: float,
                         token_timeout_s: float) -> AsyncIterator[TokenEvent]:
         """Decode an allocated request once its KV lands (first token from the transfer's
         notice); closing the iterator cancels the call."""
@@ -179,23 +155,17 @@ class PrefillClient(_Client):
         super().__init__(channel, worker_id=worker_id, metadata=metadata)
         self._stub = prefill_pb2_grpc.PrefillWorkerStub(channel)
 
-    async def prefill(self, req: GenerateRequest, destination: RemoteSlot | None, *,
-                      timeout_s: float) -> PrefillOutcome:
+    async def prefill(self, req: GenerateRequest, destination: KVDestination | None, *,
+                      timeout_s: float) -> PrefillReport:
         """Prefill `req` and write its KV into `destination` (None: keep it there). The first
         token goes to the destination with the KV, not back here. Cancelling the call drops
         the request on the worker."""
-        dest = None if destination is None else prefill_pb2.KVDestination(
-            descriptor_id=destination.descriptor_id, block_ids=destination.block_ids,
-            num_cached_tokens=destination.num_cached_tokens,
-            transfer_id=destination.transfer_id)
+        dest = None if destination is None else convert.destination_to_proto(destination)
         resp = await _unary(self._stub.Prefill(
             prefill_pb2.PrefillRequest(input=convert.input_to_proto(req), destination=dest,
                                        deadline_ms=int(timeout_s * 1000)),
             timeout=timeout_s, metadata=self._md(req.request_id)))
-        t = resp.timings
-        return PrefillOutcome(resp.worker_id or self.worker_id, t.queued_ms,
-                              t.prefill_compute_ms, t.kv_transfer_ms, resp.bytes_transferred,
-                              resp.num_computed_tokens)
+        return convert.prefill_report_from_proto(resp, self.worker_id)
 
     async def stats(self, *, timeout_s: float = 10.0) -> PrefillStats:
         s = await _unary(self._stub.Stats(common_pb2.StatsRequest(), timeout=timeout_s,
@@ -284,5 +254,4 @@ class WorkerChannels:
             await asyncio.wait(self._closing, timeout=5)
 
 
-__all__ = ["DecodeClient", "DecodeStats", "PrefillClient", "PrefillOutcome", "PrefillStats",
-           "RemoteSlot", "WorkerChannels"]
+__all__ = ["DecodeClient", "DecodeStats", "PrefillClient", "PrefillStats", "WorkerChannels"]

@@ -29,6 +29,7 @@ from pdserve.types import (
     FinishReason,
     GenerateRequest,
     PdserveError,
+    PrefillReport,
     TokenEvent,
 )
 from router import placement
@@ -36,8 +37,6 @@ from router.admission import AdmissionConfig, AdmissionController, Ticket
 from router.clients import (
     DecodeClient,
     PrefillClient,
-    PrefillOutcome,
-    RemoteSlot,
     WorkerChannels,
 )
 from router.cost import CostModel, prefill_capacity
@@ -598,7 +597,7 @@ class Router:
                     await first_task  # the stream must not be running when we close it
             await stream.aclose()  # type: ignore[attr-defined]
 
-    async def _prefill_report(self, task: asyncio.Task[PrefillOutcome], clock: _Timings) -> None:
+    async def _prefill_report(self, task: asyncio.Task[PrefillReport], clock: _Timings) -> None:
         """Put the prefill worker's stage timings into `clock`. Its reply may trail the first
         tokens (it frees its blocks before answering): wait a little for it, never fail."""
         if not task.done():
@@ -634,7 +633,7 @@ class _Timings:
     def __init__(self, started: float):
         self.started = started
         self._routed = self._allocated = self._fallback = self._first = 0.0
-        self._prefill: PrefillOutcome | None = None
+        self._prefill: PrefillReport | None = None
 
     def routed(self) -> None:
         """A (new) placement: time spent on earlier attempts counts as routing."""
@@ -652,7 +651,7 @@ class _Timings:
     def first_token(self) -> None:
         self._first = time.monotonic()
 
-    def prefilled(self, outcome: PrefillOutcome) -> None:
+    def prefilled(self, outcome: PrefillReport) -> None:
         self._prefill = outcome
 
     def finish(self) -> dict[str, float]:
@@ -736,4 +735,4 @@ def _describe(exc: BaseException | None) -> str:
     return repr(exc)
 
 
-__all__ = ["FinishReason", "RemoteSlot", "Router", "RouterConfig"]
+__all__ = ["FinishReason", "Router", "RouterConfig"]

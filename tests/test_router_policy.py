@@ -11,8 +11,7 @@ from hypothesis import strategies as st
 
 from pdserve.control.load import WorkerLoad
 from pdserve.control.workers import WorkerInfo
-from pdserve.types import LatencyClass
-from router.clients import PrefillOutcome
+from pdserve.types import LatencyClass, PrefillReport
 from router.kv_index import KVIndex
 from router.placement import DecodeTable, best_of
 from router.policy import (
@@ -108,7 +107,7 @@ def test_stage_timings_add_up_to_ttft_on_every_route() -> None:
     remote.routed()
     remote.allocated()
     time.sleep(0.005)
-    remote.prefilled(PrefillOutcome("p", 0.5, 1.0, 0.5, 1, 1))
+    remote.prefilled(PrefillReport("p", 0.5, 1.0, 0.5, 1, 1))
     remote.first_token()
     t = remote.finish()
     assert total(t) == pytest.approx(t["ttft_ms"]) and t["handoff_ms"] > 0

@@ -1,4 +1,4 @@
-"""Domain dataclasses (`engine.types`) <-> `pdserve.v1` messages.
+"""Domain dataclasses (`pdserve.types`) <-> `pdserve.v1` messages.
 
 Only the servicers and the typed clients import this (and the generated stubs): domain code
 speaks dataclasses. Requests travel as one `GenerateInput` message (`input_to_proto` /
@@ -14,14 +14,16 @@ from pdserve.types import (
     FinishReason,
     GenerateRequest,
     InvalidRequestError,
+    KVDestination,
     KVLayout,
     LatencyClass,
+    PrefillReport,
     SamplingParams,
     TokenEvent,
     TokenLogprob,
     fit_max_tokens,
 )
-from pdserve.v1 import common_pb2, decode_pb2
+from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
 _LATENCY_TO_PROTO = {
     LatencyClass.INTERACTIVE: common_pb2.LATENCY_CLASS_INTERACTIVE,
@@ -145,6 +147,55 @@ def kv_layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
 
 def kv_layout_from_proto(msg: common_pb2.KVLayout) -> KVLayout:
     return KVLayout.from_wire(msg)  # validated like a descriptor's layout (ValueError)
+
+
+def destination_to_allocate_response(d: KVDestination) -> decode_pb2.AllocateResponse:
+    if d.layout is None:
+        raise ValueError("an AllocateRemote answer carries the decode worker's KV layout")
+    return decode_pb2.AllocateResponse(
+        block_ids=list(d.block_ids), num_cached_tokens=d.num_cached_tokens,
+        descriptor_id=d.descriptor_id, transfer_id=d.transfer_id,
+        layout=kv_layout_to_proto(d.layout))
+
+
+def destination_from_allocate_response(request_id: str, msg: decode_pb2.AllocateResponse
+                                       ) -> KVDestination:
+    return KVDestination(request_id, tuple(msg.block_ids), msg.num_cached_tokens,
+                         msg.descriptor_id, msg.transfer_id, kv_layout_from_proto(msg.layout))
+
+
+def destination_to_proto(d: KVDestination) -> prefill_pb2.KVDestination:
+    return prefill_pb2.KVDestination(descriptor_id=d.descriptor_id, block_ids=d.block_ids,
+                                     num_cached_tokens=d.num_cached_tokens,
+                                     transfer_id=d.transfer_id)
+
+
+def destination_from_proto(request_id: str, msg: prefill_pb2.KVDestination) -> KVDestination:
+    """InvalidRequestError unless it names a pool, a transfer and some blocks."""
+    if not msg.descriptor_id or not msg.transfer_id or not msg.block_ids:
+        raise InvalidRequestError("destination needs descriptor_id, transfer_id and block_ids",
+                                  param="destination")
+    return KVDestination(request_id, tuple(msg.block_ids), msg.num_cached_tokens,
+                         msg.descriptor_id, msg.transfer_id)
+
+
+def prefill_report_to_proto(request_id: str, report: PrefillReport
+                            ) -> prefill_pb2.PrefillResponse:
+    return prefill_pb2.PrefillResponse(
+        request_id=request_id,
+        timings=common_pb2.StageTimings(queued_ms=report.queued_ms,
+                                        prefill_compute_ms=report.compute_ms,
+                                        kv_transfer_ms=report.transfer_ms),
+        bytes_transferred=report.bytes_transferred,
+        num_computed_tokens=report.num_computed_tokens, worker_id=report.worker_id)
+
+
+def prefill_report_from_proto(msg: prefill_pb2.PrefillResponse, worker_id: str = ""
+                              ) -> PrefillReport:
+    """`worker_id`: who was called, for an answer that does not name itself."""
+    t = msg.timings
+    return PrefillReport(msg.worker_id or worker_id, t.queued_ms, t.prefill_compute_ms,
+                         t.kv_transfer_ms, msg.bytes_transferred, msg.num_computed_tokens)
 
 
 def input_to_proto(request: GenerateRequest) -> common_pb2.GenerateInput:
