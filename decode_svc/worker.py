@@ -200,10 +200,10 @@ class DecodeWorker:
             try:
                 async with asyncio.timeout(timeout_s):
                     notice = await p.expectation  # type: ignore[misc]
-            except TimeoutError:
+            except TimeoutError as exc:
                 raise KVTransferError(
                     f"KV for {request_id!r} did not arrive within {timeout_s:.1f}s",
-                    code="kv_timeout") from None
+                    code="kv_timeout") from exc
             first = FirstToken.from_notice(notice)
             if request_id in self._releasing:  # aborted while the KV was landing
                 raise RequestAbortedError(f"request {request_id!r} was aborted")

@@ -180,7 +180,7 @@ async def _unary(call: Awaitable[T]) -> T:
     try:
         return await call
     except grpc.aio.AioRpcError as exc:
-        raise error_from_rpc(exc) from None
+        raise error_from_rpc(exc) from exc
 
 
 async def _events(call: grpc.aio.UnaryStreamCall, first_timeout_s: float,
@@ -192,9 +192,9 @@ async def _events(call: grpc.aio.UnaryStreamCall, first_timeout_s: float,
         while True:
             try:
                 chunk = await asyncio.wait_for(call.read(), timeout)
-            except TimeoutError:
+            except TimeoutError as exc:
                 raise WorkerTimeoutError(
-                    f"decode worker sent nothing for {timeout:.0f}s") from None
+                    f"decode worker sent nothing for {timeout:.0f}s") from exc
             if chunk is grpc.aio.EOF:
                 raise CapacityError("decode stream ended without a final token",
                                     code="worker_unavailable")
@@ -205,7 +205,7 @@ async def _events(call: grpc.aio.UnaryStreamCall, first_timeout_s: float,
                 return
             timeout = token_timeout_s
     except grpc.aio.AioRpcError as exc:
-        raise error_from_rpc(exc) from None
+        raise error_from_rpc(exc) from exc
     finally:
         call.cancel()
 

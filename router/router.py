@@ -428,7 +428,7 @@ class Router:
                         # A worker call past its deadline: the worker is busy or gone, not
                         # the request wrong; the client may retry (503), it is not a 504/500.
                         raise WorkerTimeoutError(f"decode worker {decode.worker_id} did not "
-                                                 f"answer in time: {_describe(exc)}") from None
+                                                 f"answer in time: {_describe(exc)}") from exc
                     self.retries.inc()
                     continue
                 self._abort_on(self._channels.decode(decode),
@@ -439,7 +439,7 @@ class Router:
                     raise CapacityError(
                         f"decode worker {decode.worker_id} failed mid-stream after "
                         f"{len(streamed)} tokens and the request already moved {migrations} "
-                        f"times: {_describe(exc)}", code="migration_exhausted") from None
+                        f"times: {_describe(exc)}", code="migration_exhausted") from exc
                 migrations += 1
                 self.migrations.labels(code).inc()
                 log.warning("stream_migrating", request_id=req.request_id,
@@ -540,7 +540,7 @@ class Router:
                                          timeout_s=cfg.allocate_timeout_s)
         except CapacityError as exc:
             raise RemotePrefillFailed(f"decode allocation failed: {exc}",
-                                      code="allocate_failed") from None
+                                      code="allocate_failed") from exc
         if timed:
             clock.allocated()
         # Open the decode stream first: it starts decoding the moment the KV lands, taking the
@@ -567,7 +567,7 @@ class Router:
                 if decode_lost.done():
                     raise  # the decode worker itself is gone: another one takes the request
                 raise RemotePrefillFailed(f"KV never arrived: {_describe(exc)}",
-                                          code="transfer_failed") from None
+                                          code="transfer_failed") from exc
             if timed:
                 clock.first_token()
             yield first

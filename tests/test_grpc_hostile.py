@@ -88,8 +88,12 @@ class Cluster:
     rpcs: RpcCounter  # the router's calls to the workers
 
 
-@pytest.fixture(scope="module")
-def cluster(redis_server: str, model_dir: Path) -> Iterator[Cluster]:
+@contextlib.asynccontextmanager
+async def serve_cluster(redis_url: str, model_dir: Path, gate: GatedTokenizer, rpcs: RpcCounter,
+                        n_decode: int = 1) -> AsyncIterator[Cluster]:
+    """`n_decode` decode workers and one prefill worker (`run_decode`, `run_prefill`) and a
+    Router with its servicer on a gRPC server, on the running loop. The Cluster names the
+    first decode worker."""
     from decode_svc.main import DecodeConfig, run_decode
     from pdserve.control.registry import WorkerRegistry
     from pdserve.engine.config import EngineConfig, ModelConfig
@@ -102,59 +106,63 @@ def cluster(redis_server: str, model_dir: Path) -> Iterator[Cluster]:
     from router.servicer import RouterServicer
 
     namespace = f"hostile{uuid.uuid4().hex[:8]}"
-    common: dict[str, Any] = dict(redis_url=redis_server, model=str(model_dir),
+    common: dict[str, Any] = dict(redis_url=redis_url, model=str(model_dir),
                                   engine=EngineConfig(kv_cache_bytes=32 << 20), metrics_port=-1,
                                   namespace=namespace, drain_timeout_s=5.0)
-    decode_cfg = DecodeConfig(worker_id="decode-0", alloc_lease_s=1.0,
-                              max_alloc_lease_s=LEASE_CAP_S, max_kv_wait_s=KV_WAIT_CAP_S,
-                              **common)
-    prefill_cfg = PrefillConfig(worker_id="prefill-0", transfer_timeout_s=5.0, **common)
-    # Loaded first: it imports transformers, which two threads must not do at once.
-    gate = GatedTokenizer(model_dir)
-    rpcs = RpcCounter()
+    configs: list[Any] = [
+        DecodeConfig(worker_id=f"decode-{i}", alloc_lease_s=1.0, max_alloc_lease_s=LEASE_CAP_S,
+                     max_kv_wait_s=KV_WAIT_CAP_S, **common) for i in range(n_decode)]
+    configs.append(PrefillConfig(worker_id="prefill-0", transfer_timeout_s=5.0, **common))
+    stop = asyncio.Event()
+    ready = [asyncio.Event() for _ in configs]
+    workers = [asyncio.create_task((run_decode if isinstance(c, DecodeConfig) else run_prefill)(
+        c, stop, r)) for c, r in zip(configs, ready, strict=True)]
+    try:
+        for event in ready:  # fail fast if a worker dies while starting
+            waiter = asyncio.create_task(event.wait())
+            await asyncio.wait([waiter, *workers], return_when=asyncio.FIRST_COMPLETED)
+            if not waiter.done():
+                waiter.cancel()
+                for w in workers:
+                    if w.done():
+                        w.result()  # raises what stopped it
+                raise RuntimeError("a worker exited while starting")
+        max_model_len = ModelConfig.from_dir(model_dir).max_position_embeddings
+        async with (WorkerRegistry.from_url(redis_url, namespace=namespace) as registry,
+                    Router(registry, gate, model_name=model_dir.name,
+                           max_model_len=max_model_len, poll_s=0.1,
+                           channels=WorkerChannels(interceptors=rpcs.interceptors)) as router):
+            # As run_router builds it (there with the tokenizer it loads itself).
+            server = gu.new_server(max_message_bytes=RouterProcessConfig.max_request_bytes)
+            router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
+            health = await gu.add_health(server, ROUTER_SERVICE)
+            address = await start_server(server, "127.0.0.1", 0)
+            await gu.set_serving(health, ROUTER_SERVICE)
+            async with asyncio.timeout(30):
+                while True:  # the router has seen every worker
+                    if len(router.workers("decode")) == n_decode and router.workers("prefill"):
+                        break
+                    await asyncio.sleep(0.05)
+            decode = min(router.workers("decode"), key=lambda w: w.worker_id)
+            [prefill] = router.workers("prefill")
+            yield Cluster(address, decode.grpc_address, prefill.grpc_address,
+                          decode.descriptor_id, gate, rpcs)
+            await server.stop(grace=1.0)
+    finally:
+        stop.set()
+        await asyncio.gather(*workers, return_exceptions=True)
 
-    @contextlib.asynccontextmanager
-    async def serve() -> AsyncIterator[Cluster]:
-        stop = asyncio.Event()
-        ready = [asyncio.Event(), asyncio.Event()]
-        workers = [asyncio.create_task(run_decode(decode_cfg, stop, ready[0])),
-                   asyncio.create_task(run_prefill(prefill_cfg, stop, ready[1]))]
-        try:
-            for event in ready:  # fail fast if a worker dies while starting
-                waiter = asyncio.create_task(event.wait())
-                await asyncio.wait([waiter, *workers], return_when=asyncio.FIRST_COMPLETED)
-                if not waiter.done():
-                    waiter.cancel()
-                    for w in workers:
-                        if w.done():
-                            w.result()  # raises what stopped it
-                    raise RuntimeError("a worker exited while starting")
-            max_model_len = ModelConfig.from_dir(model_dir).max_position_embeddings
-            async with (WorkerRegistry.from_url(redis_server, namespace=namespace) as registry,
-                        Router(registry, gate, model_name=model_dir.name,
-                               max_model_len=max_model_len, poll_s=0.1,
-                               channels=WorkerChannels(interceptors=rpcs.interceptors)) as router):
-                # As run_router builds it (there with the tokenizer it loads itself).
-                server = gu.new_server(
-                    max_message_bytes=RouterProcessConfig.max_request_bytes)
-                router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
-                health = await gu.add_health(server, ROUTER_SERVICE)
-                address = await start_server(server, "127.0.0.1", 0)
-                await gu.set_serving(health, ROUTER_SERVICE)
-                async with asyncio.timeout(30):
-                    while True:  # the router has seen both workers
-                        if router.workers("decode") and router.workers("prefill"):
-                            break
-                        await asyncio.sleep(0.05)
-                [decode], [prefill] = router.workers("decode"), router.workers("prefill")
-                yield Cluster(address, decode.grpc_address, prefill.grpc_address,
-                              decode.descriptor_id, gate, rpcs)
-                await server.stop(grace=1.0)
-        finally:
-            stop.set()
-            await asyncio.gather(*workers, return_exceptions=True)
 
-    with serve_in_thread(serve) as c:
+@pytest.fixture(scope="module")
+def gate(model_dir: Path) -> GatedTokenizer:
+    # Loaded before any worker: it imports transformers, which two threads must not do at once.
+    return GatedTokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server: str, model_dir: Path, gate: GatedTokenizer) -> Iterator[Cluster]:
+    with serve_in_thread(lambda: serve_cluster(redis_server, model_dir, gate,
+                                               RpcCounter())) as c:
         yield c
 
 
@@ -298,8 +306,25 @@ def test_remote_path_rpcs_and_prompt_copies(cluster: Cluster) -> None:
     """One remote prefill costs 3 RPCs (AllocateRemote, GenerateRemote, Prefill), 2 of them
     carrying the prompt, whatever the number of decode workers: the router knows their prefix
     caches from their KV events and asks none of them (docs/ARCHITECTURE.md, "RPCs per remote
-    request")."""
-    ids = list(range(1000, 1256))  # 256 tokens, nothing cached: the remote threshold
+    request"). One decode worker here; 2 and 4 in the next test."""
+    _assert_remote_rpcs(cluster)
+
+
+@pytest.mark.parametrize("n_decode", [2, 4])
+def test_remote_path_rpcs_do_not_grow_with_decode_workers(
+        redis_server: str, model_dir: Path, gate: GatedTokenizer, n_decode: int) -> None:
+    with serve_in_thread(lambda: serve_cluster(redis_server, model_dir, gate, RpcCounter(),
+                                               n_decode=n_decode)) as c:
+        for _ in range(2):  # a fresh prompt each time, on whichever decode worker
+            _assert_remote_rpcs(c)
+
+
+_remote_prompts = iter(range(1000, 10**9, 256))
+
+
+def _assert_remote_rpcs(cluster: Cluster) -> None:
+    start = next(_remote_prompts)
+    ids = list(range(start, start + 256))  # 256 tokens, nothing cached: the remote threshold
     cluster.rpcs.reset()
     with grpc.insecure_channel(cluster.router) as ch:
         last = list(router_stub(ch).Generate(router_pb2.GenerateRequest(
