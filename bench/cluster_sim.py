@@ -141,6 +141,28 @@ def calibrate(unloaded: dict[str, Unloaded], cost: StepCost) -> Overheads:
                      transfer_s_per_token=TRANSFER_S_PER_TOKEN)
 
 
+def calibrate_streaming(root: Path, overheads: Overheads, cost: StepCost, seed: int
+                        ) -> tuple[Overheads, list[dict[str, Any]]]:
+    """Per-streamed-token cost from closed-loop chat runs at a few concurrencies
+    (bench.sim.real streaming): replay each run's requests in the 1P1D simulator without it,
+    and fit the extra TPOT as `token_s` x concurrency (least squares through 0)."""
+    points = []
+    for path in sorted(root.glob("concurrency_*.json")):
+        reqs, rec = trace_from_record(path, seed)
+        c = int(rec["config"]["concurrency"])
+        sim = simulate(SimConfig(policy="threshold", router=GOODPUT_ROUTER, sharing="1p1d",
+                                 overheads=overheads, seed=seed), reqs, MIXED_SLO, cost)
+        meas = rec["summary"]["overall"]["tpot_ms"]["p50"]
+        pred = sim.summary.overall.tpot_ms.p50 if sim.summary.overall.tpot_ms else 0.0
+        points.append({"concurrency": c, "tpot_p50_measured_ms": round(meas, 1),
+                       "tpot_p50_sim_without_ms": round(pred, 1)})
+    num = sum(p["concurrency"] * (p["tpot_p50_measured_ms"] - p["tpot_p50_sim_without_ms"])
+              for p in points)
+    den = sum(p["concurrency"] ** 2 for p in points)
+    token_s = max(0.0, num / den / 1e3) if den else 0.0
+    return replace(overheads, token_s=token_s), points
+
+
 # --------------------------------------------------------------------------- validation
 
 # (record directory, system name in it, layout) for each real cluster and placement.
@@ -176,16 +198,19 @@ def metrics_of(summary: Any) -> dict[str, dict[str, float | None]]:
             **{c: _pcts(g) for c, g in summary.by_class.items()}}
 
 
-def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int
-             ) -> dict[str, Any]:
+def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
+             streaming: Path | None = None) -> dict[str, Any]:
     rows = []
     calib: dict[str, Any] = {}
     for root, layout in reals:
         systems = SYSTEMS[layout]
         unloaded = read_unloaded(root / "comparison.md", systems[0][0])
         overheads = calibrate(unloaded, cost)
+        points: list[dict[str, Any]] = []
+        if streaming is not None:
+            overheads, points = calibrate_streaming(streaming, overheads, cost, seed)
         calib[layout] = {"unloaded": {k: asdict(v) for k, v in unloaded.items()},
-                         "overheads": asdict(overheads)}
+                         "streaming": points, "overheads": asdict(overheads)}
         for system, policy in systems:
             for path in sorted((root / system).glob("rate_*.json")):
                 reqs, rec = trace_from_record(path, seed)
@@ -309,6 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     v = sub.add_parser("validate", help="predicted vs measured on real runs' traces")
     v.add_argument("--real", type=_real, action="append", required=True,
                    help="DIR:LAYOUT, a bench.goodput / bench.sim.real output (1p1d or 1p2d)")
+    v.add_argument("--streaming", type=Path, default=None,
+                   help="bench.sim.real streaming output: fit the per-token overhead")
     v.add_argument("--out", type=Path, required=True)
     c = sub.add_parser("compare", help="policies at scale")
     c.add_argument("--workers", default="8,16,64,256")
@@ -324,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     record: dict[str, Any] = {"command": "python -m bench.cluster_sim " + " ".join(
         sys.argv[1:] if argv is None else argv)}
     if args.cmd == "validate":
-        record.update(validate(args.real, cost, args.seed))
+        record.update(validate(args.real, cost, args.seed, args.streaming))
         print(validation_table(record))
     else:
         overheads = Overheads(transfer_s_per_token=TRANSFER_S_PER_TOKEN)
