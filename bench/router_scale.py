@@ -459,15 +459,17 @@ def latency_summary(ns: Sequence[int]) -> dict[str, float]:
 
 def time_place(reqs: list[array[int]], decoders: list[WorkerInfo], prefills: list[WorkerInfo],
                index: KVIndex, placed: dict[str, int], policy: RouterPolicy,
-               table: DecodeTable, seed: int = 0) -> tuple[list[int], list[int]]:
-    """Per request: place()'s latency (ns) and the cached tokens it found. Each prompt is
+               table: DecodeTable, seed: int = 0) -> tuple[list[int], list[int], list[int]]:
+    """Per request: place()'s latency (ns), its CPU time on this thread (ns: time the core
+    spent on other processes is not in it) and the cached tokens it found. Each prompt is
     made a fresh list of fresh ints just before its call, as the router's request decoder
     hands it over (not timed). The router's DecodeTable is kept across calls, and every
     HEARTBEAT_EVERY decisions one decode worker's record is replaced by a new one (its
     heartbeat: untimed, the directory's work), so the timed calls rebuild the table as
     often as the router would: 64 heartbeats a second against 10,000 decisions a second."""
-    clock = time.perf_counter_ns
+    clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
     lat: list[int] = []
+    cpu: list[int] = []
     cached: list[int] = []
     latency = LatencyClass.STANDARD
     rng = random.Random(seed)
@@ -477,11 +479,14 @@ def time_place(reqs: list[array[int]], decoders: list[WorkerInfo], prefills: lis
             decoders[j] = replace(decoders[j], load=replace(
                 decoders[j].load, running=rng.randint(0, 16)))
         ids = arr.tolist()
+        c0 = cpu_clock()
         t0 = clock()
         p = place(ids, latency, decoders, prefills, index, placed, policy, table=table)
-        lat.append(clock() - t0)
+        t1 = clock()
+        cpu.append(cpu_clock() - c0)
+        lat.append(t1 - t0)
         cached.append(p.cached_tokens)
-    return lat, cached
+    return lat, cpu, cached
 
 
 def time_split(reqs: list[array[int]], place_ns: Sequence[int], index: KVIndex
@@ -588,7 +593,7 @@ def bench_decisions(cfg: Config, core: int | None) -> tuple[dict[str, Any], list
         setups.append((n, index, *fleet(random.Random(cfg.seed + n), n)))
     # Every N's index stays built; the timed passes go round the Ns, so a slow spell of the
     # machine lands on all of them rather than on one.
-    rounds: dict[int, list[tuple[float, list[int], list[int], dict[str, float]]]] = {
+    rounds: dict[int, list[tuple[float, list[int], list[int], dict[str, float], list[int]]]] = {
         n: [] for n in cfg.worker_counts}
     original = os.sched_getaffinity(0)
     try:
@@ -601,12 +606,12 @@ def bench_decisions(cfg: Config, core: int | None) -> tuple[dict[str, Any], list
         for r in range(cfg.rounds):
             for n, index, decoders, prefills, placed in setups:
                 with Interference(core) as itf:
-                    lat, cached = time_place(timed, decoders, prefills, index, placed, policy,
-                                             tables[n], seed=cfg.seed * 100 + r)
-                rounds[n].append((sum(lat) / len(lat), lat, cached, itf.result))
+                    lat, cpu, cached = time_place(timed, decoders, prefills, index, placed,
+                                                  policy, tables[n], seed=cfg.seed * 100 + r)
+                rounds[n].append((sum(lat) / len(lat), lat, cached, itf.result, cpu))
         for n, index, decoders, prefills, placed in setups:
             ordered = sorted(rounds[n], key=lambda r: r[0])
-            _, lat, cached, itf_result = ordered[len(ordered) // 2]  # the median round
+            _, lat, cached, itf_result, cpu = ordered[len(ordered) // 2]  # the median round
             if n == cfg.split_workers:
                 split = time_split(timed, lat, index)
                 split["by_prompt_length"] = by_length(timed, lat)
@@ -619,6 +624,11 @@ def bench_decisions(cfg: Config, core: int | None) -> tuple[dict[str, Any], list
                 "workers": n, "index_blocks": index.num_blocks,
                 "index_entries": index.num_entries, "requests": len(lat),
                 "decisions_per_s": dps, **s,
+                # CPU time of place() on this thread: unaffected by other processes taking
+                # the pinned core (see machine_during_median_round); a lower bound on latency.
+                "decisions_per_cpu_s": 1e9 * len(cpu) / sum(cpu),
+                "cpu_p50_us": percentile(sorted(cpu), 50) / 1e3,
+                "cpu_p99_us": percentile(sorted(cpu), 99) / 1e3,
                 "rounds_decisions_per_s": [round(1e9 / r[0]) for r in rounds[n]],
                 "machine_during_median_round": itf_result,
                 "mean_prompt_tokens": sum(map(len, timed)) / len(timed),
@@ -629,8 +639,10 @@ def bench_decisions(cfg: Config, core: int | None) -> tuple[dict[str, Any], list
                           "p99": s["p99_us"] <= TARGET_P99_MS * 1e3}})
             print(f"[1] N={n:>3}: {dps:8.0f} decisions/s  p50 {s['p50_us']:7.1f} us  "
                   f"p99 {s['p99_us']:7.1f} us  (rounds: "
-                  f"{', '.join(str(x) for x in results[-1]['rounds_decisions_per_s'])}/s)",
-                  flush=True)
+                  f"{', '.join(str(x) for x in results[-1]['rounds_decisions_per_s'])}/s); "
+                  f"CPU: {results[-1]['decisions_per_cpu_s']:.0f}/s, p50 "
+                  f"{results[-1]['cpu_p50_us']:.1f} us; core busy with others "
+                  f"{itf_result.get('others_busy_share', float('nan')):.0%}", flush=True)
     finally:
         os.sched_setaffinity(0, original)
     del setups

@@ -47,6 +47,7 @@ def test_router_scale_quick_record(tmp_path: Path) -> None:
             assert r[key] > 0
         assert 0 < r["mean_cached_fraction"] <= 1  # the index finds the corpus' prefixes
     assert {"match_prompt", "rest", "place", "full_hash", "full_match"} <= d["split"].keys()
+    assert all(r["decisions_per_cpu_s"] > 0 for r in d["results"])
     assert d["split"]["native_hashing"] is True  # setup.py builds pdserve/_blockhash.c
     assert d["split"]["workers"] == 64
     assert {"64", "256"} <= d["profile_top_tottime"].keys()
