@@ -33,7 +33,7 @@ from typing import Any
 
 from bench.loadgen.arrivals import arrival_times
 from bench.loadgen.config import SLO
-from bench.loadgen.metrics import GroupSummary, Percentiles
+from bench.loadgen.metrics import GroupSummary, Percentiles, goodput
 from bench.loadgen.workload import build_requests, named_workload
 from bench.sim.cluster import POLICIES, Overheads, Policy, SimConfig, SimResult, simulate
 from bench.sim.workers import SimRequest, StepCost
@@ -236,7 +236,18 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
                     "attainment": {"measured": rec["summary"]["overall"]["attainment"]["both"],
                                    "predicted": sim.summary.overall.attainment.both},
                     "routes": {"measured": real_routes, "predicted": sim.routes}})
-    return {"calibration": calib, "rows": rows}
+    return {"calibration": calib, "rows": rows, "within_15pct": within(rows, 0.15)}
+
+
+def within(rows: Sequence[dict[str, Any]], tol: float) -> dict[str, str]:
+    """Per class and metric: how many of the compared cells are within `tol`."""
+    hits: dict[str, list[bool]] = {}
+    for r in rows:
+        for g, errs in r["relative_error"].items():
+            for k, e in errs.items():
+                if e is not None:
+                    hits.setdefault(f"{g} {k}", []).append(abs(e) <= tol)
+    return {k: f"{sum(v)}/{len(v)}" for k, v in sorted(hits.items())}
 
 
 def validation_table(v: dict[str, Any]) -> str:
@@ -315,6 +326,35 @@ def compare_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def goodput_table(rows: Sequence[dict[str, Any]], target: float = 0.9) -> tuple[
+        str, list[dict[str, Any]]]:
+    """Per (workload, N, policy): bench.loadgen's goodput over the swept rates (the highest
+    rate with >= `target` of requests meeting both SLOs, interpolated to the crossing)."""
+    groups: dict[tuple[str, int], dict[str, list[tuple[float, float]]]] = {}
+    for r in rows:
+        groups.setdefault((r["workload"], r["decode_workers"]), {}).setdefault(
+            r["policy"], []).append((r["rate"], r["attainment"]))
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    lines = ["| workload | N decode (+ prefill) | " + " | ".join(policies) + " | best |",
+             "|---|---|" + "---|" * (len(policies) + 1)]
+    out = []
+    for (workload, n), by_policy in groups.items():
+        cells, best = [], ("", -1.0)
+        for p in policies:
+            g = goodput(by_policy.get(p, []), target)
+            value = g.interpolated or 0.0
+            out.append({"workload": workload, "decode_workers": n, "policy": p,
+                        "goodput_rps": g.rate, "interpolated_rps": g.interpolated,
+                        "bounded": g.bounded})
+            mark = "" if g.bounded else "+"  # no swept rate above it failed
+            cells.append("none" if g.rate is None else f"{value:.1f}{mark}")
+            if value > best[1]:
+                best = (p, value)
+        lines.append(f"| {workload} | {n} (+{max(1, n // 4)}) | " + " | ".join(cells)
+                     + f" | {best[0]} |")
+    return "\n".join(lines), out
+
+
 # --------------------------------------------------------------------------- command line
 
 
@@ -353,6 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "validate":
         record.update(validate(args.real, cost, args.seed, args.streaming))
         print(validation_table(record))
+        print(json.dumps(record["within_15pct"], indent=1))
     else:
         overheads = Overheads(transfer_s_per_token=TRANSFER_S_PER_TOKEN)
         if args.calibration:
@@ -362,8 +403,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                        [p for p in args.policies.split(",") if p],  # type: ignore[misc]
                        args.workloads.split(","), [float(x) for x in args.loads.split(",")],
                        args.requests_per_worker, cost, args.seed, overheads)
-        record.update(overheads=asdict(overheads), rows=rows)
+        table, goodputs = goodput_table(rows)
+        record.update(overheads=asdict(overheads), rows=rows, goodput=goodputs)
         print(compare_table(rows))
+        print()
+        print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     return 0
