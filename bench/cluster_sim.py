@@ -355,6 +355,48 @@ def goodput_table(rows: Sequence[dict[str, Any]], target: float = 0.9) -> tuple[
     return "\n".join(lines), out
 
 
+def cost_vs_threshold(reals: Sequence[tuple[Path, str]], validation: dict[str, Any] | None,
+                      workers: Sequence[int], loads: Sequence[float], n_per_worker: int,
+                      cost: StepCost, seed: int, overheads: Overheads) -> dict[str, Any]:
+    """Goodput (bench.loadgen's: highest swept rate with >= 90 % meeting the mixed SLOs) of
+    threshold and cost placement: measured on the real clusters (their records), simulated
+    on the same traces (a validate output's rows), and simulated at N decode workers."""
+    out: list[dict[str, Any]] = []
+    for root, layout in reals:
+        for system, policy in SYSTEMS[layout]:
+            g = json.loads((root / system / "summary.json").read_text())["goodput"]
+            out.append({"where": f"real {layout}", "policy": policy, "goodput_rps": g["rate"],
+                        "interpolated_rps": g["interpolated"], "bounded": g["bounded"]})
+            if validation is not None:
+                pts = [(r["rate"], r["attainment"]["predicted"]) for r in validation["rows"]
+                       if r["layout"] == layout and r["policy"] == policy]
+                if pts:
+                    sg = goodput(pts, 0.9)
+                    out.append({"where": f"sim {layout} (same traces)", "policy": policy,
+                                "goodput_rps": sg.rate, "interpolated_rps": sg.interpolated,
+                                "bounded": sg.bounded})
+    rows = compare(workers, ["threshold", "cost"], ["mixed"], loads, n_per_worker, cost, seed,
+                   overheads)
+    _, goodputs = goodput_table(rows)
+    for g in goodputs:
+        out.append({"where": f"sim {g['decode_workers']}D + {max(1, g['decode_workers'] // 4)}P",
+                    "policy": g["policy"], "goodput_rps": g["goodput_rps"],
+                    "interpolated_rps": g["interpolated_rps"], "bounded": g["bounded"]})
+    return {"goodput": out, "rows": rows}
+
+
+def side_by_side_table(res: dict[str, Any]) -> str:
+    cells: dict[str, dict[str, str]] = {}
+    for g in res["goodput"]:
+        v = g["interpolated_rps"]
+        cells.setdefault(g["where"], {})[g["policy"]] = "none" if v is None else (
+            f"{v:.2f}" + ("" if g["bounded"] else "+"))
+    lines = ["| where | threshold goodput req/s | cost goodput req/s |", "|---|---|---|"]
+    lines += [f"| {w} | {c.get('threshold', '')} | {c.get('cost', '')} |"
+              for w, c in cells.items()]
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- command line
 
 
@@ -386,6 +428,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--calibration", type=Path, default=None,
                    help="a validate output: use its 1p1d overheads (default: none)")
     c.add_argument("--out", type=Path, required=True)
+    b = sub.add_parser("cost-vs-threshold", help="goodput side by side: real and simulated")
+    b.add_argument("--real", type=_real, action="append", required=True)
+    b.add_argument("--validation", type=Path, default=None, help="a validate output")
+    b.add_argument("--workers", default="16,64")
+    b.add_argument("--loads", default="0.1,0.15,0.2,0.25,0.3,0.4")
+    b.add_argument("--requests-per-worker", type=int, default=25)
+    b.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     cost = StepCost.load(args.profile) if args.profile else StepCost.load()
     record: dict[str, Any] = {"command": "python -m bench.cluster_sim " + " ".join(
@@ -394,11 +443,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         record.update(validate(args.real, cost, args.seed, args.streaming))
         print(validation_table(record))
         print(json.dumps(record["within_15pct"], indent=1))
+    elif args.cmd == "cost-vs-threshold":
+        val = json.loads(args.validation.read_text()) if args.validation else None
+        overheads = Overheads(**val["calibration"]["1p1d"]["overheads"]) if val else Overheads(
+            transfer_s_per_token=TRANSFER_S_PER_TOKEN)
+        record.update(overheads=asdict(overheads), **cost_vs_threshold(
+            args.real, val, [int(x) for x in args.workers.split(",")],
+            [float(x) for x in args.loads.split(",")], args.requests_per_worker, cost,
+            args.seed, overheads))
+        print(side_by_side_table(record))
     else:
         overheads = Overheads(transfer_s_per_token=TRANSFER_S_PER_TOKEN)
         if args.calibration:
             o = json.loads(args.calibration.read_text())["calibration"]["1p1d"]["overheads"]
-            overheads = replace(Overheads(**o))
+            overheads = Overheads(**o)
         rows = compare([int(x) for x in args.workers.split(",")],
                        [p for p in args.policies.split(",") if p],  # type: ignore[misc]
                        args.workloads.split(","), [float(x) for x in args.loads.split(",")],
