@@ -95,7 +95,7 @@ import redis.utils
 
 from pdserve.control.kv_events import MAX_OPS_PER_ENTRY, KVEventStreams
 from pdserve.control.load import WorkerLoad
-from pdserve.control.registry import WorkerRegistry
+from pdserve.control.registry import ControlPlaneError, WorkerRegistry
 from pdserve.control.workers import WorkerInfo
 from pdserve.engine.block_manager import BlockHash, BlockManager, block_hashes
 from pdserve.kv_events import KVEventBatch, KVOp
@@ -831,14 +831,18 @@ async def follow(streams: KVEventStreams, ids: list[str], until_ops: asyncio.Fut
     publisher reports when it is done); wall and CPU time from the first poll."""
     index = KVIndex()
     follower = KVIndexFollower(streams, index, lambda: ids)
-    polls = entries = 0
+    polls = entries = read_errors = 0
     t0, c0 = time.perf_counter(), time.process_time()
     t_last, c_last = t0, c0  # when the last entry was folded in (not the idle wait after)
     with Interference(core) as itf:
         while True:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"follower stuck at {index.ops_applied} ops")
-            got = await follower.poll()
+            try:
+                got = await follower.poll()
+            except ControlPlaneError:  # as the router's follower: a slow Redis, read again
+                read_errors += 1
+                continue
             if got:
                 entries += got
                 t_last, c_last = time.perf_counter(), time.process_time()
@@ -848,6 +852,7 @@ async def follow(streams: KVEventStreams, ids: list[str], until_ops: asyncio.Fut
             if target is not None and index.ops_applied >= target:
                 break
     return index, follower, {"wall_s": t_last - t0, "cpu_s": c_last - c0, "polls": polls,
+                             "read_errors": read_errors,
                              "entries": entries, "follower_core_during": itf.result}
 
 
