@@ -27,6 +27,8 @@ import os
 import platform
 import random
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -82,7 +84,7 @@ def pct(xs: Sequence[float], q: float) -> float | None:
     if not xs:
         return None
     s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
 def summarize(results: list[dict[str, Any]], deadline_s: float) -> dict[str, Any]:
@@ -117,16 +119,37 @@ async def burst(cluster: LocalCluster, args: argparse.Namespace, seed: int
 
 def run_system(name: str, args: argparse.Namespace, tree: Path | None) -> dict[str, Any]:
     env = {"PYTHONPATH": str(tree)} if tree else {}
-    with LocalCluster(prefill=1, decode=1, env=env) as cluster:
-        results = asyncio.run(burst(cluster, args, args.seed))
+    # `python -m` puts the working directory first on sys.path: the baseline's processes
+    # start from an empty one, or they would import this checkout instead of `tree`.
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory() as empty:
+        if tree:
+            os.chdir(empty)
+        try:
+            with LocalCluster(prefill=1, decode=1, env=env) as cluster:
+                results = asyncio.run(burst(cluster, args, args.seed))
+                versions = check_tree(cluster, tree)
+        finally:
+            os.chdir(here)
     summary = summarize(results, args.deadline_s)
     print(f"{name:>9}: admitted {summary['admitted']}/{summary['requests']}, "
           f"429 {summary['refused_429']}, errors {summary['errors']}; TTFT p50 "
           f"{summary['ttft_p50_s'] or 0:.1f} s p90 {summary['ttft_p90_s'] or 0:.1f} s max "
           f"{summary['ttft_max_s'] or 0:.1f} s; {summary['admitted_within_deadline']} "
           f"within {args.deadline_s:g} s", flush=True)
-    return {"system": name, "tree": str(tree) if tree else None, "summary": summary,
-            "requests": results}
+    return {"system": name, "tree": str(tree) if tree else None, "imported_from": versions,
+            "summary": summary, "requests": results}
+
+
+def check_tree(cluster: LocalCluster, tree: Path | None) -> str:
+    """Where the router process imported `router.admission` from (its log's first lines do
+    not say): asked of a Python started exactly as the cluster's children are."""
+    env = dict(cluster.env)
+    out = subprocess.run([sys.executable, "-c", "import router.admission as a; print(a.__file__)"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    if tree and not out.startswith(str(tree)):
+        raise SystemExit(f"the baseline imported {out}, not {tree}")
+    return out
 
 
 def git(*argv: str, cwd: Path | None = None) -> str:
