@@ -36,7 +36,7 @@ from bench.loadgen.config import SLO
 from bench.loadgen.metrics import GroupSummary, Percentiles, goodput
 from bench.loadgen.workload import build_requests, named_workload
 from bench.sim.cluster import POLICIES, Overheads, Policy, SimConfig, SimResult, simulate
-from bench.sim.workers import SimRequest, StepCost
+from bench.sim.workers import SimRequest, StepCost, load_corun
 from pdserve.types import LatencyClass
 from router.policy import RouterPolicy
 
@@ -199,12 +199,21 @@ def metrics_of(summary: Any) -> dict[str, dict[str, float | None]]:
 
 
 def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
-             streaming: Path | None = None) -> dict[str, Any]:
+             streaming: Path | None = None,
+             corun: dict[tuple[str, str], float] | None = None) -> dict[str, Any]:
+    """Each real run's requests replayed in the simulator of its layout; `corun`: the
+    two-busy-cores slowdown table (bench.sim.workers.load_corun; {}: none)."""
     rows = []
     calib: dict[str, Any] = {}
     for root, layout in reals:
         systems = SYSTEMS[layout]
-        unloaded = read_unloaded(root / "comparison.md", systems[0][0])
+        # Interference from other processes only adds time: per class, the fastest of the
+        # record's unloaded measurements (both placements measure the same idle requests).
+        tables = [read_unloaded(root / "comparison.md", name) for name, _ in systems]
+        unloaded = {k: Unloaded(k, tables[0][k].prompt_tokens,
+                                min(t[k].ttft_ms for t in tables if k in t),
+                                min(t[k].tpot_ms for t in tables if k in t))
+                    for k in tables[0]}
         overheads = calibrate(unloaded, cost)
         points: list[dict[str, Any]] = []
         if streaming is not None:
@@ -217,7 +226,7 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
                 cfg = SimConfig(n_decode=2 if layout == "1p2d" else 1, n_prefill=1,
                                 policy=policy, router=GOODPUT_ROUTER,  # type: ignore[arg-type]
                                 sharing="cluster-up" if layout == "1p2d" else "1p1d",
-                                overheads=overheads, seed=seed)
+                                overheads=overheads, seed=seed, corun=corun or {})
                 slo = SLO(**{**rec["config"]["slo"],
                              "per_class": tuple(map(tuple, rec["config"]["slo"]["per_class"]))})
                 sim = simulate(cfg, reqs, slo, cost)
@@ -418,6 +427,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="DIR:LAYOUT, a bench.goodput / bench.sim.real output (1p1d or 1p2d)")
     v.add_argument("--streaming", type=Path, default=None,
                    help="bench.sim.real streaming output: fit the per-token overhead")
+    v.add_argument("--corun", type=Path, default=None,
+                   help="bench.engine_profile --corun output: slow steps while both cores "
+                        "compute (default: no such slowdown)")
     v.add_argument("--out", type=Path, required=True)
     c = sub.add_parser("compare", help="policies at scale")
     c.add_argument("--workers", default="8,16,64,256")
@@ -440,7 +452,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     record: dict[str, Any] = {"command": "python -m bench.cluster_sim " + " ".join(
         sys.argv[1:] if argv is None else argv)}
     if args.cmd == "validate":
-        record.update(validate(args.real, cost, args.seed, args.streaming))
+        record.update(validate(args.real, cost, args.seed, args.streaming,
+                               load_corun(args.corun) if args.corun else {}))
+        record["corun"] = str(args.corun) if args.corun else None
         print(validation_table(record))
         print(json.dumps(record["within_15pct"], indent=1))
     elif args.cmd == "cost-vs-threshold":

@@ -25,6 +25,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -164,13 +165,105 @@ def _profile(threads: int, quick: bool) -> list[StepSample]:
     return [s for s in samples if s.kind != "warm prefix"]
 
 
+_BACKGROUND = """
+import random, sys, torch
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_store import resolve_model
+from pdserve.types import GenerateRequest, SamplingParams
+torch.set_num_threads(1)
+e = LLMEngine.from_dir(resolve_model(None, progress=False), EngineConfig(
+    kv_cache_bytes=512 << 20, num_threads=1, enable_prefix_caching=False))
+rng = random.Random(1)
+print("ready", flush=True)
+while True:
+    ids = tuple(rng.randrange(100, 40000) for _ in range(int(sys.argv[1])))
+    e.add_request(GenerateRequest(f"b{rng.random()}", ids, SamplingParams(
+        max_tokens=int(sys.argv[2]), ignore_eos=True)))
+    while e.has_unfinished():
+        e.step()
+"""
+
+
+def corun(background_core: int, rounds: int) -> dict[str, Any]:
+    """How much slower a step is while another engine computes on the other core (shared
+    caches and memory bandwidth): each scenario timed alternately with the background engine
+    stopped (SIGSTOP) and running, so drift in what else runs on the machine hits both."""
+    import os
+    import signal
+    import subprocess
+
+    import torch
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.model_store import resolve_model
+    from pdserve.types import GenerateRequest, SamplingParams
+
+    torch.set_num_threads(1)
+    engine = LLMEngine.from_dir(resolve_model(None, progress=False), EngineConfig(
+        kv_cache_bytes=512 << 20, num_threads=1, enable_prefix_caching=False))
+    rng = random.Random(2)
+
+    def timed(prompt: int, out: int, decode_only: bool) -> float:
+        times = []
+        for _ in range(1 if prompt > 64 else 8):
+            engine.add_request(GenerateRequest(f"f{rng.random()}", tuple(
+                rng.randrange(100, 40000) for _ in range(prompt)), SamplingParams(
+                max_tokens=out, ignore_eos=True)))
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[1:-1] if decode_only else times)
+
+    scenarios = {"decode b=8": (64, 16, True), "prefill 512": (512, 1, False)}
+    out: dict[str, Any] = {}
+    for bg_name, bg_args in (("prefill", ("512", "1")), ("decode", ("64", "64"))):
+        child = subprocess.Popen(
+            ["taskset", "-c", str(background_core), sys.executable, "-c", _BACKGROUND,
+             *bg_args], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout is not None
+            while child.stdout.readline().strip() != "ready":  # past the engine's log lines
+                if child.poll() is not None:
+                    raise RuntimeError("the background engine exited")
+            for name, args in scenarios.items():
+                solo, co = [], []
+                for _ in range(rounds):
+                    os.kill(child.pid, signal.SIGSTOP)
+                    time.sleep(0.2)
+                    solo.append(timed(*args))
+                    os.kill(child.pid, signal.SIGCONT)
+                    time.sleep(0.2)
+                    co.append(timed(*args))
+                out[f"{name} beside {bg_name}"] = {
+                    "solo_s": statistics.median(solo), "corun_s": statistics.median(co),
+                    "slowdown": statistics.median(co) / statistics.median(solo)}
+        finally:
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+            child.wait()
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.engine_profile",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="fewer scenarios (tests, smoke)")
+    ap.add_argument("--corun", type=int, default=None, metavar="CORE",
+                    help="instead: step slowdown while an engine computes on CORE")
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
+    if args.corun is not None:
+        rec = {"command": "python -m bench.engine_profile " + " ".join(
+                   sys.argv[1:] if argv is None else argv),
+               "corun": corun(args.corun, args.rounds)}
+        args.out.write_text(json.dumps(rec, indent=1) + "\n")
+        print(json.dumps(rec, indent=1))
+        return 0
     from bench.goodput import machine_info
     from pdserve.engine.cpu import cpu_summary
 

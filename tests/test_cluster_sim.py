@@ -107,6 +107,7 @@ def test_idle_remote_request_costs_the_profile() -> None:
 class _Busy(SimWorker):
     def __init__(self, core: int | None, weight: float, host: Host) -> None:
         self.core, self.weight, self.busy = core, weight, True
+        self.step_kind = "decode"
         host.workers.append(self)
 
 
@@ -119,6 +120,11 @@ def test_cpu_sharing_follows_cfs_weights() -> None:
     d1.busy = False  # an idle core: the unpinned prefill worker gets it whole
     s = host.speeds()
     assert s[d0] == 1.0 and s[p] == 1.0
+    slow = Host(2, {("decode", "prefill"): 1.25, ("prefill", "decode"): 2.0})
+    d, q = _Busy(0, 1024.0, slow), _Busy(1, 1024.0, slow)
+    q.step_kind = "prefill"
+    s = slow.speeds()  # two busy cores: each runs slower, by what runs beside it
+    assert s[d] == pytest.approx(1 / 1.25) and s[q] == pytest.approx(1 / 2.0)
 
 
 def test_scales_to_many_workers() -> None:

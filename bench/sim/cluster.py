@@ -33,6 +33,7 @@ from bench.sim.workers import (
     SimRequest,
     SimWorker,
     StepCost,
+    load_corun,
 )
 from pdserve.control.workers import WorkerInfo
 from pdserve.kv_events import KVEventBatch
@@ -81,6 +82,9 @@ class SimConfig:
     max_num_seqs: int = 64
     heartbeat_s: float = 1.0
     event_lag_s: float = 0.05  # publisher (<= 20 ms batches) + XREAD + apply
+    # Two-core hosts (1p1d, cluster-up): slowdown of a step while the other core computes,
+    # (step kind, other kind) -> factor (bench.engine_profile --corun); None: measured file.
+    corun: dict[tuple[str, str], float] | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -121,7 +125,8 @@ class Simulation(Clock):
 
         def host() -> Host:
             if c.sharing == "own" or not hosts:
-                hosts.append(Host(1 if c.sharing == "own" else 2))
+                hosts.append(Host(1) if c.sharing == "own" else Host(
+                    2, load_corun() if c.corun is None else c.corun))
             return hosts[-1]
 
         kw = dict(num_blocks=c.num_blocks, block_size=c.block_size,

@@ -30,6 +30,8 @@ from pdserve.engine.step_rates import StepRates
 from pdserve.types import FinishReason, LatencyClass, SamplingParams
 
 PROFILE = Path(__file__).resolve().parents[2] / "docs/bench/cluster_sim/engine_profile.json"
+CORUN = PROFILE.with_name("engine_corun.json")
+PREFILL_STEP_TOKENS = 128  # a step with this many prompt tokens counts as a prefill step
 MODEL_ID = "SmolLM2-135M-Instruct"
 
 
@@ -58,14 +60,29 @@ class SimRequest:
     class_name: str = ""
 
 
+def load_corun(path: Path = CORUN) -> dict[tuple[str, str], float]:
+    """(this step's kind, the kind computing on another core) -> slowdown, measured by
+    `bench.engine_profile --corun` (kinds: "decode", "prefill"); {} where not measured."""
+    if not path.exists():
+        return {}
+    out = {}
+    for name, row in json.loads(path.read_text())["corun"].items():
+        mine, _, other = name.partition(" beside ")
+        out[(mine.split()[0], other)] = float(row["slowdown"])
+    return out
+
+
 class Host:
     """Cores shared by the workers placed on it, as Linux's CFS shares them: a busy worker
     pinned to a core shares it with the other busy ones there in proportion to their weights
     (nice 0: 1024, nice 5: 335); an unpinned one runs on the core with the least busy weight.
-    One worker alone on its core runs at full speed (the profile's)."""
+    One worker alone on its core runs at full speed (the profile's), divided by `corun`'s
+    slowdown while another core of the host computes (shared caches, memory bandwidth and,
+    on this VM, execution units: two busy cores each run slower than one)."""
 
-    def __init__(self, cores: int):
+    def __init__(self, cores: int, corun: dict[tuple[str, str], float] | None = None):
         self.cores = cores
+        self.corun = corun or {}
         self.workers: list[SimWorker] = []
 
     def speeds(self) -> dict[SimWorker, float]:
@@ -81,7 +98,14 @@ class Host:
                 c = min(range(self.cores), key=lambda i: (load[i], i))
                 where[w] = c
                 load[c] += w.weight
-        return {w: w.weight / load[c] for w, c in where.items()}
+        speeds = {w: w.weight / load[c] for w, c in where.items()}
+        if self.corun:
+            for w, c in where.items():
+                others = {x.step_kind for x, k in where.items() if k != c}
+                slow = max((self.corun.get((w.step_kind, o), 1.0) for o in others),
+                           default=1.0)
+                speeds[w] /= slow
+        return speeds
 
 
 class Clock:
@@ -114,6 +138,7 @@ class SimWorker:
             max_prefill_chunk=max_prefill_chunk), self.bm)
         self.rates = StepRates()
         self.busy = False
+        self.step_kind = "decode"
         self.steps = 0
         self._out: SchedulerOutput | None = None
         self._left = 0.0  # work (seconds at full speed) left in the current step
@@ -134,6 +159,8 @@ class SimWorker:
             return
         self._out = out
         streamed = sum(1 for s in out.scheduled if s.samples)
+        prompt = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        self.step_kind = "prefill" if prompt >= PREFILL_STEP_TOKENS else "decode"
         self._left = (self.step_overhead_s + self.token_overhead_s * streamed
                       + self.cost.step_s([(s.start, s.num_new_tokens) for s in out.scheduled]))
         self._started = self._since = self.clock.now
