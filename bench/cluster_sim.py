@@ -218,7 +218,7 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
         points: list[dict[str, Any]] = []
         if streaming is not None:
             overheads, points = calibrate_streaming(streaming, overheads, cost, seed)
-        calib[layout] = {"unloaded": {k: asdict(v) for k, v in unloaded.items()},
+        calib[f"{layout} {root.name}"] = {"unloaded": {k: asdict(v) for k, v in unloaded.items()},
                          "streaming": points, "overheads": asdict(overheads)}
         for system, policy in systems:
             for path in sorted((root / system).glob("rate_*.json")):
@@ -239,7 +239,8 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
                            else round(predicted[g][k] / m[k] - 1, 3)  # type: ignore[operator]
                            for k in m} for g, m in measured.items()}
                 rows.append({
-                    "layout": layout, "policy": policy, "rate": rec["config"]["rate"],
+                    "record": root.name, "layout": layout, "policy": policy,
+                    "rate": rec["config"]["rate"],
                     "n": len(reqs), "measured": measured, "predicted": predicted,
                     "relative_error": err,
                     "attainment": {"measured": rec["summary"]["overall"]["attainment"]["both"],
@@ -260,7 +261,7 @@ def within(rows: Sequence[dict[str, Any]], tol: float) -> dict[str, str]:
 
 
 def validation_table(v: dict[str, Any]) -> str:
-    lines = ["| layout | policy | rate | class | TTFT p50 meas / sim (err) | TTFT p90 | "
+    lines = ["| record | policy | rate | class | TTFT p50 meas / sim (err) | TTFT p90 | "
              "TPOT p50 | TPOT p90 |", "|---|---|---|---|---|---|---|---|"]
     for r in v["rows"]:
         for g in r["measured"]:
@@ -270,7 +271,7 @@ def validation_table(v: dict[str, Any]) -> str:
                 e = r["relative_error"][g].get(k)
                 cells.append("n/a" if m is None or p is None else
                              f"{m:.0f} / {p:.0f} ({e:+.0%})")
-            lines.append(f"| {r['layout']} | {r['policy']} | {r['rate']:g} | {g} | "
+            lines.append(f"| {r['record']} | {r['policy']} | {r['rate']:g} | {g} | "
                          + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -374,14 +375,14 @@ def cost_vs_threshold(reals: Sequence[tuple[Path, str]], validation: dict[str, A
     for root, layout in reals:
         for system, policy in SYSTEMS[layout]:
             g = json.loads((root / system / "summary.json").read_text())["goodput"]
-            out.append({"where": f"real {layout}", "policy": policy, "goodput_rps": g["rate"],
+            out.append({"where": f"real {root.name}", "policy": policy, "goodput_rps": g["rate"],
                         "interpolated_rps": g["interpolated"], "bounded": g["bounded"]})
             if validation is not None:
                 pts = [(r["rate"], r["attainment"]["predicted"]) for r in validation["rows"]
-                       if r["layout"] == layout and r["policy"] == policy]
+                       if r["record"] == root.name and r["policy"] == policy]
                 if pts:
                     sg = goodput(pts, 0.9)
-                    out.append({"where": f"sim {layout} (same traces)", "policy": policy,
+                    out.append({"where": f"sim {root.name} (same traces)", "policy": policy,
                                 "goodput_rps": sg.rate, "interpolated_rps": sg.interpolated,
                                 "bounded": sg.bounded})
     rows = compare(workers, ["threshold", "cost"], ["mixed"], loads, n_per_worker, cost, seed,
@@ -407,6 +408,13 @@ def side_by_side_table(res: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------- command line
+
+
+def calibrated(validation: dict[str, Any]) -> Overheads:
+    """The first 1P1D calibration of a validate output: the software path of one worker
+    pair, which the fleets of `compare` reuse (each worker on a machine of its own)."""
+    key = next(k for k in validation["calibration"] if k.startswith("1p1d"))
+    return Overheads(**validation["calibration"][key]["overheads"])
 
 
 def _real(text: str) -> tuple[Path, str]:
@@ -459,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(record["within_15pct"], indent=1))
     elif args.cmd == "cost-vs-threshold":
         val = json.loads(args.validation.read_text()) if args.validation else None
-        overheads = Overheads(**val["calibration"]["1p1d"]["overheads"]) if val else Overheads(
+        overheads = calibrated(val) if val else Overheads(
             transfer_s_per_token=TRANSFER_S_PER_TOKEN)
         record.update(overheads=asdict(overheads), **cost_vs_threshold(
             args.real, val, [int(x) for x in args.workers.split(",")],
@@ -469,8 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         overheads = Overheads(transfer_s_per_token=TRANSFER_S_PER_TOKEN)
         if args.calibration:
-            o = json.loads(args.calibration.read_text())["calibration"]["1p1d"]["overheads"]
-            overheads = Overheads(**o)
+            overheads = calibrated(json.loads(args.calibration.read_text()))
         rows = compare([int(x) for x in args.workers.split(",")],
                        [p for p in args.policies.split(",") if p],  # type: ignore[misc]
                        args.workloads.split(","), [float(x) for x in args.loads.split(",")],
