@@ -80,14 +80,16 @@ def trace_mixed(n: int, rate: float, seed: int, workload: str = "mixed-cpu"
 
 
 def trace_chat(n: int, rate: float, seed: int, open_conversations: int) -> list[SimRequest]:
-    """Multi-turn chat (bench.router_scale's corpus: 32 shared system prompts of 300-800
-    tokens, conversations of 3-8 turns whose histories grow), interactive class; replies of
-    30-120 tokens (router_scale's 100-300 would make every request a 10 s stream here)."""
+    """Multi-turn chat from bench.router_scale's corpus generator (32 shared system prompts,
+    conversations of 3-8 turns whose histories grow), interactive class, scaled to what this
+    CPU's profile serves in an interactive TTFT: system prompts of 150-400 tokens (router_scale:
+    300-800), user turns of 30-120 (50-200), replies of 30-100 (100-300), prompts up to 2000
+    tokens (4000)."""
     from bench.router_scale import ChatSpec, chat_stream, make_systems
 
     rng = random.Random(seed)
-    systems = make_systems(rng, 32, 300, 800)
-    spec = ChatSpec(turns=(3, 8), user=(50, 200), assistant=(30, 120), max_prompt=3000)
+    systems = make_systems(rng, 32, 150, 400)
+    spec = ChatSpec(turns=(3, 8), user=(30, 120), assistant=(30, 100), max_prompt=2000)
     stream = chat_stream(rng, systems, spec, open_conversations)
     times = arrival_times(n, rate, 1.0, seed)
     return [SimRequest(f"r{i}", float(t), tuple(c.conv.tokens[:c.prompt_len]),
