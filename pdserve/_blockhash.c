@@ -115,9 +115,15 @@ static void blake2b_16(const uint8_t *msg, size_t len, uint8_t out[DIGEST]) {
 
 /* Packs tokens[0:block_size] (Python ints) as little-endian int64 into out, as
  * array("q", tokens).tobytes() does on the machines we run on; -1 with OverflowError set for
- * a token outside int64, as array() raises. */
+ * a token outside int64, as array() raises. Only ints (no __index__): converting anything
+ * else could run Python code that changes the list whose items we are reading. */
 static int pack(PyObject **tokens, Py_ssize_t block_size, uint8_t *out) {
     for (Py_ssize_t j = 0; j < block_size; j++) {
+        if (!PyLong_Check(tokens[j])) {
+            PyErr_Format(PyExc_TypeError, "token ids must be ints, got %.100s",
+                         Py_TYPE(tokens[j])->tp_name);
+            return -1;
+        }
         long long v = PyLong_AsLongLong(tokens[j]);
         if (v == -1 && PyErr_Occurred()) return -1;
         store64(out + 8 * j, (uint64_t)v);
