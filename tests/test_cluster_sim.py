@@ -144,3 +144,10 @@ def test_config_is_checked() -> None:
         with pytest.raises(ValueError):
             make()
     assert dataclasses.replace(SimConfig(), policy="random").policy == "random"
+
+
+def test_a_request_that_cannot_finish_is_reported_not_hung() -> None:
+    # 64 blocks hold 1024 tokens: a 1200-token prompt never fits on the decode worker.
+    reqs = [SimRequest("big", 0.0, tuple(range(1200)), 4, LatencyClass.INTERACTIVE)]
+    res = run("least-loaded", reqs=reqs, num_blocks=64, drain_limit_s=30.0)
+    assert res.summary.overall.num_errors == 1

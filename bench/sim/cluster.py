@@ -82,6 +82,9 @@ class SimConfig:
     max_num_seqs: int = 64
     heartbeat_s: float = 1.0
     event_lag_s: float = 0.05  # publisher (<= 20 ms batches) + XREAD + apply
+    # Stop this long after the last arrival even if requests are left (reported unfinished):
+    # heartbeats never stop, so a request that could never finish must not hang the run.
+    drain_limit_s: float = 3600.0
     # Two-core hosts (1p1d, cluster-up): slowdown of a step while the other core computes,
     # (step kind, other kind) -> factor (bench.engine_profile --corun); None: measured file.
     corun: dict[tuple[str, str], float] | None = None
@@ -177,8 +180,11 @@ class Simulation(Clock):
             self.at(self.rng.uniform(0, self.config.heartbeat_s),
                     lambda w=w: self._heartbeat(w))  # type: ignore[misc]
         self._unfinished = len(requests)
+        horizon = max((r.arrival_s for r in requests), default=0.0) + self.config.drain_limit_s
         while self._heap and self._unfinished:
             t, _, fn = heapq.heappop(self._heap)
+            if t > horizon:
+                break
             self.now = t
             fn()
         return self._result(requests, slo)
