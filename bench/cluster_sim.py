@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from bench.loadgen.arrivals import arrival_times
 from bench.loadgen.config import SLO
@@ -178,8 +178,9 @@ def _pcts(g: GroupSummary | None) -> dict[str, float | None]:
     def get(p: Percentiles | None, q: str) -> float | None:
         return None if p is None else round(getattr(p, q), 1)
 
-    return {"ttft_p50": get(g and g.ttft_ms, "p50"), "ttft_p90": get(g and g.ttft_ms, "p90"),
-            "tpot_p50": get(g and g.tpot_ms, "p50"), "tpot_p90": get(g and g.tpot_ms, "p90")}
+    ttft, tpot = (None, None) if g is None else (g.ttft_ms, g.tpot_ms)
+    return {"ttft_p50": get(ttft, "p50"), "ttft_p90": get(ttft, "p90"),
+            "tpot_p50": get(tpot, "p50"), "tpot_p90": get(tpot, "p90")}
 
 
 def metrics_of(summary: Any) -> dict[str, dict[str, float | None]]:
@@ -480,8 +481,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         overheads = Overheads(transfer_s_per_token=TRANSFER_S_PER_TOKEN)
         if args.calibration:
             overheads = calibrated(json.loads(args.calibration.read_text()))
-        rows = compare([int(x) for x in args.workers.split(",")],
-                       [p for p in args.policies.split(",") if p],  # type: ignore[misc]
+        policies = [p for p in args.policies.split(",") if p]
+        if set(policies) - set(POLICIES):
+            ap.error(f"--policies: some of {', '.join(POLICIES)}")
+        rows = compare([int(x) for x in args.workers.split(",")], cast(list[Policy], policies),
                        args.workloads.split(","), [float(x) for x in args.loads.split(",")],
                        args.requests_per_worker, cost, args.seed, overheads)
         table, goodputs = goodput_table(rows)

@@ -14,12 +14,13 @@ ordered by (time, sequence number), one seeded RNG.
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import itertools
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from bench.loadgen.config import SLO
 from bench.loadgen.metrics import RequestResult, RunSummary, summarize
@@ -120,7 +121,7 @@ class Simulation(Clock):
     def __init__(self, config: SimConfig, cost: StepCost):
         self.config = config
         self.now = 0.0
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._heap: list[tuple[float, int, Callable[[], object]]] = []
         self._count = itertools.count()
         self.rng = random.Random(config.seed)
         c = config
@@ -132,7 +133,7 @@ class Simulation(Clock):
                     2, load_corun() if c.corun is None else c.corun))
             return hosts[-1]
 
-        kw = dict(num_blocks=c.num_blocks, block_size=c.block_size,
+        kw: dict[str, Any] = dict(num_blocks=c.num_blocks, block_size=c.block_size,
                   max_num_batched_tokens=c.max_num_batched_tokens,
                   max_prefill_chunk=c.max_prefill_chunk, max_num_seqs=c.max_num_seqs,
                   step_overhead_s=c.overheads.step_s)
@@ -170,15 +171,15 @@ class Simulation(Clock):
 
     # ------------------------------------------------------------------ the event loop
 
-    def at(self, t: float, fn: Callable[[], None]) -> None:
+    def at(self, t: float, fn: Callable[[], object]) -> None:
         heapq.heappush(self._heap, (t, next(self._count), fn))
 
     def run(self, requests: Sequence[SimRequest], slo: SLO) -> SimResult:
         for r in requests:
-            self.at(r.arrival_s, lambda r=r: self._arrive(r))  # type: ignore[misc]
+            self.at(r.arrival_s, functools.partial(self._arrive, r))
         for w in self.by_id.values():  # heartbeats at a random phase each, then every period
             self.at(self.rng.uniform(0, self.config.heartbeat_s),
-                    lambda w=w: self._heartbeat(w))  # type: ignore[misc]
+                    functools.partial(self._heartbeat, w))
         self._unfinished = len(requests)
         horizon = max((r.arrival_s for r in requests), default=0.0) + self.config.drain_limit_s
         while self._heap and self._unfinished:
@@ -191,7 +192,7 @@ class Simulation(Clock):
 
     def _heartbeat(self, w: SimWorker) -> None:
         self.infos[w.worker_id] = self.infos[w.worker_id].with_load(w.load())
-        self.at(self.now + self.config.heartbeat_s, lambda: self._heartbeat(w))
+        self.at(self.now + self.config.heartbeat_s, functools.partial(self._heartbeat, w))
 
     def _publish(self, d: DecodeSim) -> None:
         ops = d.bm.drain_events()
@@ -201,7 +202,7 @@ class Simulation(Clock):
         batch = KVEventBatch(1, self._event_seq[d.worker_id], self.config.block_size,
                              tuple((op, bytes(h)) for op, h in ops))
         self.at(self.now + self.config.event_lag_s,
-                lambda: self.index.apply(d.worker_id, batch))  # type: ignore[func-returns-value]
+                functools.partial(self.index.apply, d.worker_id, batch))
 
     # ------------------------------------------------------------------ the router
 
@@ -255,13 +256,13 @@ class Simulation(Clock):
                 p.route, p.prefill = "remote", prefill.worker_id
                 self._charge(req.rid, prefill.worker_id, decision.uncached_tokens)
                 self.at(self.now + o.remote_s,
-                        lambda: prefill.submit(req, seq.num_cached_tokens, decode))
+                        functools.partial(prefill.submit, req, seq.num_cached_tokens, decode))
                 return
             p.route = "fallback"
         p.route = p.route or "local"
         self._charge(req.rid, decode.worker_id, decision.uncached_tokens)
 
-        self.at(self.now + o.local_s, lambda: decode.add_local(req))  # type: ignore[func-returns-value]
+        self.at(self.now + o.local_s, functools.partial(decode.add_local, req))
 
     def _set_placement(self, rid: str, worker_id: str | None) -> None:
         old = self._placements.pop(rid, None)

@@ -12,6 +12,8 @@ they wait for the engine thread. Tokens are dummies: every request runs to its o
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import heapq
 import itertools
 import json
@@ -113,7 +115,7 @@ class Clock:
 
     now: float
 
-    def at(self, t: float, fn: Callable[[], None]) -> None:
+    def at(self, t: float, fn: Callable[[], object]) -> None:
         raise NotImplementedError
 
 
@@ -180,7 +182,7 @@ class SimWorker:
             w._version += 1
             version = w._version
             w.clock.at(now + max(w._left, 0.0) / w._speed,
-                       lambda w=w, v=version: w._step_end(v))  # type: ignore[misc]
+                       functools.partial(w._step_end, version))
 
     def _step_end(self, version: int) -> None:
         if version != self._version or not self.busy:
@@ -301,9 +303,9 @@ class DecodeSim(SimWorker):
     def load(self) -> WorkerLoad:
         base = self.base_load()
         waiting = self.sched.num_waiting
-        return WorkerLoad(**{**base.to_dict(), "running": len(self.sched.running),
-                             "waiting": waiting, "awaiting_kv": len(self.sched.awaiting_kv),
-                             "streams": len(self.seqs)})
+        return dataclasses.replace(base, running=len(self.sched.running), waiting=waiting,
+                                   awaiting_kv=len(self.sched.awaiting_kv),
+                                   streams=len(self.seqs))
 
 
 class PrefillSim(SimWorker):
@@ -346,8 +348,7 @@ class PrefillSim(SimWorker):
             tokens = max(1, len(req.ids) - skip)
             seconds = tokens * self.transfer_s_per_token
             self.clock.at(self.clock.now + seconds,
-                          lambda s=seq, r=req, d=decode, t=seconds, n=tokens:
-                          self._sent(s, r, d, t, n))
+                          functools.partial(self._sent, seq, req, decode, seconds, tokens))
 
     def _sent(self, seq: Seq, req: SimRequest, decode: DecodeSim, seconds: float,
               tokens: int) -> None:
@@ -364,6 +365,6 @@ class PrefillSim(SimWorker):
 
     def load(self) -> WorkerLoad:
         base = self.base_load()
-        return WorkerLoad(**{**base.to_dict(), "running": self.active,
-                             "queued": len(self._queue), "queued_tokens": self.queued_tokens,
-                             "kv_transfer_s_per_token": self.measured_transfer_s_per_token})
+        return dataclasses.replace(base, running=self.active, queued=len(self._queue),
+                                   queued_tokens=self.queued_tokens,
+                                   kv_transfer_s_per_token=self.measured_transfer_s_per_token)
