@@ -16,8 +16,8 @@ heartbeats, with the cost model's conservative prior (250 tokens/s) for a worker
 measured nothing yet, so a cold cluster does not admit a burst it cannot serve in time. Once
 `min_samples` first tokens were observed, the rate is what the router observes: each first
 token gives one sample, (work that was ahead at admission + own work) / observed TTFT, folded
-into an EWMA that the first sample seeds (it also sees what capacity cannot: prefix-cache
-hits, batching).
+into an EWMA that starts from the capacity estimate (it also sees what capacity cannot:
+prefix-cache hits, batching).
 
 Rules, in order (`AdmissionController.decide`):
 1. Hard cap: at most `max_in_flight` requests (admitted, not finished) per router; this bounds
@@ -199,8 +199,10 @@ class AdmissionController:
         if ttft > 0:
             sample = (ticket.ahead + ticket.work) / ttft
             a = self.config.rate_ewma_alpha
-            if self._calibrating and self.samples == 0:
-                a = 1.0  # the first sample seeds the average: no made-up starting rate
+            if self._calibrating and self.samples == 0 and self.capacity_tokens_per_s:
+                # The average starts from the capacity estimate, not a made-up rate; one
+                # sample (maybe a cold first request) only moves it by alpha.
+                self.rate_tokens_per_s = self.capacity_tokens_per_s
             self.samples += 1
             self.rate_tokens_per_s = max(self.config.min_rate_tokens_per_s,
                                          (1 - a) * self.rate_tokens_per_s + a * sample)

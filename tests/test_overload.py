@@ -125,12 +125,14 @@ def test_a_cold_cluster_admits_what_its_measured_capacity_serves_in_time() -> No
     warm = [WorkerLoad(prefill_tokens_per_s=1200.0), WorkerLoad(prefill_tokens_per_s=800.0)]
     adm.decide(S, 500, now=0.0, capacity_tokens_per_s=prefill_capacity(warm, CostModel()))
 
-    # From min_samples first tokens on, the observed rate decides; the first sample seeds it.
+    # From min_samples first tokens on, the observed rate decides: an average that started
+    # from the capacity (2,000 tokens/s) and moves by alpha (0.2) per sample.
     for t in admitted[: adm.config.min_samples]:
         assert adm.rate == 2000.0  # still the capacity
         adm.first_token(t, now=(t.ahead + t.work) / 700.0)  # observed: 700 tokens/s
     assert adm.samples == adm.config.min_samples
-    assert adm.rate == adm.rate_tokens_per_s == pytest.approx(700.0)
+    expected = 700.0 + (2000.0 - 700.0) * 0.8 ** 4
+    assert adm.rate == adm.rate_tokens_per_s == pytest.approx(expected)
 
 
 def test_disabled_admits_everything() -> None:
