@@ -131,6 +131,23 @@ def best_of(cols: _Columns, cached: Floats, placed: Mapping[str, int], prompt_le
     return int(ties[k if k < len(ties) else 0])  # ...or, past the end, the first one
 
 
+def least_backlog(prefills: Sequence[WorkerInfo], inflight_tokens: Mapping[str, float],
+                  tiebreak: int = 0) -> WorkerInfo | None:
+    """The prefill worker with the least queued prompt work: its last heartbeat's queued
+    tokens, or what this router sent it since if that is more (a burst between heartbeats
+    would otherwise all go to the same one), then fewest running; equal ones take turns from
+    position `tiebreak`. bench.cluster_sim found the heartbeat-only choice herding batch
+    prompts onto the first prefill workers at 64 decode workers."""
+    if not prefills:
+        return None
+    n = len(prefills)
+    start = tiebreak % n
+    order = [prefills[(start + k) % n] for k in range(n)]
+    return min(order, key=lambda w: (max(w.load.queued_tokens,
+                                         inflight_tokens.get(w.worker_id, 0.0)),
+                                     w.load.running))
+
+
 def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerInfo],
           prefills: Sequence[WorkerInfo], index: KVIndex, placed: Mapping[str, int],
           policy: RouterPolicy, *, cost: CostModel | None = None, target_s: float = 30.0,
@@ -159,8 +176,7 @@ def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerIn
         remote, pick = min(remotes, key=lambda r: r[0].ttft_s) if remotes else (None, None)
         decision, _ = decide_by_cost(local, remote, uncached, target_s, model)
         return Placement(decode, pick, decision, best_cached)
-    prefill = min(prefills, key=lambda w: (w.load.queued_tokens, w.load.running)
-                  ) if prefills else None
+    prefill = least_backlog(prefills, inflight_tokens, tiebreak)
     backlog = None if prefill is None else prefill.load.queued_tokens
     decision = decide_route(len(ids), best_cached, latency, backlog, policy)
     return Placement(decode, prefill, decision, best_cached)

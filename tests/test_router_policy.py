@@ -13,7 +13,7 @@ from pdserve.control.load import WorkerLoad
 from pdserve.control.workers import WorkerInfo
 from pdserve.types import LatencyClass, PrefillReport
 from router.kv_index import KVIndex
-from router.placement import DecodeTable, best_of
+from router.placement import DecodeTable, best_of, least_backlog
 from router.policy import (
     DecodeCandidate,
     Route,
@@ -94,6 +94,19 @@ def test_the_routers_array_scoring_equals_best_decode(
            for i, ((c, r, _, f, t, _), w) in enumerate(zip(rows, decoders, strict=True))]
     assert best_of(cols, cached, placed, prompt_len, policy, tiebreak) == best_decode(
         ref, prompt_len, policy, tiebreak)
+
+
+def test_the_prefill_worker_choice_counts_in_flight_prompts_and_takes_turns() -> None:
+    """Threshold placement's prefill choice: the router's own in-flight prompt tokens count
+    (a burst between heartbeats does not all go to one), and equal workers take turns."""
+    prefills = [WorkerInfo(worker_id=f"p{i}", role="prefill", grpc_address="127.0.0.1:1",
+                           model_id="m", epoch=1, started_at=0.0, load=WorkerLoad())
+                for i in range(4)]
+    chosen = [least_backlog(prefills, {}, t) for t in range(8)]
+    assert [w.worker_id for w in chosen if w] == ["p0", "p1", "p2", "p3"] * 2
+    busy = {"p0": 900.0, "p1": 100.0, "p2": 500.0}
+    assert [least_backlog(prefills, busy, t).worker_id for t in range(4)] == ["p3"] * 4  # type: ignore[union-attr]
+    assert least_backlog([], busy) is None
 
 
 def test_stage_timings_add_up_to_ttft_on_every_route() -> None:
