@@ -77,17 +77,10 @@ class KVIndex:
         active = holders.get(hashes[0], 0)
         depth = 0
         n = len(hashes)
-        ids = self._ids
         while active:
             depth += 1
             still = active & holders.get(hashes[depth], 0) if depth < n else 0
-            gone = active & ~still
-            while gone:
-                low = gone & -gone
-                worker_id = ids[low.bit_length() - 1]
-                if worker_id is not None:
-                    out[worker_id] = depth
-                gone ^= low
+            self._record(out, depth, active & ~still)
             active = still
         return out
 
@@ -99,15 +92,19 @@ class KVIndex:
         if _native_match is None:
             return self.match(block_hashes(token_ids, block_size, extra, stop=self._holders))
         out: dict[str, int] = {}
-        ids = self._ids
         for depth, gone in _native_match(token_ids, block_size, extra, self._holders):
-            while gone:
-                low = gone & -gone
-                worker_id = ids[low.bit_length() - 1]
-                if worker_id is not None:
-                    out[worker_id] = depth
-                gone ^= low
+            self._record(out, depth, gone)
         return out
+
+    def _record(self, out: dict[str, int], depth: int, gone: int) -> None:
+        """out[w] = depth for every worker whose slot bit is set in `gone`."""
+        ids = self._ids
+        while gone:
+            low = gone & -gone
+            worker_id = ids[low.bit_length() - 1]
+            if worker_id is not None:
+                out[worker_id] = depth
+            gone ^= low
 
     def geometry(self) -> Mapping[str, int]:
         """worker id -> block size, for the workers whose snapshot arrived."""
