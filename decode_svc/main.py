@@ -20,6 +20,7 @@ from pdserve.control.directory import WorkerDirectory
 from pdserve.control.kv_events import KVEventPublisher, KVEventStreams
 from pdserve.control.load import WorkerLoad
 from pdserve.control.registry import ControlPlaneError, WorkerRegistry
+from pdserve.control.signing import signer_for
 from pdserve.control.workers import WorkerInfo
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
@@ -69,8 +70,11 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
     metrics = DecodeMetrics(CollectorRegistry())
     auth.warn_unauthenticated(config.cluster_secret, "decode_worker")
     async with (AsyncEngine(engine) as aengine,
-                WorkerRegistry.from_url(config.redis_url, namespace=config.namespace) as registry,
-                WorkerDirectory(registry, role="prefill") as prefills):
+                WorkerRegistry.from_url(
+                    config.redis_url, namespace=config.namespace,
+                    signer=signer_for(config.cluster_secret, config.namespace)) as registry,
+                WorkerDirectory(registry, role="prefill",
+                                model_id=engine.layout.model_id) as prefills):
         epoch = await registry.next_epoch(config.worker_id)
         descriptor_id = make_descriptor_id(config.worker_id, epoch)
         async with KVReceiver(engine.kv_pool, engine.layout, descriptor_id,

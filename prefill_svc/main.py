@@ -16,6 +16,7 @@ from kvxfer.sender import KVSender
 from pdserve.control.directory import WorkerDirectory
 from pdserve.control.load import WorkerLoad
 from pdserve.control.registry import ControlPlaneError, WorkerRegistry
+from pdserve.control.signing import signer_for
 from pdserve.control.workers import WorkerInfo
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
@@ -63,9 +64,12 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
     auth.warn_unauthenticated(secret, "prefill_worker")
     kv_auth = None if secret is None else KVAuth(secret.kv_key, sender_id=config.worker_id)
     async with (AsyncEngine(engine) as aengine,
-                WorkerRegistry.from_url(config.redis_url, namespace=config.namespace) as registry,
+                WorkerRegistry.from_url(config.redis_url, namespace=config.namespace,
+                                        signer=signer_for(secret, config.namespace)) as registry,
+                # Descriptors are looked up through the registry: a forged one is never dialled.
                 KVSender(engine.layout, registry.get_descriptor, auth=kv_auth) as sender,
-                WorkerDirectory(registry, role="decode") as decoders):
+                WorkerDirectory(registry, role="decode",
+                                model_id=engine.layout.model_id) as decoders):
         epoch = await registry.next_epoch(config.worker_id)
         worker = PrefillWorker(aengine, sender, worker_id=config.worker_id,
                                max_inflight=config.max_inflight,

@@ -43,6 +43,7 @@ class KVIndexFollower:
         self._asked: dict[str, float] = {}  # worker id -> when we last asked for a snapshot
         self._since: dict[str, float] = {}  # worker id -> when we started following it
         self._task: asyncio.Task[None] | None = None
+        self._malformed_logged: dict[str, float] = {}  # worker id -> when we last said so
         reg = metrics_registry or CollectorRegistry()
         self.ops_total = Counter("pdserve_router_kv_events_ops_total",
                                  "KV cache events (block stored / removed) folded into the "
@@ -54,6 +55,10 @@ class KVIndexFollower:
         Gauge("pdserve_router_kv_index_blocks", "Distinct prefix blocks the router's index "
               "knows a decode worker holds", registry=reg).set_function(
                   lambda: index.num_blocks)
+        self.malformed_total = Counter("pdserve_router_kv_events_malformed_total",
+                                       "KV event entries refused (malformed, unsigned or "
+                                       "mis-signed: written by someone else than the worker)",
+                                       registry=reg)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kv-index-follower")
@@ -90,7 +95,11 @@ class KVIndexFollower:
             self._offsets[e.worker_id] = e.entry_id
             was_synced = self.index.synced(e.worker_id)
             if e.batch is None:
-                log.warning("kv_event_malformed", worker_id=e.worker_id, error=e.error)
+                self.malformed_total.inc()
+                now = time.monotonic()  # one line per worker per 30 s: junk cannot flood it
+                if now - self._malformed_logged.get(e.worker_id, -1e9) >= 30.0:
+                    self._malformed_logged[e.worker_id] = now
+                    log.warning("kv_event_malformed", worker_id=e.worker_id, error=e.error)
                 result = self.index.invalid(e.worker_id)
             else:
                 result = self.index.apply(e.worker_id, e.batch)

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 import structlog
 
 from pdserve.control.registry import WorkerRegistry
+from pdserve.control.signing import signer_for
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.model_store import resolve_model
+from pdserve.engine.model_store import model_id, resolve_model
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.rpc import auth, transport
 from pdserve.runtime import start_server
@@ -63,10 +64,15 @@ async def run_router(config: RouterProcessConfig, stop: asyncio.Event,
     secret = config.cluster_secret
     auth.warn_unauthenticated(secret, "router")
     channels = WorkerChannels(() if secret is None else secret.grpc_metadata())
-    async with (WorkerRegistry.from_url(config.redis_url, namespace=config.namespace) as reg,
+    # Only workers whose records are signed under the cluster secret, serving these weights,
+    # are ever listed: they alone get prompts, requests and the cluster token.
+    signer = signer_for(secret, config.namespace)
+    async with (WorkerRegistry.from_url(config.redis_url, namespace=config.namespace,
+                                        signer=signer) as reg,
                 Router(reg, tokenizer, model_name=model_name,
                        max_model_len=model_config.max_position_embeddings,
-                       config=config.router, channels=channels) as router):
+                       config=config.router, channels=channels,
+                       model_id=model_id(model_dir)) as router):
         server = transport.new_server(max_message_bytes=config.max_request_bytes,
                                       auth=auth.api_key_interceptor(config.api_keys))
         servicer.add_to_server(router, server)

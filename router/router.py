@@ -93,13 +93,14 @@ class Router:
     def __init__(self, registry: WorkerRegistry, tokenizer: Tokenizer, *, model_name: str,
                  max_model_len: int, config: RouterConfig | None = None,
                  metrics_registry: CollectorRegistry | None = None, poll_s: float = 0.25,
-                 channels: WorkerChannels | None = None):
+                 channels: WorkerChannels | None = None, model_id: str | None = None):
         self.config = config or RouterConfig()
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.directory = WorkerDirectory(
-            registry, poll_s=poll_s, max_staleness_s=self.config.directory_max_staleness_s)
+            registry, poll_s=poll_s, max_staleness_s=self.config.directory_max_staleness_s,
+            model_id=model_id)  # None: any model (tests with emulated workers)
         self._channels = channels or WorkerChannels()  # the router closes it
         self._placements: dict[str, str] = {}  # request id -> decode worker id
         self._placed: collections.Counter[str] = collections.Counter()  # worker id -> requests

@@ -43,6 +43,8 @@ class WorkerDirectory:
     answer as if no worker were registered, until a poll succeeds again (the view itself is
     kept, so no worker is reported removed and re-added because Redis was away). After an
     outage, workers missing from Redis are kept for `rejoin_grace_s` while they re-register.
+    With `model_id`, workers serving another model are never listed (and said so once each):
+    their KV and their tokens mean nothing to us.
 
         async with WorkerDirectory(registry, role="decode") as directory:
             async for event in directory.events():
@@ -57,6 +59,7 @@ class WorkerDirectory:
         poll_s: float = 0.5,
         max_staleness_s: float = 30.0,
         rejoin_grace_s: float = 5.0,
+        model_id: str | None = None,
     ) -> None:
         if poll_s <= 0:
             raise ValueError("poll_s must be > 0")
@@ -72,6 +75,8 @@ class WorkerDirectory:
         self._rejoin_until = 0.0
         self._registry = registry
         self._role: Role | None = role
+        self.model_id = model_id
+        self._other_model: set[tuple[str, int]] = set()  # (worker id, epoch) said once
         self._poll_s = poll_s
         self._workers: dict[str, WorkerInfo] = {}
         self._subscribers: set[asyncio.Queue[WorkerEvent | None]] = set()
@@ -128,7 +133,7 @@ class WorkerDirectory:
         except ControlPlaneError:
             self._poll_failed = True
             raise
-        current = {w.worker_id: w for w in listed}
+        current = {w.worker_id: w for w in listed if self._same_model(w)}
         now = self.last_refresh = time.monotonic()
         if self._poll_failed:
             self._poll_failed = False
@@ -158,6 +163,18 @@ class WorkerDirectory:
             for queue in self._subscribers:
                 queue.put_nowait(event)
         return events
+
+    def _same_model(self, worker: WorkerInfo) -> bool:
+        if self.model_id is None or worker.model_id == self.model_id:
+            return True
+        seen = (worker.worker_id, worker.epoch)
+        if seen not in self._other_model:
+            if len(self._other_model) >= 1024:  # bounded whatever is written into Redis
+                self._other_model.clear()
+            self._other_model.add(seen)
+            log.warning("worker_ignored_other_model", worker_id=worker.worker_id,
+                        model_id=worker.model_id, expected=self.model_id)
+        return False
 
     async def events(self) -> AsyncIterator[WorkerEvent]:
         """Changes from the first iteration on, in order; ends when the directory closes."""

@@ -9,7 +9,9 @@ Keys, under the registry's ``pdserve:{namespace}:``:
   trimmed); the worker answers with a snapshot entry and deletes it.
 
 Each worker epoch starts its stream afresh with a snapshot numbered 1. Entries are fixed-width
-bytes and integers, parsed strictly; nothing is ever unpickled.
+bytes and integers, parsed strictly; nothing is ever unpickled. With a cluster secret each
+entry is signed by its worker (bound to the worker id, pdserve.control.signing); a reader
+treats an unsigned or mis-signed entry as malformed (a gap: it asks for a snapshot).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, Protocol, cast
 import structlog
 
 from pdserve.control.registry import ControlPlaneError, WorkerRegistry
+from pdserve.control.signing import SignatureError
 from pdserve.kv_events import KVEventBatch, KVEventError, KVOp
 
 log = structlog.get_logger(__name__)
@@ -66,8 +69,11 @@ class KVEventStreams:
     async def publish(self, worker_id: str, batch: KVEventBatch) -> None:
         r = self.registry
         key = self.stream_key(worker_id)
+        fields = batch.to_fields()
+        if r.signer is not None:
+            fields = r.signer.sign_fields("kvev", worker_id, fields)
         async with r.redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(key, batch.to_fields(),  # type: ignore[arg-type]
+            pipe.xadd(key, fields,  # type: ignore[arg-type]
                       maxlen=self.maxlen, approximate=True)
             pipe.pexpire(key, self.ttl_ms)
             await r.call(pipe.execute())
@@ -105,8 +111,10 @@ class KVEventStreams:
                 continue
             for entry_id, fields in entries:
                 try:
+                    if r.signer is not None:
+                        fields = r.signer.verify_fields("kvev", worker_id, fields)
                     batch = KVEventBatch.from_fields(fields, max_ops=MAX_OPS_PER_ENTRY)
-                except KVEventError as exc:
+                except (KVEventError, SignatureError) as exc:
                     out.append(StreamEntry(worker_id, entry_id, None, str(exc)))
                     continue
                 out.append(StreamEntry(worker_id, entry_id, batch))

@@ -10,7 +10,9 @@ Key layout, all under ``pdserve:{namespace}:`` so tests and deployments never co
 A lease is fenced by epoch: once a newer epoch was handed out for a worker id, heartbeats of
 older incarnations are refused (checked atomically in Lua) and they learn they lost their
 lease (`WorkerRegistry.lease_lost`), so a zombie never overwrites its successor's record.
-Values are JSON only; nothing is ever pickled.
+Values are JSON only; nothing is ever pickled. With a cluster secret, every record and
+descriptor is signed by its writer and verified by every reader (pdserve.control.signing):
+a record someone else wrote into Redis is dropped, never used.
 
 The Lua scripts build keys from a prefix, so they assume a single (non-cluster) Redis.
 """
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Self, TypeVar
@@ -31,6 +35,7 @@ from redis.exceptions import RedisError
 
 from pdserve.control.descriptors import DescriptorFormatError, KVDescriptor
 from pdserve.control.load import WorkerLoad
+from pdserve.control.signing import RecordSigner, SignatureError
 from pdserve.control.workers import Role, WorkerInfo, WorkerInfoError
 from pdserve.types import KVLayout, PdserveError
 
@@ -136,6 +141,7 @@ class WorkerRegistry:
         namespace: str = "default",
         op_timeout_s: float = 2.0,
         owns_client: bool = False,
+        signer: RecordSigner | None = None,
     ) -> None:
         if not namespace or ":" in namespace:
             raise ValueError(f"namespace must be non-empty without ':', got {namespace!r}")
@@ -144,6 +150,8 @@ class WorkerRegistry:
         self.namespace = namespace
         self.op_timeout_s = op_timeout_s
         self._prefix = f"pdserve:{namespace}:"
+        self.signer = signer  # None: the open mode, records neither signed nor checked
+        self._rejected = _RejectionLog()
         self._heartbeat_lua = client.register_script(_HEARTBEAT_LUA)
         self._deregister_lua = client.register_script(_DEREGISTER_LUA)
         self._list_lua = client.register_script(_LIST_LUA)
@@ -156,7 +164,8 @@ class WorkerRegistry:
         self.lease_lost = asyncio.Event()  # set when a newer epoch took over our worker_id
 
     @classmethod
-    def from_url(cls, url: str, *, namespace: str = "default", op_timeout_s: float = 2.0) -> Self:
+    def from_url(cls, url: str, *, namespace: str = "default", op_timeout_s: float = 2.0,
+                 signer: RecordSigner | None = None) -> Self:
         """A registry with its own client. The URL may carry a password or ACL user
         (``redis://user:pw@host:port/0``) and TLS (``rediss://...?ssl_ca_certs=/path``); its
         query options pass through to redis-py. Retries are few and quick so that a command
@@ -168,7 +177,8 @@ class WorkerRegistry:
             socket_connect_timeout=op_timeout_s,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
         )
-        return cls(client, namespace=namespace, op_timeout_s=op_timeout_s, owns_client=True)
+        return cls(client, namespace=namespace, op_timeout_s=op_timeout_s, owns_client=True,
+                   signer=signer)
 
     async def __aenter__(self) -> Self:
         return self
@@ -309,8 +319,8 @@ class WorkerRegistry:
             self._epoch_key(info.worker_id),
             *(self.descriptor_key(d) for d in descriptors),
         ]
-        args: list[str | int] = [info.to_json(), self._ttl_ms, info.epoch, info.worker_id,
-                                 *descriptors.values()]
+        args: list[str | int] = [self._encode_worker(info), self._ttl_ms, info.epoch,
+                                 info.worker_id, *descriptors.values()]
         result = int(await self._call(self._heartbeat_lua(keys=keys, args=args)))
         if result == 2 and self._info is not None:
             log.warning("lease_recreated", worker_id=info.worker_id, epoch=info.epoch)
@@ -344,23 +354,18 @@ class WorkerRegistry:
         )
         workers = []
         for raw in raws:
-            try:
-                info = WorkerInfo.from_json(raw)
-            except WorkerInfoError as err:
-                log.warning("bad_worker_record", error=str(err))
-                continue
-            if role is None or info.role == role:
+            info = self._decode_worker(raw)
+            if info is not None and (role is None or info.role == role):
                 workers.append(info)
         return sorted(workers, key=lambda w: w.worker_id)
 
     async def get_worker(self, worker_id: str) -> WorkerInfo | None:
+        """The live record of `worker_id`; None if there is none, or none we can trust."""
         raw = await self._call(self._redis.get(self.worker_key(worker_id)))
         if raw is None:
             return None
-        try:
-            return WorkerInfo.from_json(raw)
-        except WorkerInfoError as err:
-            raise ControlPlaneError(f"worker record {worker_id!r} is unreadable: {err}") from err
+        info = self._decode_worker(raw)
+        return info if info is not None and info.worker_id == worker_id else None
 
     # ------------------------------------------------------------------ descriptors
 
@@ -386,26 +391,53 @@ class WorkerRegistry:
             ttl_ms = max(1, round(ttl_s * 1000))
         else:
             raise ValueError("publish_descriptor needs a registered lease or ttl_s > 0")
-        await self._call(
-            self._redis.set(self.descriptor_key(descriptor_id), desc.to_json(), px=ttl_ms)
-        )
-        self._descriptors[descriptor_id] = desc.to_json()
+        raw = desc.to_json()
+        if self.signer is not None:
+            raw = self.signer.sign_json("kvdesc", json.loads(raw))
+        await self._call(self._redis.set(self.descriptor_key(descriptor_id), raw, px=ttl_ms))
+        self._descriptors[descriptor_id] = raw
         log.info("kv_descriptor_published", descriptor_id=descriptor_id, ucx_address=ucx_address)
         return desc
 
     async def get_descriptor(self, descriptor_id: str) -> KVDescriptor | None:
-        """The live descriptor, or None if it expired, was deleted, or never existed."""
+        """The live descriptor, or None if it expired, was deleted, never existed, or (with
+        a signer) was not written by a member of this cluster."""
         raw = await self._call(self._redis.get(self.descriptor_key(descriptor_id)))
         if raw is None:
             return None
+        if self.signer is not None:
+            try:
+                raw = json.dumps(self.signer.verify_json("kvdesc", raw))
+            except SignatureError as err:
+                self._rejected.warn("kvdesc", err)
+                return None
         try:
-            return KVDescriptor.from_json(raw)
+            desc = KVDescriptor.from_json(raw)
         except DescriptorFormatError as err:
             raise ControlPlaneError(f"descriptor {descriptor_id!r} is unreadable: {err}") from err
+        return desc if desc.descriptor_id == descriptor_id else None
 
     async def delete_descriptor(self, descriptor_id: str) -> None:
         self._descriptors.pop(descriptor_id, None)
         await self._call(self._redis.delete(self.descriptor_key(descriptor_id)))
+
+    # ------------------------------------------------------------------ records
+
+    def _encode_worker(self, info: WorkerInfo) -> str:
+        if self.signer is None:
+            return info.to_json()
+        return self.signer.sign_json("worker", json.loads(info.to_json()), timestamp=True)
+
+    def _decode_worker(self, raw: str | bytes) -> WorkerInfo | None:
+        """A record from Redis, or None (logged, rate-limited) if it is malformed or, with a
+        signer, unsigned, mis-signed or stale: such a record is never used."""
+        try:
+            if self.signer is not None:
+                raw = json.dumps(self.signer.verify_json("worker", raw, timestamp=True))
+            return WorkerInfo.from_json(raw)
+        except (SignatureError, WorkerInfoError) as err:
+            self._rejected.warn("worker", err)
+            return None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -430,6 +462,28 @@ class WorkerRegistry:
             raise
         except RedisError as exc:
             raise ControlPlaneError(f"redis error: {exc}") from exc
+
+
+class _RejectionLog:
+    """Warn about refused records at most once per `interval_s` per kind, with a count:
+    whoever writes junk into Redis cannot flood the log (readers poll every fraction of
+    a second)."""
+
+    def __init__(self, interval_s: float = 30.0) -> None:
+        self.interval_s = interval_s
+        self._next: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self.total = 0
+
+    def warn(self, kind: str, err: Exception) -> None:
+        self.total += 1
+        now = time.monotonic()
+        if now < self._next.get(kind, 0.0):
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return
+        self._next[kind] = now + self.interval_s
+        log.warning("control_record_refused", kind=kind, error=str(err),
+                    suppressed=self._suppressed.pop(kind, 0))
 
 
 def _consume(task: asyncio.Future[T]) -> None:
