@@ -9,10 +9,11 @@ a command builds it.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -224,10 +225,11 @@ def api_keys(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> 
 
 def add_cluster_secret_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster-secret-file", default=None, metavar="PATH",
-                   help="file holding the secret shared by every process of the cluster: "
-                   "authenticates router -> worker gRPC calls and KV writes (default: env "
-                   "PDSERVE_CLUSTER_SECRET; none: not authenticated, with a warning). "
-                   "`cluster up` makes a random one")
+                   help="file (mode 600, yours) holding the secret shared by every process "
+                   "of the cluster: authenticates router -> worker gRPC calls and KV writes "
+                   "(default: env PDSERVE_CLUSTER_SECRET; none: not authenticated, with a "
+                   "warning, and refused off loopback). At least 16 characters and 64 bits; "
+                   "`openssl rand -hex 32` makes one, `cluster up` makes a random one")
 
 
 def cluster_secret(args: argparse.Namespace) -> Any:
@@ -239,6 +241,51 @@ def cluster_secret(args: argparse.Namespace) -> Any:
         return load_cluster_secret(getattr(args, "cluster_secret_file", None))
     except ValueError as exc:
         raise SystemExit(f"pdserve: {exc}") from None
+
+
+# --------------------------------------------------------------------------- fail closed
+
+API_KEYS_NEEDED = "API keys (--api-key / PDSERVE_API_KEY)"
+CLUSTER_SECRET_NEEDED = "a cluster secret (--cluster-secret-file / PDSERVE_CLUSTER_SECRET)"
+
+
+def add_insecure_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--insecure", action="store_true",
+                   help="listen off loopback (--host) even without API keys or a cluster "
+                   "secret, with a WARNING at start-up (default: refuse to start)")
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses; a wildcard (``0.0.0.0``, ``::``,
+    ``""``), any other address and any other host name count as exposed."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def missing_credentials(*, api_keys: Collection[str] | None = None,
+                        secret: Any = None, needs_secret: bool = True) -> list[str]:
+    """What a process lacks to be exposed: API keys (when `api_keys` is not None: it serves
+    the client API) and the cluster secret (when `needs_secret`)."""
+    missing = []
+    if api_keys is not None and not api_keys:
+        missing.append(API_KEYS_NEEDED)
+    if needs_secret and secret is None:
+        missing.append(CLUSTER_SECRET_NEEDED)
+    return missing
+
+
+def exposure_problem(host: str, missing: Collection[str], insecure: bool) -> str | None:
+    """Fail closed: why a process binding `host` without the `missing` credentials must not
+    start, or None (on loopback, with every credential, or told --insecure)."""
+    if is_loopback(host) or not missing or insecure:
+        return None
+    return (f"refusing to listen on {host} (not loopback) without {' and '.join(missing)}: "
+            "anyone who can reach it could use it. Give them, bind --host 127.0.0.1, or pass "
+            "--insecure to run open anyway (a WARNING is logged)")
 
 
 def add_log_level_arg(p: argparse.ArgumentParser) -> None:

@@ -1,6 +1,10 @@
 """`LocalCluster`: Redis, a router and N prefill + M decode workers as child processes on
 127.0.0.1 -- what `pdserve cluster up`, the cluster tests and the benchmarks start.
 
+No secret goes on a child's command line (`ps` shows those to every user of the machine):
+the cluster secret, the API keys and the Redis URL (it may carry a password) travel in the
+children's environment; the private Redis reads its password from a mode-600 config file.
+
 A library module: it imports nothing from the CLI, and runs each process through
 ``python -m pdserve.cli`` so every flag it passes is one the CLI documents.
 """
@@ -23,10 +27,23 @@ import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 API_KEY_ENV = "PDSERVE_API_KEY"  # comma-separated keys
 CLUSTER_SECRET_ENV = "PDSERVE_CLUSTER_SECRET"  # pdserve.rpc.auth reads it
 LEGACY_API_KEY_ENV = "PDSERVE_API_KEYS"  # the older spelling, still read
+REDIS_URL_ENV = "PDSERVE_REDIS_URL"  # `--redis-url`'s default; may carry a password
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (and a user's name) replaced by ``***``, for logs and
+    messages: ``redis://:pw@host:6379/0`` -> ``redis://:***@host:6379/0``."""
+    parts = urlsplit(url)
+    if parts.password is None and parts.username is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    user = "***" if parts.username else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def split_keys(values: Iterable[str]) -> list[str]:
@@ -95,7 +112,13 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float, what: 
 
 class LocalCluster:
     """Redis (private unless a URL is given), router, N prefill and M decode workers, as
-    child processes on 127.0.0.1. Use as a context manager; stops everything on exit.
+    child processes listening on `host` (127.0.0.1; a process refuses any other address
+    without API keys and a cluster secret unless ``--insecure`` is in its arguments). Use as
+    a context manager; stops everything on exit.
+
+    The private Redis binds 127.0.0.1 and requires a random password (`redis_url` carries
+    it; children get it as ``PDSERVE_REDIS_URL`` in their environment, never as
+    ``--redis-url``).
 
     Every child is started with PR_SET_PDEATHSIG (SIGTERM): if the process that started them
     dies, even by SIGKILL, they drain and exit rather than outlive it. (The signal follows
@@ -114,7 +137,8 @@ class LocalCluster:
                  log_dir: Path | None = None,
                  namespace: str | None = None, env: dict[str, str] | None = None,
                  place_workers: bool = True, prefill_nice: int = 5,
-                 cluster_secret: str | None = None):
+                 cluster_secret: str | None = None, host: str = "127.0.0.1"):
+        self.host = host
         self.n_prefill, self.n_decode = prefill, decode
         self.place_workers, self.prefill_nice = place_workers, prefill_nice
         self.redis_url = redis_url
@@ -135,6 +159,8 @@ class LocalCluster:
         else:
             self.env.pop(CLUSTER_SECRET_ENV, None)
         self.cluster_secret = cluster_secret
+        if redis_url:
+            self.env[REDIS_URL_ENV] = redis_url
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._redis: subprocess.Popen[bytes] | None = None
 
@@ -158,23 +184,34 @@ class LocalCluster:
         return proc
 
     def _pdserve(self, *args: str) -> list[str]:
-        base = [sys.executable, "-m", "pdserve.cli", *args, "--redis-url", str(self.redis_url),
-                "--namespace", self.namespace]
+        # The Redis URL is in self.env (start_redis / start), not here: it may hold a password.
+        base = [sys.executable, "-m", "pdserve.cli", *args, "--namespace", self.namespace,
+                "--host", self.host]
         return base + (["--model", self.model] if self.model else [])
 
     def start_redis(self) -> None:
-        if self.redis_url:
-            return
+        """Start the private Redis unless a URL was given; either way the children will find
+        the URL in their environment."""
+        if not self.redis_url:
+            self.redis_url = self._start_private_redis()
+        self.env[REDIS_URL_ENV] = self.redis_url
+
+    def _start_private_redis(self) -> str:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server not found; install it or pass --redis-url")
-        port = free_port()
+        port, password = free_port(), secrets.token_hex(24)
+        config = self.log_dir / "redis.conf"
+        # The password goes in a file only this user can read, not on redis' command line.
+        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f'port {port}\nbind 127.0.0.1\nsave ""\nappendonly no\n'
+                    f"requirepass {password}\n")
         self._redis = subprocess.Popen(
-            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-             "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.log_dir,
-            preexec_fn=functools.partial(die_with_parent, os.getpid()))
+            [exe, str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cwd=self.log_dir, preexec_fn=functools.partial(die_with_parent, os.getpid()))
         wait_port(port, self._redis, 10, "redis-server")
-        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        return f"redis://:{password}@127.0.0.1:{port}/0"
 
     def _placement(self, role: str, index: int) -> list[str]:
         """Share the machine instead of oversubscribing it. Decode workers (latency) split the

@@ -19,6 +19,7 @@ from pdserve.cli_args import (
     add_api_key_args,
     add_cluster_secret_arg,
     add_engine_args,
+    add_insecure_arg,
     add_log_level_arg,
     add_model_arg,
     admission_argv,
@@ -27,10 +28,19 @@ from pdserve.cli_args import (
     cluster_secret,
     engine_argv,
     engine_config_from_args,
+    exposure_problem,
+    is_loopback,
+    missing_credentials,
     positive_int,
     served_name_default,
 )
-from pdserve.cluster import LocalCluster, new_cluster_secret, stream_completion
+from pdserve.cluster import (
+    REDIS_URL_ENV,
+    LocalCluster,
+    new_cluster_secret,
+    redact_url,
+    stream_completion,
+)
 
 __all__ = ["LocalCluster", "parse_cpus", "register"]
 
@@ -38,15 +48,42 @@ DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL", DEFAULT_REDIS),
-                   help="control-plane Redis (env PDSERVE_REDIS_URL)")
+    # No default shown: it would print a password from the environment in --help.
+    p.add_argument("--redis-url", default=None,
+                   help=f"control-plane Redis (default: env {REDIS_URL_ENV}, else "
+                   f"{DEFAULT_REDIS}); a URL with a password belongs in the environment, "
+                   "since a command line is visible to every user (ps)")
     p.add_argument("--namespace", default=os.environ.get("PDSERVE_NAMESPACE", "default"),
                    help="Redis key prefix: one cluster per namespace (env PDSERVE_NAMESPACE)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address every listener binds (gRPC, HTTP, metrics; UCX: see "
-                   "docs/ARCHITECTURE.md, Security)")
+                   "docs/ARCHITECTURE.md, Security); off loopback, refused without "
+                   "credentials unless --insecure")
     add_cluster_secret_arg(p)
+    add_insecure_arg(p)
     add_log_level_arg(p)
+
+
+def _redis_url(args: argparse.Namespace) -> str:
+    return str(args.redis_url or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS)
+
+
+def _fail_closed(args: argparse.Namespace, component: str, missing: list[str]
+                 ) -> Callable[[], None]:
+    """SystemExit when this process would listen off loopback without `missing`
+    credentials (unless --insecure); else the start-up warnings to log once logging is set
+    up (`_run_until_signal`)."""
+    problem = exposure_problem(args.host, missing, args.insecure)
+    if problem:
+        raise SystemExit(f"pdserve {args.command}: {problem}")
+
+    def warn() -> None:
+        from pdserve.rpc.auth import warn_insecure_listener
+
+        if missing and not is_loopback(args.host):
+            warn_insecure_listener(component, args.host, missing)
+
+    return warn
 
 
 def _advertise_host(args: argparse.Namespace) -> str:
@@ -69,10 +106,13 @@ _STOP_SLACK_S = 15.0
 
 
 def _run_until_signal(main: Callable[[asyncio.Event], Any], log_level: str,
-                      grace_s: float | None = None) -> int:
+                      grace_s: float | None = None,
+                      warn: Callable[[], None] | None = None) -> int:
     from pdserve.runtime import configure_logging, stop_event_on_signals
 
     configure_logging(log_level)
+    if warn is not None:
+        warn()
 
     async def runner() -> None:
         try:
@@ -116,7 +156,7 @@ def _served_name(args: argparse.Namespace) -> str | None:
 
 def _worker_settings(args: argparse.Namespace, role: str) -> dict[str, Any]:
     """The WorkerConfig fields every worker takes from its flags (`_worker_parser`)."""
-    return dict(worker_id=args.worker_id or _worker_id(role), redis_url=args.redis_url,
+    return dict(worker_id=args.worker_id or _worker_id(role), redis_url=_redis_url(args),
                 model=args.model, engine=engine_config_from_args(args), host=args.host,
                 port=args.port, advertise_host=_advertise_host(args),
                 metrics_port=args.metrics_port, namespace=args.namespace,
@@ -127,31 +167,44 @@ def _worker_settings(args: argparse.Namespace, role: str) -> dict[str, Any]:
 def _cmd_decode(args: argparse.Namespace) -> int:
     from decode_svc.main import DecodeConfig, run_decode
 
+    secret = cluster_secret(args)
+    warn = _fail_closed(args, "decode_worker", missing_credentials(secret=secret))
     _place_process(args)
     cfg = DecodeConfig(**_worker_settings(args, "decode"), ucx_host=_advertise_host(args))
     return _run_until_signal(lambda stop: run_decode(cfg, stop), args.log_level,
-                             cfg.drain_timeout_s + _STOP_SLACK_S)
+                             cfg.drain_timeout_s + _STOP_SLACK_S, warn)
 
 
 def _cmd_prefill(args: argparse.Namespace) -> int:
     from prefill_svc.main import PrefillConfig, run_prefill
 
+    secret = cluster_secret(args)
+    warn = _fail_closed(args, "prefill_worker", missing_credentials(secret=secret))
     _place_process(args)
     cfg = PrefillConfig(**_worker_settings(args, "prefill"))
     return _run_until_signal(lambda stop: run_prefill(cfg, stop), args.log_level,
-                             cfg.drain_timeout_s + _STOP_SLACK_S)
+                             cfg.drain_timeout_s + _STOP_SLACK_S, warn)
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
+    keys, secret = frozenset(api_keys(args)), cluster_secret(args)
+    exposed = _fail_closed(args, "router", missing_credentials(api_keys=keys, secret=secret))
+
+    def warn() -> None:
+        from pdserve.rpc.auth import warn_no_api_keys
+
+        exposed()
+        warn_no_api_keys(keys, "router")
+
     from router.main import RouterProcessConfig, run_router
     from router.policy import RouterPolicy
     from router.router import RouterConfig
 
     cfg = RouterProcessConfig(
-        redis_url=args.redis_url, model=args.model, namespace=args.namespace, host=args.host,
+        redis_url=_redis_url(args), model=args.model, namespace=args.namespace, host=args.host,
         grpc_port=args.port, http_port=args.http_port,
-        api_keys=frozenset(api_keys(args)), served_model_name=_served_name(args),
-        cluster_secret=cluster_secret(args),
+        api_keys=keys, served_model_name=_served_name(args),
+        cluster_secret=secret,
         drain_timeout_s=args.drain_timeout,
         metrics_require_auth=args.metrics_require_auth,
         max_request_bytes=args.max_request_bytes,
@@ -161,10 +214,17 @@ def _cmd_router(args: argparse.Namespace) -> int:
             admission=admission_config_from_args(args),
             directory_max_staleness_s=args.max_directory_staleness))
     return _run_until_signal(lambda stop: run_router(cfg, stop), args.log_level,
-                             cfg.drain_timeout_s + _STOP_SLACK_S)
+                             cfg.drain_timeout_s + _STOP_SLACK_S, warn)
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
+    # The children check their own listeners too; this refuses before anything starts.
+    # The cluster secret is never missing (one is made below), API keys may be.
+    problem = exposure_problem(args.host, missing_credentials(api_keys=api_keys(args),
+                                                              needs_secret=False),
+                               args.insecure)
+    if problem:
+        raise SystemExit(f"pdserve cluster up: {problem}")
     router_args = ["--remote-threshold", str(args.remote_threshold),
                    "--placement", args.placement]
     router_args += admission_argv(args)
@@ -174,6 +234,9 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
     if served:
         router_args += ["--served-model-name", served]
         worker_args += ["--served-model-name", served]
+    if args.insecure:
+        router_args.append("--insecure")
+        worker_args.append("--insecure")
     # Secrets go to the children in their environment, never on a command line (ps shows it).
     env = {"PDSERVE_LOG_LEVEL": args.log_level}
     if args.api_key:
@@ -182,7 +245,7 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
     cluster = LocalCluster(prefill=args.prefill, decode=args.decode, redis_url=args.redis_url,
                            model=args.model, http_port=args.http_port, grpc_port=args.port,
                            extra_worker_args=tuple(worker_args), router_args=tuple(router_args),
-                           prefill_nice=args.prefill_nice, env=env,
+                           prefill_nice=args.prefill_nice, env=env, host=args.host,
                            cluster_secret=new_cluster_secret() if secret is None
                            else secret.value.decode())
     print(f"starting cluster: {args.prefill} prefill, {args.decode} decode workers "
@@ -203,7 +266,7 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
         cluster.start(args.ready_timeout)
         started = True
         print(f"ready: HTTP {cluster.http_url}  gRPC {cluster.grpc_address}  "
-              f"redis {cluster.redis_url}", file=sys.stderr)
+              f"redis {redact_url(str(cluster.redis_url))}", file=sys.stderr)
         if args.demo:
             print(f"> {args.demo}", file=sys.stderr)
             stream_completion(cluster.http_url, args.demo, args.max_tokens,
@@ -341,7 +404,13 @@ def register(sub: Any, add: Adder) -> None:
     g = up.add_argument_group("cluster")
     g.add_argument("--prefill", type=int, default=1, help="prefill workers")
     g.add_argument("--decode", type=int, default=1, help="decode workers")
-    g.add_argument("--redis-url", default=None, help="use this Redis (default: a private one)")
+    g.add_argument("--redis-url", default=None,
+                   help="use this Redis (default: a private one on 127.0.0.1 with a random "
+                   "password); its children get it in their environment")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address the router and workers listen on; off loopback, refused "
+                   "without API keys unless --insecure")
+    add_insecure_arg(g)  # type: ignore[arg-type]
     g.add_argument("--http-port", type=int, default=8000, help="router HTTP gateway port")
     g.add_argument("--port", type=int, default=50051, help="router gRPC port")
     g.add_argument("--demo", default=None, help="send this prompt, print the answer, stop")

@@ -14,9 +14,13 @@ from pdserve.cli_args import (
     HelpFormatter,
     add_api_key_args,
     add_engine_args,
+    add_insecure_arg,
     add_log_level_arg,
     api_keys,
     engine_config_from_args,
+    exposure_problem,
+    is_loopback,
+    missing_credentials,
     served_name_default,
     version,
 )
@@ -27,7 +31,10 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter)
     p.add_argument("--version", action="version", version=f"pdserve {version()}")
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; off loopback, refused without API keys unless "
+                   "--insecure")
+    add_insecure_arg(p)
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--served-model-name", default=None,
                    help="model id clients must send (default: the Hugging Face id for a "
@@ -72,9 +79,17 @@ async def _run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    missing = missing_credentials(api_keys=api_keys(args), needs_secret=False)
+    problem = exposure_problem(args.host, missing, args.insecure)
+    if problem:  # fail closed, before anything is loaded or bound
+        raise SystemExit(f"python -m pdserve.gateway: {problem}")
+    from pdserve.rpc.auth import warn_insecure_listener, warn_no_api_keys
     from pdserve.runtime import configure_logging
 
     configure_logging(args.log_level, json=False)
+    warn_no_api_keys(api_keys(args), "gateway")
+    if missing and not is_loopback(args.host):  # --insecure
+        warn_insecure_listener("gateway", args.host, missing)
     asyncio.run(_run(args))
     return 0
 

@@ -9,8 +9,18 @@ and checked by `token_interceptor` on every worker) cannot sign KV writes (`kv_k
 `kvxfer.protocol.sign_write`). Without TLS the gRPC token is a bearer token on the
 wire: keep internal traffic on loopback or a private network (or terminate mTLS in a mesh).
 
-Without a secret a process keeps today's open behaviour and says so once at start-up
-(`warn_unauthenticated`), so tests and the single-host default keep working.
+Without a secret a process keeps today's open behaviour on loopback and says so once at
+start-up (`warn_unauthenticated`), so tests and the single-host default keep working; off
+loopback the command line refuses to start without one (`pdserve.cli_args.exposure_problem`)
+unless ``--insecure`` is given, and then says so loudly (`warn_insecure_listener`).
+
+**Secret quality.** `load_cluster_secret` refuses a secret file that is not a regular file
+owned by this user (or root) or that its group or others may read or write (``chmod 600``,
+ssh's rule for a private key), and a secret (file or environment) that is guessable by its
+shape: fewer than 16 characters, fewer than 8 distinct ones, or under 64 bits by a
+per-character Shannon estimate (length x entropy of its character frequencies). The estimate
+catches repetition and tiny alphabets, not a dictionary phrase: make one with
+``openssl rand -hex 32``.
 
 **API keys.** The router's client gRPC API takes the same keys as the REST gateway, as
 ``authorization: Bearer <key>`` metadata (`api_key_check`).
@@ -22,7 +32,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
+import stat
+from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +55,8 @@ AUTHORIZATION_KEY = "authorization"  # call metadata: "Bearer <api key>"
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 UNAUTHENTICATED_CODE = "unauthenticated"  # pdserve-error-code of a refused call
 MIN_SECRET_CHARS = 16
+MIN_SECRET_DISTINCT_CHARS = 8
+MIN_SECRET_BITS = 64.0  # Shannon estimate, see the module docstring
 
 Metadata = Iterable[tuple[str, Any]] | None
 Check = Callable[[Metadata], str | None]  # metadata -> None (accepted) or the refusal message
@@ -78,20 +93,67 @@ class ClusterSecret:
 def load_cluster_secret(path: str | os.PathLike[str] | None = None,
                         env: Mapping[str, str] | None = None) -> ClusterSecret | None:
     """The secret from the file at `path` (surrounding whitespace dropped), else from
-    ``PDSERVE_CLUSTER_SECRET``, else None. ValueError for an unreadable file or a secret
-    shorter than 16 characters."""
+    ``PDSERVE_CLUSTER_SECRET``, else None. ValueError (never quoting the secret) for an
+    unreadable, empty or group/world-accessible file, or a weak secret (module docstring)."""
     if path:
-        try:
-            raw = Path(path).read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"cannot read the cluster secret file {path}: {exc}") from None
-        if not raw:
-            raise ValueError(f"the cluster secret file {path} is empty")
+        raw = _read_secret_file(Path(path))
     else:
         raw = (os.environ if env is None else env).get(CLUSTER_SECRET_ENV, "").strip()
         if not raw:
             return None
+    problem = secret_weakness(raw)
+    if problem:
+        where = f"the cluster secret file {path}" if path else CLUSTER_SECRET_ENV
+        raise ValueError(f"{where}: {problem}; make one with `openssl rand -hex 32`")
     return ClusterSecret(raw.encode())
+
+
+def _read_secret_file(path: Path) -> str:
+    try:
+        # fstat the file opened, not a name that may be swapped; O_NONBLOCK: a FIFO must not
+        # hang the start-up (it is refused below).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"the cluster secret file {path} is not a regular file")
+            if st.st_mode & 0o077:
+                raise ValueError(
+                    f"the cluster secret file {path} may be read or written by its group or "
+                    f"others (mode {stat.S_IMODE(st.st_mode):04o}); `chmod 600 {path}`")
+            if st.st_uid not in (os.geteuid(), 0):
+                raise ValueError(f"the cluster secret file {path} is owned by uid "
+                                 f"{st.st_uid}, not by this user ({os.geteuid()}) or root")
+            raw = f.read().decode().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the cluster secret file {path}: {exc}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"the cluster secret file {path} is not UTF-8 text") from None
+    if not raw:
+        raise ValueError(f"the cluster secret file {path} is empty")
+    return raw
+
+
+def secret_bits(secret: str) -> float:
+    """Length x the Shannon entropy of the secret's character frequencies: an upper bound
+    on the bits a generator of random characters put in it (0 for ``"aaaa..."``)."""
+    n = len(secret)
+    return -sum(c * math.log2(c / n) for c in Counter(secret).values()) if n else 0.0
+
+
+def secret_weakness(secret: str) -> str | None:
+    """Why `secret` is too guessable to be a cluster secret, or None."""
+    if len(secret) < MIN_SECRET_CHARS:
+        return f"too short ({len(secret)} characters, at least {MIN_SECRET_CHARS} needed)"
+    distinct = len(set(secret))
+    if distinct < MIN_SECRET_DISTINCT_CHARS:
+        return (f"too few distinct characters ({distinct}, at least "
+                f"{MIN_SECRET_DISTINCT_CHARS} needed)")
+    bits = secret_bits(secret)
+    if bits < MIN_SECRET_BITS:
+        return (f"too little entropy (about {bits:.0f} bits by its character frequencies, at "
+                f"least {MIN_SECRET_BITS:.0f} needed)")
+    return None
 
 
 _warned: set[str] = set()
@@ -105,6 +167,25 @@ def warn_unauthenticated(secret: ClusterSecret | None, component: str) -> None:
                     detail="no cluster secret (--cluster-secret-file / "
                     f"{CLUSTER_SECRET_ENV}): internal gRPC calls and KV writes are not "
                     "authenticated; bind internal ports to loopback or a private network only")
+
+
+def warn_no_api_keys(keys: Collection[str], component: str) -> None:
+    """Log once per process and component that the client API (REST and gRPC) is open."""
+    key = f"api:{component}"
+    if not keys and key not in _warned:
+        _warned.add(key)
+        log.warning("api_auth_disabled", component=component,
+                    detail="no API keys (--api-key / PDSERVE_API_KEY): every client may call "
+                    "the REST and gRPC API; keep it on loopback")
+
+
+def warn_insecure_listener(component: str, host: str, missing: Collection[str]) -> None:
+    """The loud start-up line of a process told `--insecure`: it listens off loopback
+    without the credentials named in `missing`."""
+    log.warning("INSECURE_LISTENER", component=component, host=host, missing=sorted(missing),
+                detail=f"--insecure: listening on {host} without {' and '.join(missing)}; "
+                "anyone who can reach this address can use it. Never run this way on a "
+                "network you do not control")
 
 
 # --------------------------------------------------------------------------- gRPC checks

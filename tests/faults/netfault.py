@@ -212,7 +212,8 @@ class NetCluster:
                 str(self.model_dir), "--kv-cache-mb", "64", "--threads", "1",
                 "--metrics-port", "-1", "--worker-id", worker_id,
                 "--redis-url", f"redis://:{self.PASSWORD}@{redis_host}:{self.redis_port}/0",
-                "--host", host, "--port", str(port)]
+                "--host", host, "--port", str(port),
+                "--insecure"]  # H is not loopback and these workers have no cluster secret
         self.procs.spawn(worker_id, ["ip", "netns", "exec", v.ns, *argv] if in_ns else argv,
                          env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev})
 
