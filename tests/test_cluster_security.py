@@ -5,8 +5,9 @@ processes, real Redis, gRPC and UCX, with a cluster secret and an API key.
   (UNAUTHENTICATED), while its health service stays open.
 - The router's client gRPC API takes the REST API keys.
 - The remote-prefill path (router -> workers gRPC, signed KV writes) works with the secret.
-- No secret, API key or prompt text appears in any process's log at INFO, nor on any
-  process's command line.
+- No secret, API key, Redis password or prompt text appears in any process's log at INFO,
+  nor on any process's command line (the Redis URL reaches the children in their
+  environment), and the cluster's private Redis refuses clients without its password.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import grpc
 import httpx
@@ -151,9 +153,11 @@ async def test_no_secret_or_prompt_text_in_any_log(cluster: LocalCluster) -> Non
     await asyncio.sleep(1.0)  # stderr is line-buffered: let the last lines reach the files
 
     secret = ClusterSecret(SECRET.encode())
+    redis_password = urlsplit(str(cluster.redis_url)).password
+    assert redis_password and len(redis_password) >= 32  # cluster's private Redis has one
     forbidden = {"prompt": MARK, "api key": API_KEY, "wrong api key": WRONG_KEY,
                  "cluster secret": SECRET, "grpc token": secret.grpc_token,
-                 "kv key": secret.kv_key.hex()}
+                 "kv key": secret.kv_key.hex(), "redis password": redis_password}
     logs = {p.name: p.read_text(errors="replace") for p in cluster.log_dir.glob("*.log")}
     assert {"router.log", "decode-0.log", "prefill-0.log"} <= set(logs)
     assert '"level": "info"' in logs["router.log"]  # INFO lines were written
@@ -162,20 +166,42 @@ async def test_no_secret_or_prompt_text_in_any_log(cluster: LocalCluster) -> Non
         for what, value in forbidden.items():
             assert value not in text, f"{what} appears in {name}"
     # Nor on a command line (`ps` shows those to every user of the machine).
-    for name, argv in _command_lines(cluster).items():
+    command_lines = _command_lines(cluster)
+    assert {"router", "decode-0", "prefill-0", "redis-server"} <= set(command_lines)
+    for name, argv in command_lines.items():
         for what, value in forbidden.items():
             assert value not in argv, f"{what} on the command line of {name}"
+        assert "--redis-url" not in argv and "redis://" not in argv, name
+
+
+def test_the_private_redis_wants_its_password(cluster: LocalCluster) -> None:
+    import redis
+
+    url = urlsplit(str(cluster.redis_url))
+    anonymous = redis.Redis(host=url.hostname, port=url.port, socket_timeout=5)
+    with pytest.raises(redis.AuthenticationError):
+        anonymous.ping()
+    wrong = redis.Redis(host=url.hostname, port=url.port, password="not-the-password",
+                        socket_timeout=5)
+    with pytest.raises(redis.AuthenticationError):
+        wrong.ping()
+    assert redis.Redis.from_url(str(cluster.redis_url), socket_timeout=5).ping()
 
 
 def _command_lines(cluster: LocalCluster) -> dict[str, str]:
+    procs = dict(cluster.procs)
+    if cluster._redis is not None:
+        procs["redis-server"] = cluster._redis
     return {name: Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode(errors="replace")
-            for name, proc in cluster.procs.items() if proc.poll() is None}
+            for name, proc in procs.items() if proc.poll() is None}
 
 
 def test_a_router_with_a_wrong_secret_cannot_use_the_workers(cluster: LocalCluster,
                                                              model_dir: Path) -> None:
-    """A second router on the same Redis namespace but with another secret sees the workers
-    yet every call to them is refused: its requests fail, none is served."""
+    """A second router on the same Redis namespace but with another secret gets no service:
+    either it refuses the workers' records (signed with the real secret, so their signature
+    does not verify for it) or it lists them and every call to them is refused. Its
+    requests fail, none is served."""
     import os
     import subprocess
     import sys
@@ -185,19 +211,20 @@ def test_a_router_with_a_wrong_secret_cannot_use_the_workers(cluster: LocalClust
     port, http_port = free_port(), free_port()
     log = cluster.log_dir / "intruder-router.log"
     env = {**os.environ, "PDSERVE_CLUSTER_SECRET": "not-this-clusters-secret-at-all",
-           "PDSERVE_LOG_LEVEL": "INFO"}
+           "PDSERVE_LOG_LEVEL": "INFO", "PDSERVE_REDIS_URL": str(cluster.redis_url)}
     env.pop("PDSERVE_API_KEY", None)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "router", "--redis-url", str(cluster.redis_url),
+            [sys.executable, "-m", "pdserve.cli", "router",
              "--namespace", cluster.namespace, "--model", str(model_dir), "--port", str(port),
              "--http-port", str(http_port)], stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         wait_port(http_port, proc, 120, "intruder router")
         deadline = time.monotonic() + 60
-        while True:  # until it sees both workers in Redis
+        while True:  # until it lists both workers, or refuses their records
             r = httpx.get(f"http://127.0.0.1:{http_port}/v1/pdserve/workers", timeout=5)
-            if r.status_code == 200 and len(r.json().get("workers", [])) >= 2:
+            listed = r.status_code == 200 and len(r.json().get("workers", [])) >= 2
+            if listed or '"event": "control_record_refused"' in log.read_text():
                 break
             assert time.monotonic() < deadline, r.text
             time.sleep(0.3)
@@ -211,5 +238,6 @@ def test_a_router_with_a_wrong_secret_cannot_use_the_workers(cluster: LocalClust
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
-    decode_log = (cluster.log_dir / "decode-0.log").read_text(errors="replace")
-    assert '"event": "grpc_call_unauthenticated"' in decode_log
+    if listed:  # it called them, and they refused
+        decode_log = (cluster.log_dir / "decode-0.log").read_text(errors="replace")
+        assert '"event": "grpc_call_unauthenticated"' in decode_log
