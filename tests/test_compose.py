@@ -3,8 +3,12 @@ is validated against the Compose Specification schema (what Compose v2 reads) an
 schema the legacy docker-compose 1.29.2 validates with (vendored in tests/data, Apache-2.0,
 from the docker-compose 1.29.2 package), every service must have a healthcheck, every pdserve
 service's command (and environment) is checked against the CLI, then started as a local
-process with loopback addresses, free ports and a private Redis, and the router must become
-healthy and answer a chat request."""
+process with loopback addresses, free ports and the compose file's own (password-protected)
+Redis command, and the router must become healthy and answer a chat request.
+
+Fail closed (issue 21): the cluster secret, the API keys and the Redis password are required
+variables (`${VAR:?message}`), so `up` refuses to start without them; no secret is on a
+command line."""
 
 from __future__ import annotations
 
@@ -44,10 +48,26 @@ def _services() -> dict[str, dict[str, Any]]:
     return _compose()["services"]
 
 
+class MissingVariable(ValueError):
+    """A required variable (`${VAR:?message}`) is unset or empty: compose refuses to start."""
+
+
 def _interpolate(value: str, env: dict[str, str]) -> str:
-    """Compose's `${VAR}` / `${VAR:-default}` substitution, for running commands locally."""
-    return re.sub(r"\$\{(\w+)(?::?-([^}]*))?\}",
-                  lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
+    """Compose's substitution, for running commands locally: `$$` (a literal `$`),
+    `${VAR}`, `${VAR:-default}` / `${VAR-default}` and the required `${VAR:?message}` /
+    `${VAR?message}` (MissingVariable when unset, or empty with the colon)."""
+    def one(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, colon, op, arg = m.group(1), m.group(2), m.group(3), m.group(4) or ""
+        have = env.get(name)
+        missing = have is None or (colon and have == "")
+        if op == "?":
+            if missing:
+                raise MissingVariable(f"{name}: {arg}")
+            return str(have)
+        return arg if op == "-" and missing else (have or "")
+    return re.sub(r"\$\$|\$\{(\w+)(?:(:?)([-?])([^}]*))?\}", one, value)
 
 
 def _pdserve_services() -> dict[str, dict[str, Any]]:
@@ -77,7 +97,9 @@ def test_compose_topology() -> None:
             assert str(port).startswith("127.0.0.1:"), (name, port)
     for name, svc in _pdserve_services().items():
         argv = svc["command"]
-        assert _flag(argv, "--redis-url") == "redis://redis:6379/0", name
+        assert "--redis-url" not in argv and "--insecure" not in argv, name
+        assert re.fullmatch(r"redis://:\$\{PDSERVE_REDIS_PASSWORD:\?[^}]+\}@redis:6379/0",
+                            svc["environment"]["PDSERVE_REDIS_URL"]), name
         assert _flag(argv, "--host") == "0.0.0.0", name
         assert "redis" in svc.get("depends_on", {}), name
         assert svc.get("build") == ".", name
@@ -192,10 +214,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _local_argv(argv: list[str], redis_url: str, namespace: str) -> tuple[list[str], dict]:
-    """The compose command with loopback, free ports and our Redis; returns (argv, ports)."""
+def _local_argv(argv: list[str], namespace: str) -> tuple[list[str], dict]:
+    """The compose command with loopback and free ports; returns (argv, ports)."""
     out = list(argv)
-    out[out.index("--redis-url") + 1] = redis_url
     out[out.index("--host") + 1] = "127.0.0.1"
     ports = {}
     for flag in PORT_FLAGS:
@@ -209,8 +230,96 @@ def _local_argv(argv: list[str], redis_url: str, namespace: str) -> tuple[list[s
     return _cli(out) + extra, ports
 
 
+# What an operator puts in the environment of `docker compose up`.
+COMPOSE_ENV = {"PDSERVE_CLUSTER_SECRET": f"compose-cluster-secret-{uuid.uuid4().hex}",
+               "PDSERVE_API_KEY": f"sk-compose-{uuid.uuid4().hex[:12]}",
+               "PDSERVE_REDIS_PASSWORD": uuid.uuid4().hex}
+SECRET_VARIABLES = tuple(COMPOSE_ENV)
+
+
+def _service_env(svc: dict[str, Any], env: dict[str, str]) -> dict[str, str]:
+    return {k: _interpolate(str(v), env) for k, v in (svc.get("environment") or {}).items()}
+
+
+def test_compose_refuses_to_start_open() -> None:
+    """Each secret is a required variable wherever it is used: without it (unset or empty),
+    interpolating the file fails as `docker compose up` does, naming the variable."""
+    used: dict[str, set[str]] = {v: set() for v in SECRET_VARIABLES}
+    for name, svc in _services().items():
+        for key, value in (svc.get("environment") or {}).items():
+            for var in SECRET_VARIABLES:
+                if var in str(value):
+                    assert re.search(r"\$\{" + var + r":\?[^}]+\}", str(value)), (name, key)
+                    used[var].add(name)
+        for arg in svc.get("command") or []:  # never on a command line
+            assert not any(var in str(arg) for var in SECRET_VARIABLES), (name, arg)
+    assert used["PDSERVE_CLUSTER_SECRET"] >= set(_pdserve_services())
+    assert "router" in used["PDSERVE_API_KEY"]
+    assert used["PDSERVE_REDIS_PASSWORD"] >= {"redis", *_pdserve_services()}
+    for var in SECRET_VARIABLES:
+        for env in ({k: v for k, v in COMPOSE_ENV.items() if k != var},
+                    {**COMPOSE_ENV, var: ""}):
+            with pytest.raises(MissingVariable, match=var):
+                for svc in _services().values():
+                    _service_env(svc, env)
+    for svc in _services().values():  # with all three, everything interpolates
+        _service_env(svc, COMPOSE_ENV)
+
+
+def _compose_redis_script(workdir: Path, port: int) -> tuple[str, dict[str, str]]:
+    """The compose file's Redis command as a local shell script (its /tmp a private
+    directory, a free loopback port) and its environment."""
+    redis = _services()["redis"]
+    assert redis["command"][:2] == ["sh", "-c"]
+    script = (_interpolate(redis["command"][2], {}).replace("/tmp/", f"{workdir}/")
+              + f" --port {port} --bind 127.0.0.1")
+    return script, {**os.environ, **_service_env(redis, COMPOSE_ENV)}
+
+
 @pytest.fixture(scope="module")
-def compose_processes(redis_server: str, model_dir: Path, tmp_path_factory
+def compose_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    port = _free_port()
+    script, env = _compose_redis_script(tmp_path_factory.mktemp("compose-redis"), port)
+    proc = subprocess.Popen(["sh", "-c", script], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not _redis_answer(port, b"PING\r\n"):
+            assert proc.poll() is None and time.monotonic() < deadline, "redis did not start"
+            time.sleep(0.05)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _redis_answer(port: int, command: bytes) -> bytes:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+            s.sendall(command)
+            return s.recv(256)
+    except OSError:
+        return b""
+
+
+def test_compose_redis_wants_its_password(compose_redis: int) -> None:
+    assert _redis_answer(compose_redis, b"PING\r\n").startswith(b"-NOAUTH")
+    password = COMPOSE_ENV["PDSERVE_REDIS_PASSWORD"]
+    assert _redis_answer(compose_redis, f"AUTH {password}\r\n".encode()) == b"+OK\r\n"
+    probe = _services()["redis"]["healthcheck"]["test"]
+    assert probe[0] == "CMD-SHELL"
+    env = {**os.environ, **_service_env(_services()["redis"], COMPOSE_ENV)}
+    cmd = probe[1].replace("redis-cli", f"redis-cli -p {compose_redis}")
+    assert subprocess.run(["sh", "-c", cmd], env=env, timeout=10).returncode == 0
+    env["REDISCLI_AUTH"] = "wrong"
+    assert subprocess.run(["sh", "-c", cmd], env=env, timeout=10,
+                          capture_output=True).returncode != 0
+
+
+@pytest.fixture(scope="module")
+def compose_processes(compose_redis: int, model_dir: Path, tmp_path_factory
                       ) -> Iterator[dict[str, tuple[subprocess.Popen[bytes], dict, Path]]]:
     del model_dir  # the compose commands resolve the default model, which this pulls
     logs = tmp_path_factory.mktemp("compose")
@@ -218,9 +327,13 @@ def compose_processes(redis_server: str, model_dir: Path, tmp_path_factory
     procs: dict[str, tuple[subprocess.Popen[bytes], dict, Path]] = {}
     try:
         for name, svc in _pdserve_services().items():
-            argv, ports = _local_argv(svc["command"], redis_server, namespace)
-            env = {**os.environ, **{k: _interpolate(str(v), dict(os.environ))
-                                    for k, v in (svc.get("environment") or {}).items()}}
+            argv, ports = _local_argv(svc["command"], namespace)
+            service_env = _service_env(svc, COMPOSE_ENV)
+            service_env["PDSERVE_REDIS_URL"] = service_env["PDSERVE_REDIS_URL"].replace(
+                "@redis:6379/", f"@127.0.0.1:{compose_redis}/")
+            env = {k: v for k, v in os.environ.items()
+                   if k not in ("PDSERVE_API_KEY", "PDSERVE_API_KEYS")}
+            env.update(service_env)
             log = logs / f"{name}.log"
             with log.open("wb") as f:
                 proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env,
@@ -243,6 +356,7 @@ def test_compose_commands_start_and_serve(compose_processes, prompt_ids) -> None
     by_sub = {_pdserve_services()[n]["command"][1]: n for n in compose_processes}
     _, ports, _ = compose_processes[by_sub["router"]]
     url = f"http://127.0.0.1:{ports['--http-port']}"
+    auth = {"Authorization": f"Bearer {COMPOSE_ENV['PDSERVE_API_KEY']}"}
     deadline = time.monotonic() + 300
     status = None
     while time.monotonic() < deadline:
@@ -252,7 +366,8 @@ def test_compose_commands_start_and_serve(compose_processes, prompt_ids) -> None
                             f"{log.read_text()[-3000:]}")
         try:
             status = httpx.get(f"{url}/health", timeout=2).status_code
-            workers = httpx.get(f"{url}/v1/pdserve/workers", timeout=2).json()["workers"]
+            workers = httpx.get(f"{url}/v1/pdserve/workers", headers=auth,
+                                timeout=2).json()["workers"]
             if status == 200 and {w["role"] for w in workers} == {"prefill", "decode"}:
                 break
         except httpx.HTTPError:
@@ -261,9 +376,10 @@ def test_compose_commands_start_and_serve(compose_processes, prompt_ids) -> None
     else:
         pytest.fail(f"router not healthy with both workers within 300s (last /health: {status})")
 
-    r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
-        "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4,
-        "temperature": 0})
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4,
+            "temperature": 0}
+    assert httpx.post(f"{url}/v1/chat/completions", timeout=120, json=body).status_code == 401
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json=body, headers=auth)
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["choices"][0]["message"]["content"]
@@ -274,7 +390,8 @@ def test_compose_commands_start_and_serve(compose_processes, prompt_ids) -> None
     threshold = int(_flag(_pdserve_services()[by_sub["router"]]["command"],
                           "--remote-threshold") or 256)
     ids = next(i for i in prompt_ids if len(i) > threshold)
-    r = httpx.post(f"{url}/v1/completions", timeout=300, headers={"X-Pdserve-Timings": "1"},
+    r = httpx.post(f"{url}/v1/completions", timeout=300,
+                   headers={"X-Pdserve-Timings": "1", **auth},
                    json={"prompt": ids, "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200, r.text
     assert r.json()["pdserve"]["route"] == "remote"
@@ -285,6 +402,14 @@ def test_compose_commands_start_and_serve(compose_processes, prompt_ids) -> None
         _, wports, _ = compose_processes[by_sub[sub]]
         text = httpx.get(f"http://127.0.0.1:{wports['--metrics-port']}/metrics", timeout=5).text
         assert "pdserve_engine_kv_blocks_total" in text, sub
+
+    # No secret on any process's command line, nor in its log.
+    for name, (proc, _, log) in compose_processes.items():
+        argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode(errors="replace")
+        text = log.read_text(errors="replace")
+        for var, value in COMPOSE_ENV.items():
+            assert value not in argv, (name, var)
+            assert value not in text, (name, var)
 
 
 # --------------------------------------------------------------------------- images
