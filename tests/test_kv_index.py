@@ -220,7 +220,7 @@ def test_the_c_block_hashes_equal_hashlibs() -> None:
     rng = random.Random(7)
     for _ in range(300):
         n = rng.randrange(0, 120)
-        ids = [rng.randrange(-(2**40), 2**40) for _ in range(n)]
+        ids = [rng.randrange(-(2**31), 2**31) for _ in range(n)]
         bs = rng.choice([1, 2, 16, 17, 32])
         extra = rng.randbytes(rng.randrange(0, 200))
         want: list[bytes] = []
@@ -230,12 +230,12 @@ def test_the_c_block_hashes_equal_hashlibs() -> None:
             want.append(parent)
         assert block_hashes(ids, bs, extra) == want
         assert block_hashes(tuple(ids), bs, extra) == want
-        raw = memoryview(array("q", ids[: n // bs * bs]).tobytes())
+        raw = memoryview(array("i", ids[: n // bs * bs]).tobytes())
         stop = {h: 1 for h in want[: rng.randrange(len(want) + 1)]}
         assert block_hashes(ids, bs, extra, stop) == block_manager._chain(
-            raw, bs * 8, extra, stop)
+            raw, bs * 4, extra, stop)
     with pytest.raises(OverflowError):
-        block_hashes([2**63] * 16, 16)
+        block_hashes([2**31] * 16, 16)
     with pytest.raises(TypeError):
         block_hashes(["a"] * 16, 16)  # type: ignore[list-item]
 

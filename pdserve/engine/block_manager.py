@@ -34,7 +34,7 @@ BlockHash = NewType("BlockHash", bytes)
 def hash_block(parent: BlockHash | None, tokens: Seq[int], extra: bytes = b"") -> BlockHash:
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"\0" * 16)
-    h.update(array("q", tokens).tobytes())
+    h.update(array("i", tokens).tobytes())  # int32: one BLAKE2b compression per block
     h.update(extra)
     return BlockHash(h.digest())
 
@@ -50,8 +50,8 @@ def block_hashes(token_ids: Seq[int], block_size: int, extra: bytes = b"",
     if _native_chain is not None:
         return _native_chain(token_ids, block_size, extra, stop)  # type: ignore[return-value]
     n = len(token_ids) // block_size
-    raw = array("q", token_ids[: n * block_size]).tobytes()
-    return _chain(memoryview(raw), block_size * 8, extra, stop)
+    raw = array("i", token_ids[: n * block_size]).tobytes()
+    return _chain(memoryview(raw), block_size * 4, extra, stop)
 
 
 def _chain(raw: memoryview, step: int, extra: bytes,
