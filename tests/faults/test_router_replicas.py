@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from cluster_util import wait_blocks_free
 
 from pdserve.client import RouterClient, RouterError, Sampling
 from pdserve.cluster import LocalCluster
@@ -68,3 +69,49 @@ async def test_a_single_target_client_sees_the_router_go(replicas, prompt_ids) -
         with pytest.raises(RouterError) as err:
             await client.complete(token_ids=list(prompt_ids[0]), sampling=Sampling(max_tokens=2))
     assert err.value.status == "UNAVAILABLE"
+
+
+async def test_killing_a_router_under_load(replicas, prompt_ids) -> None:  # type: ignore[no-untyped-def]
+    """Under load: 8 streams over two replicas, one router SIGKILLed while they run. Every
+    stream that had not received a token when it died is served by the other, token for token;
+    one that had ends with UNAVAILABLE (what a client sees, and may retry itself); the workers
+    free every KV block of the streams that died with their router."""
+    cluster, second_grpc, _ = replicas
+    third_grpc = f"127.0.0.1:{cluster.add_router(2)[0]}"
+    prompts = [list(p[:200]) for p in prompt_ids[:4]] * 2
+    sampling = Sampling(max_tokens=40, temperature=0.0)
+    async with RouterClient(third_grpc) as solo:  # the reference, from the survivor alone
+        reference = [list((await solo.complete(token_ids=p, sampling=sampling)).token_ids)
+                     for p in prompts[:4]] * 2
+    started = [False] * len(prompts)
+
+    async def run(i: int, client: RouterClient) -> list[int]:
+        ids: list[int] = []
+        async for chunk in client.generate(token_ids=prompts[i], sampling=sampling):
+            started[i] = started[i] or bool(chunk.token_ids)
+            ids.extend(chunk.token_ids)
+        return ids
+
+    async with RouterClient([second_grpc, third_grpc]) as client:
+        tasks = [asyncio.create_task(run(i, client)) for i in range(len(prompts))]
+        for _ in range(600):  # kill while some streams run and some have not started
+            if any(started):
+                break
+            await asyncio.sleep(0.05)
+        killed_with = list(started)
+        cluster.procs["router-1"].send_signal(signal.SIGKILL)
+        cluster.procs["router-1"].wait(10)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    cluster.procs.pop("router-1")
+    for i, result in enumerate(results):
+        if isinstance(result, BaseException):
+            # Only a stream that was already streaming may fail, and only as UNAVAILABLE.
+            assert isinstance(result, RouterError) and result.status == "UNAVAILABLE", result
+            assert started[i], f"stream {i} failed before its first token: {result}"
+        else:
+            assert result == reference[i], i
+    print(f"streaming when killed: {killed_with.count(True)} of {len(prompts)}; "
+          f"failed: {sum(isinstance(r, BaseException) for r in results)}")
+    decode = f"127.0.0.1:{cluster.ports['decode-0']}"
+    free, total = await wait_blocks_free(decode, "decode", timeout_s=60)
+    assert free == total, (free, total)
