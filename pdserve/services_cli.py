@@ -96,6 +96,16 @@ def _advertise_host(args: argparse.Namespace) -> str:
     return str(args.host)
 
 
+def _ucx_on_loopback(args: argparse.Namespace) -> None:
+    """A worker whose addresses are all loopback keeps UCX's network transports there too
+    (``UCX_NET_DEVICES=lo``, unless the operator set it): UCX's TCP transport otherwise
+    listens on every interface's address, reachable off the host though nothing off the
+    host could ever use it. Must run before the process's UCX context is created."""
+    if "UCX_NET_DEVICES" not in os.environ and is_loopback(_advertise_host(args)) \
+            and is_loopback(str(args.host)):
+        os.environ["UCX_NET_DEVICES"] = "lo"
+
+
 def _worker_id(prefix: str) -> str:
     return f"{prefix}-{socket.gethostname()}-{os.getpid()}"
 
@@ -169,6 +179,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
 
     secret = cluster_secret(args)
     warn = _fail_closed(args, "decode_worker", missing_credentials(secret=secret))
+    _ucx_on_loopback(args)
     _place_process(args)
     cfg = DecodeConfig(**_worker_settings(args, "decode"), ucx_host=_advertise_host(args))
     return _run_until_signal(lambda stop: run_decode(cfg, stop), args.log_level,
@@ -180,6 +191,7 @@ def _cmd_prefill(args: argparse.Namespace) -> int:
 
     secret = cluster_secret(args)
     warn = _fail_closed(args, "prefill_worker", missing_credentials(secret=secret))
+    _ucx_on_loopback(args)
     _place_process(args)
     cfg = PrefillConfig(**_worker_settings(args, "prefill"))
     return _run_until_signal(lambda stop: run_prefill(cfg, stop), args.log_level,

@@ -13,6 +13,7 @@ processes, real Redis, gRPC and UCX, with a cluster secret and an API key.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import time
 import uuid
 from collections.abc import Iterator
@@ -186,6 +187,36 @@ def test_the_private_redis_wants_its_password(cluster: LocalCluster) -> None:
     with pytest.raises(redis.AuthenticationError):
         wrong.ping()
     assert redis.Redis.from_url(str(cluster.redis_url), socket_timeout=5).ping()
+
+
+def _off_loopback(host: str) -> bool:
+    ip = ipaddress.ip_address(host)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return not (mapped or ip).is_loopback
+
+
+def test_no_listener_off_loopback_but_the_ucx_sockaddr_one(cluster: LocalCluster) -> None:
+    """A default (loopback) cluster listens on loopback only, with one exception: the decode
+    worker's UCX sockaddr listener, which ucxx's Python binding binds to every interface
+    (docs/RELIABILITY.md). UCX's TCP transport, which otherwise listens on each interface's
+    address in both workers, is kept on `lo` (UCX_NET_DEVICES)."""
+    import json
+
+    import psutil
+
+    pids = {p.pid for p in cluster.procs.values() if p.poll() is None}
+    if cluster._redis is not None:
+        pids.add(cluster._redis.pid)
+    ready = next(json.loads(line) for line in
+                 (cluster.log_dir / "decode-0.log").read_text().splitlines()
+                 if '"decode_worker_ready"' in line)
+    ucx_port = int(ready["ucx"].rpartition(":")[2])
+    exposed = sorted((c.pid, c.laddr.ip, c.laddr.port)
+                     for c in psutil.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN and c.pid in pids
+                     and _off_loopback(c.laddr.ip))
+    decode_pid = cluster.procs["decode-0"].pid
+    assert exposed == [(decode_pid, "0.0.0.0", ucx_port)], exposed
 
 
 def _command_lines(cluster: LocalCluster) -> dict[str, str]:
