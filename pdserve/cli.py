@@ -40,13 +40,12 @@ def _cmd_model_pull(args: argparse.Namespace) -> int:
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    from pdserve.engine.async_engine import AsyncEngine
-    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.async_engine import AsyncEngine, load_engine
     from pdserve.engine.model_store import resolve_model
     from pdserve.types import GenerateRequest, SamplingParams
 
     model_dir = resolve_model(args.model)
-    engine = LLMEngine.from_dir(model_dir, engine_config_from_args(args))
+    engine = await load_engine(model_dir, engine_config_from_args(args))
     tok = engine.tokenizer
     assert tok is not None
     ids = (tok.apply_chat_template([{"role": "user", "content": args.prompt}])

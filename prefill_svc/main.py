@@ -18,8 +18,7 @@ from pdserve.control.load import WorkerLoad
 from pdserve.control.registry import ControlPlaneError, WorkerRegistry
 from pdserve.control.signing import signer_for
 from pdserve.control.workers import WorkerInfo
-from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.async_engine import AsyncEngine, load_engine
 from pdserve.engine.metrics import labelled_registry
 from pdserve.engine.model_store import resolve_model
 from pdserve.rpc import auth, transport
@@ -58,7 +57,7 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
     """Serve until ``stop`` is set; then stop taking work, finish pending prefills and
     transfers (up to drain_timeout_s), deregister and exit."""
     model_dir = resolve_model(config.model)
-    engine = await asyncio.to_thread(LLMEngine.from_dir, model_dir, config.engine)
+    engine = await load_engine(model_dir, config.engine)
     metrics = PrefillMetrics(CollectorRegistry())
     secret = config.cluster_secret
     auth.warn_unauthenticated(secret, "prefill_worker")

@@ -53,8 +53,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _run(args: argparse.Namespace) -> None:
-    from pdserve.engine.async_engine import AsyncEngine
-    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.async_engine import AsyncEngine, load_engine
     from pdserve.engine.model_store import resolve_model
     from pdserve.gateway.app import GatewayConfig, create_app
     from pdserve.gateway.local_backend import EngineBackend
@@ -68,7 +67,7 @@ async def _run(args: argparse.Namespace) -> None:
         served_model_name=args.served_model_name or served_name_default(args.model),
         metrics_require_auth=args.metrics_require_auth)
     model_dir = resolve_model(args.model)
-    engine = LLMEngine.from_dir(model_dir, engine_config_from_args(args))
+    engine = await load_engine(model_dir, engine_config_from_args(args))
     assert engine.tokenizer is not None
     stop = stop_event_on_signals()
     async with AsyncEngine(engine) as aeng:
