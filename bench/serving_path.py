@@ -1,10 +1,11 @@
 """Where a streamed token's time goes between the engine's step and the client (issue 20, item 0).
 
-    python -m bench.serving_path [--out docs/bench/serving_path.json] [--baseline-tree DIR]
+    python -m bench.serving_path [--dtypes float32,int8] [--out docs/bench/serving_path.json]
+                                 [--baseline-tree DIR]
 
 One greedy stream (200-token prompt of fixed ids, `--tokens` output tokens, ignore_eos), best
 of `--reps`, median gap between consecutive tokens (the first excluded), measured at each
-hop in one run on this machine:
+hop in one run on this machine, for each of `--dtypes`:
 
 1. `engine`: `LLMEngine.step()` in a loop on the main thread, nothing else in the process.
 2. `engine_beside_pool`: the same on a second thread while a third thread that ran one torch
@@ -49,7 +50,7 @@ def _best(fn: Callable[[], float], reps: int) -> float:
     return min(fn() for _ in range(reps))
 
 
-def _engine_parts(tokens: int, reps: int) -> dict[str, float]:
+def _engine_parts(dtype: str, tokens: int, reps: int) -> dict[str, float]:
     import torch
 
     from pdserve.engine import model_store
@@ -58,7 +59,7 @@ def _engine_parts(tokens: int, reps: int) -> dict[str, float]:
     from pdserve.types import GenerateRequest, SamplingParams
 
     engine = LLMEngine.from_dir(model_store.resolve_model(None),
-                                EngineConfig(kv_cache_bytes=128 << 20))
+                                EngineConfig(kv_cache_bytes=128 << 20, dtype=dtype))
     n = iter(range(1 << 30))
 
     def one_stream() -> float:
@@ -132,12 +133,13 @@ def _http_sse(url: str, tokens: int) -> float:
     return _median_gap_ms(stamps)
 
 
-def _cluster_parts(tokens: int, reps: int) -> dict[str, float]:
+def _cluster_parts(dtype: str, tokens: int, reps: int) -> dict[str, float]:
     from pdserve.cluster import LocalCluster
     from pdserve.engine import model_store
 
     model_dir = model_store.resolve_model(None)
-    with LocalCluster(prefill=1, decode=1, model=str(model_dir), cluster_secret="") as c:
+    with LocalCluster(prefill=1, decode=1, model=str(model_dir), cluster_secret="",
+                      extra_worker_args=("--dtype", dtype)) as c:
         decode = f"127.0.0.1:{c.ports['decode-0']}"
         return {
             "decode_grpc": _best(lambda: asyncio.run(_decode_grpc(decode, tokens)), reps),
@@ -147,11 +149,12 @@ def _cluster_parts(tokens: int, reps: int) -> dict[str, float]:
         }
 
 
-def _baseline(tree: Path, tokens: int, reps: int) -> dict[str, Any]:
+def _baseline(tree: Path, dtypes: list[str], tokens: int, reps: int) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         env = {**os.environ, "PYTHONPATH": str(tree)}
         subprocess.run([sys.executable, str(Path(__file__).resolve()), "--cluster-only",
-                        "--tokens", str(tokens), "--reps", str(reps), "--out", out.name],
+                        "--dtypes", ",".join(dtypes), "--tokens", str(tokens), "--reps",
+                        str(reps), "--out", out.name],
                        cwd=tree, env=env, check=True)
         record: dict[str, Any] = json.loads(Path(out.name).read_text())
     commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
@@ -161,24 +164,29 @@ def _baseline(tree: Path, tokens: int, reps: int) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtypes", default="float32,int8")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--baseline-tree", type=Path, default=None)
     ap.add_argument("--cluster-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    dtypes = [d for d in args.dtypes.split(",") if d]
     if args.cluster_only:  # the baseline child: part 3 with the code of its tree
-        record: dict[str, Any] = {"tpot_ms": _cluster_parts(args.tokens, args.reps)}
+        record: dict[str, Any] = {"tpot_ms": {d: _cluster_parts(d, args.tokens, args.reps)
+                                              for d in dtypes}}
         if args.out:
             args.out.write_text(json.dumps(record))
         return 0
     from pdserve.engine.cpu import cpu_summary
 
     started = time.time()
-    baseline = (_baseline(args.baseline_tree.resolve(), args.tokens, args.reps)
+    baseline = (_baseline(args.baseline_tree.resolve(), dtypes, args.tokens, args.reps)
                 if args.baseline_tree else None)
-    tpot = _engine_parts(args.tokens, args.reps)
-    tpot.update(_cluster_parts(args.tokens, args.reps))
+    tpot: dict[str, dict[str, float]] = {}
+    for d in dtypes:
+        tpot[d] = _engine_parts(d, args.tokens, args.reps)
+        tpot[d].update(_cluster_parts(d, args.tokens, args.reps))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
@@ -188,19 +196,21 @@ def main() -> int:
         "machine": {"cpu": cpu_summary(), "cores": os.cpu_count(),
                     "python": platform.python_version()},
         "config": {"prompt_tokens": len(PROMPT), "output_tokens": args.tokens,
-                   "reps": args.reps, "dtype": "float32", "cluster": "1P1D, no secret"},
+                   "reps": args.reps, "dtypes": dtypes, "cluster": "1P1D, no secret"},
         "tpot_ms": tpot,
-        "ratio_to_engine": {k: v / tpot["engine"] for k, v in tpot.items()},
+        "ratio_to_engine": {d: {k: v / t["engine"] for k, v in t.items()}
+                            for d, t in tpot.items()},
         "baseline": baseline,
         "total_s": round(time.time() - started, 1),
     }
     print(f"CPU: {cpu_summary()}")
-    if baseline:
-        print(f"baseline {baseline['commit']}: " + ", ".join(
-            f"{k} {v:.2f} ms ({v / tpot['engine']:.2f}x)" for k, v in baseline.items()
-            if isinstance(v, float)))
-    for k, v in tpot.items():
-        print(f"{k:>20}: {v:6.2f} ms  {v / tpot['engine']:.2f}x the engine's step")
+    for d, t in tpot.items():
+        print(f"--- {d}")
+        if baseline:
+            print(f"baseline {baseline['commit']}: " + ", ".join(
+                f"{k} {v:.2f} ms ({v / t['engine']:.2f}x)" for k, v in baseline[d].items()))
+        for k, v in t.items():
+            print(f"{k:>20}: {v:6.2f} ms  {v / t['engine']:.2f}x the engine's step")
     if args.out:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {args.out}")
