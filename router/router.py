@@ -100,7 +100,7 @@ class Router:
         self.max_model_len = max_model_len
         self.directory = WorkerDirectory(
             registry, poll_s=poll_s, max_staleness_s=self.config.directory_max_staleness_s,
-            model_id=model_id)  # None: any model (tests with emulated workers)
+            model_id=model_id, any_format=True)  # None: any model (emulated workers)
         self._channels = channels or WorkerChannels()  # the router closes it
         self._placements: dict[str, str] = {}  # request id -> decode worker id
         self._placed: collections.Counter[str] = collections.Counter()  # worker id -> requests

@@ -186,3 +186,16 @@ async def test_directory_skips_workers_of_another_model(signed: WorkerRegistry) 
             assert list(d.snapshot()) == ["p-same"]
         async with WorkerDirectory(signed, role="prefill") as d:
             assert sorted(d.snapshot()) == ["p-other", "p-same"]
+        # A router takes every format of its weights (int8 workers' KV ids end in +int8);
+        # a worker only its own format.
+        async with WorkerRegistry.from_url(_url(signed), namespace=signed.namespace,
+                                           signer=signed.signer) as third:
+            await third.register(_worker("p-int8", role="prefill",
+                                         model_id="tiny-model+int8"), ttl_s=10)
+            async with WorkerDirectory(signed, role="prefill", model_id="tiny-model",
+                                       any_format=True) as d:
+                assert sorted(d.snapshot()) == ["p-int8", "p-same"]
+            async with WorkerDirectory(signed, role="prefill", model_id="tiny-model") as d:
+                assert list(d.snapshot()) == ["p-same"]
+            async with WorkerDirectory(signed, role="prefill", model_id="tiny-model+int8") as d:
+                assert list(d.snapshot()) == ["p-int8"]

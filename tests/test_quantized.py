@@ -34,3 +34,22 @@ def test_int8_engine_shares_nothing_with_float32(model_dir: Path) -> None:
 def test_bfloat16_refused_without_native_support(model_dir: Path) -> None:
     with pytest.raises(InvalidRequestError, match="native bf16"):
         LLMEngine.from_dir(model_dir, EngineConfig(dtype="bfloat16"))
+
+
+async def test_an_int8_cluster_serves_remote_and_local(model_dir: Path) -> None:
+    """`cluster up --dtype int8` as a user runs it: the router takes workers whose KV id is
+    the weights' id + "+int8" (it once listed none, and every request failed), a remote
+    prefill lands in the int8 decode worker, and disaggregation changes no token."""
+    from pdserve.client import RouterClient, Sampling
+    from pdserve.cluster import LocalCluster
+
+    text = "Tell me about the history of the printing press in Europe. " * 6
+    with LocalCluster(prefill=1, decode=1, model=str(model_dir),
+                      extra_worker_args=("--dtype", "int8", "--kv-cache-mb", "64"),
+                      router_args=("--remote-threshold", "16")) as cluster:
+        async with RouterClient(cluster.grpc_address, timeout_s=120) as client:
+            remote = await client.complete(text=text, sampling=Sampling(max_tokens=12, ignore_eos=True))
+            # The same prompt again is cached on the decode worker: prefilled there.
+            local = await client.complete(text=text, sampling=Sampling(max_tokens=12, ignore_eos=True))
+    assert remote.route == "remote" and local.route == "local", (remote.route, local.route)
+    assert remote.token_ids == local.token_ids and len(remote.token_ids) == 12

@@ -44,7 +44,10 @@ class WorkerDirectory:
     kept, so no worker is reported removed and re-added because Redis was away). After an
     outage, workers missing from Redis are kept for `rejoin_grace_s` while they re-register.
     With `model_id`, workers serving another model are never listed (and said so once each):
-    their KV and their tokens mean nothing to us.
+    their KV and their tokens mean nothing to us. Workers compare their KV layouts' ids
+    exactly (the weights' id, plus ``+<dtype>`` for a format whose KV differs, e.g.
+    ``+int8``); a router, which only needs the same weights and tokenizer, passes
+    `any_format` to take every format of its weights.
 
         async with WorkerDirectory(registry, role="decode") as directory:
             async for event in directory.events():
@@ -60,6 +63,7 @@ class WorkerDirectory:
         max_staleness_s: float = 30.0,
         rejoin_grace_s: float = 5.0,
         model_id: str | None = None,
+        any_format: bool = False,
     ) -> None:
         if poll_s <= 0:
             raise ValueError("poll_s must be > 0")
@@ -76,6 +80,7 @@ class WorkerDirectory:
         self._registry = registry
         self._role: Role | None = role
         self.model_id = model_id
+        self.any_format = any_format
         self._other_model: set[tuple[str, int]] = set()  # (worker id, epoch) said once
         self._poll_s = poll_s
         self._workers: dict[str, WorkerInfo] = {}
@@ -165,7 +170,8 @@ class WorkerDirectory:
         return events
 
     def _same_model(self, worker: WorkerInfo) -> bool:
-        if self.model_id is None or worker.model_id == self.model_id:
+        if self.model_id is None or worker.model_id == self.model_id or (
+                self.any_format and worker.model_id.startswith(self.model_id + "+")):
             return True
         seen = (worker.worker_id, worker.epoch)
         if seen not in self._other_model:
