@@ -216,11 +216,34 @@ def add_api_key_args(p: argparse.ArgumentParser) -> None:
                    "PDSERVE_API_KEY, else PDSERVE_API_KEYS; none: no authentication)")
     p.add_argument("--api-keys", dest="api_key", action=_DeprecatedKeyList,
                    help=argparse.SUPPRESS)
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="tenant keys, one per line with optional attributes "
+                   "(`KEY max_concurrent=4 max_class=standard`, `KEY admin`; mode 600), "
+                   "accepted beside --api-key's operator keys (default: env "
+                   "PDSERVE_API_KEY_FILE)")
 
 
 def api_keys(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> list[str]:
-    """Keys from the flags, else from the environment."""
-    return split_keys(args.api_key) or api_keys_from_env(os.environ if env is None else env)
+    """Keys from the flags, else from the environment; then the keys file's."""
+    env = os.environ if env is None else env
+    keys = split_keys(args.api_key) or api_keys_from_env(env)
+    return keys + [k for k in api_key_policies(args, env) if k not in keys]
+
+
+def api_key_policies(args: argparse.Namespace,
+                     env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Key -> `pdserve.tenants.KeyPolicy` from --api-key-file, else PDSERVE_API_KEY_FILE,
+    else {}; SystemExit naming the file and line (never a key) for a bad one."""
+    from pdserve.tenants import KEYS_FILE_ENV, load_keys_file
+
+    path = getattr(args, "api_key_file", None) or (
+        os.environ if env is None else env).get(KEYS_FILE_ENV)
+    if not path:
+        return {}
+    try:
+        return load_keys_file(path)
+    except ValueError as exc:
+        raise SystemExit(f"pdserve: {exc}") from None
 
 
 def add_cluster_secret_arg(p: argparse.ArgumentParser) -> None:

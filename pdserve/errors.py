@@ -41,6 +41,18 @@ class OverloadedError(CapacityError):
         self.retry_after_s = retry_after_s
 
 
+class QuotaExceededError(OverloadedError):
+    """The caller's API key already has its limit of requests in flight (`pdserve.tenants`):
+    HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED. Nothing was started for it."""
+
+    code = "quota_exceeded"
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
+                 retry_after_s: int | None = None):
+        super().__init__(message, code=code, param=param, reason="key_quota",
+                         retry_after_s=retry_after_s)
+
+
 class WorkerTimeoutError(PdserveError):
     """A worker sent nothing within a stage deadline (first token, next token): the request
     was given up, so the client may retry (HTTP 503 / UNAVAILABLE), never a 500."""
@@ -86,6 +98,7 @@ ERROR_CLASSES: dict[str, type[PdserveError]] = {
     # AsyncEngine's EngineClosedError: the worker is stopping, so the caller should go elsewhere.
     "engine_closed": CapacityError,
     OverloadedError.code: OverloadedError,
+    QuotaExceededError.code: QuotaExceededError,
     WorkerTimeoutError.code: WorkerTimeoutError,
 }
 

@@ -12,6 +12,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pdserve.cli_args import (
@@ -24,6 +25,7 @@ from pdserve.cli_args import (
     add_model_arg,
     admission_argv,
     admission_config_from_args,
+    api_key_policies,
     api_keys,
     cluster_secret,
     engine_argv,
@@ -215,7 +217,8 @@ def _cmd_router(args: argparse.Namespace) -> int:
     cfg = RouterProcessConfig(
         redis_url=_redis_url(args), model=args.model, namespace=args.namespace, host=args.host,
         grpc_port=args.port, http_port=args.http_port,
-        api_keys=keys, served_model_name=_served_name(args),
+        api_keys=keys, key_policies=api_key_policies(args),
+        served_model_name=_served_name(args),
         cluster_secret=secret,
         drain_timeout_s=args.drain_timeout,
         metrics_require_auth=args.metrics_require_auth,
@@ -253,6 +256,8 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
     env = {"PDSERVE_LOG_LEVEL": args.log_level}
     if args.api_key:
         env["PDSERVE_API_KEY"] = ",".join(args.api_key)
+    if args.api_key_file:  # the path, not the keys
+        env["PDSERVE_API_KEY_FILE"] = str(Path(args.api_key_file).resolve())
     secret = cluster_secret(args)  # --cluster-secret-file, else PDSERVE_CLUSTER_SECRET
     cluster = LocalCluster(prefill=args.prefill, decode=args.decode, redis_url=args.redis_url,
                            model=args.model, http_port=args.http_port, grpc_port=args.port,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ from pdserve.engine.model_store import model_id, resolve_model
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.rpc import auth, transport
 from pdserve.runtime import start_server
+from pdserve.tenants import KeyPolicy, Tenants
 from router import servicer
 from router.clients import WorkerChannels
 from router.router import Router, RouterConfig
@@ -38,6 +40,9 @@ class RouterProcessConfig:
     grpc_port: int = 0
     http_port: int | None = None  # None: no HTTP gateway
     api_keys: frozenset[str] = frozenset()  # REST and the client gRPC API; empty: open
+    # Tenant keys' policies (a keys file, pdserve.tenants); keys in `api_keys` without one
+    # are operator keys (admin, no quota, any class).
+    key_policies: Mapping[str, KeyPolicy] = field(default_factory=dict)
     cluster_secret: ClusterSecret | None = None  # sent to the workers; None: none, warned
     metrics_require_auth: bool = False  # /metrics open to scrapers unless set
     # The largest request either API takes: an HTTP body (else 413) or a gRPC message (else
@@ -73,9 +78,11 @@ async def run_router(config: RouterProcessConfig, stop: asyncio.Event,
                        max_model_len=model_config.max_position_embeddings,
                        config=config.router, channels=channels,
                        model_id=model_id(model_dir)) as router):
+        # One set of tenants for both APIs, so a key's quota spans REST and gRPC.
+        tenants = Tenants(config.api_keys, config.key_policies)
         server = transport.new_server(max_message_bytes=config.max_request_bytes,
-                                      auth=auth.api_key_interceptor(config.api_keys))
-        servicer.add_to_server(router, server)
+                                      auth=auth.api_key_interceptor(tenants.keys))
+        servicer.add_to_server(router, server, tenants)
         health = await transport.add_health(server, SERVICE)
         addresses.grpc = await start_server(server, config.host, config.grpc_port)
         http_task = None
@@ -85,9 +92,11 @@ async def run_router(config: RouterProcessConfig, stop: asyncio.Event,
             from pdserve.gateway.server import make_server
 
             app = create_app(router, GatewayConfig(api_keys=config.api_keys,
+                                                   key_policies=config.key_policies,
                                                    metrics_require_auth=config.metrics_require_auth,
                                                    max_body_bytes=config.max_request_bytes,
-                                                   served_model_name=model_name))
+                                                   served_model_name=model_name),
+                             tenants=tenants)
             http_server = make_server(app, host=config.host, port=config.http_port)
             http_task = asyncio.create_task(http_server.serve())
             while not http_server.started:

@@ -4,6 +4,12 @@ Requests are validated by the same rules as the REST gateway's (`engine.types`: 
 sampling limits, prompt plus max_tokens within the context); every client mistake is
 INVALID_ARGUMENT. Tokenizing runs on a worker thread, so a long prompt never stalls the event
 loop that serves the gateway, the health service and every other stream.
+
+Each caller is the tenant of its API key (`pdserve.tenants`; the interceptor has already
+refused a wrong key): its `request_id` is only its own label (the router sees the key's
+namespaced id, responses echo the label), `Abort` finds only its own requests, its requests
+in flight are bounded (RESOURCE_EXHAUSTED, code ``quota_exceeded``) and its latency class
+capped (downgraded) by its key's policy.
 """
 
 from __future__ import annotations
@@ -16,9 +22,13 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.rpc import convert
+from pdserve.rpc.auth import AUTHORIZATION_KEY
+from pdserve.rpc.metadata import metadata_value
+from pdserve.tenants import Tenant, Tenants
 from pdserve.types import (
     GenerateRequest,
     InvalidRequestError,
+    TokenEvent,
     check_request_id,
     fit_max_tokens,
 )
@@ -30,8 +40,18 @@ _ROUTES = {"local": common_pb2.PREFILL_ROUTE_LOCAL, "remote": common_pb2.PREFILL
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, router: Router):
+    def __init__(self, router: Router, tenants: Tenants | None = None):
         self.router = router
+        self.tenants = tenants if tenants is not None else Tenants()
+
+    async def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
+        _, _, token = (metadata_value(context.invocation_metadata(), AUTHORIZATION_KEY)
+                       or "").partition(" ")
+        tenant = self.tenants.identify(token.strip())
+        if tenant is None:  # only if the server runs without the API key interceptor
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "incorrect API key provided")
+        assert tenant is not None
+        return tenant
 
     def _prompt(self, request: router_pb2.GenerateRequest) -> list[int]:
         tok = self.router.tokenizer
@@ -46,52 +66,65 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         raise InvalidRequestError("request has no input (text, token_ids or chat)",
                                   param="input")
 
-    async def _request(self, request: router_pb2.GenerateRequest) -> GenerateRequest:
+    async def _request(self, request: router_pb2.GenerateRequest, label: str,
+                       tenant: Tenant) -> GenerateRequest:
         # Everything cheap first, so an invalid request is refused before it is tokenized.
-        request_id = check_request_id(request.request_id or f"req-{uuid.uuid4().hex}")
         has_sampling = request.HasField("sampling")
         sampling = convert.sampling_from_proto(request.sampling if has_sampling else None)
-        latency_class = convert.latency_from_proto(request.latency_class)
+        latency_class = tenant.latency_class(convert.latency_from_proto(request.latency_class))
         ids = await asyncio.to_thread(self._prompt, request)
         requested = (request.sampling.max_tokens
                      if has_sampling and request.sampling.HasField("max_tokens") else None)
         max_tokens = fit_max_tokens(len(ids), requested, self.router.max_model_len,
                                     default=sampling.max_tokens,
                                     param=request.WhichOneof("input") or "input")
-        return GenerateRequest(request_id, tuple(ids),
+        return GenerateRequest(tenant.request_id(label), tuple(ids),
                                dataclasses.replace(sampling, max_tokens=max_tokens),
                                latency_class)
 
     async def Generate(self, request: router_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        req = await self._request(request)
-        async for ev in self.router.generate(req):
-            resp = router_pb2.GenerateResponse(
-                request_id=req.request_id, text=ev.text,
-                finish_reason=convert.finish_reason_to_proto(ev.finish_reason),
-                error=ev.error or "",
-                usage=router_pb2.Usage(prompt_tokens=ev.num_prompt_tokens,
-                                       completion_tokens=ev.num_output_tokens,
-                                       cached_tokens=ev.num_cached_tokens))
-            if ev.token_id is not None:
-                resp.token_ids.append(ev.token_id)
-                if ev.logprob is not None:
-                    resp.logprobs.append(convert.logprob_to_proto(ev.logprob))
-            if ev.route:
-                resp.route = _ROUTES[ev.route]
-            resp.decode_worker = ev.decode_worker or ""
-            resp.prefill_worker = ev.prefill_worker or ""
-            if ev.timings_ms and request.return_timings:
-                resp.timings.CopyFrom(convert.stage_timings_to_proto(ev.timings_ms))
-            yield resp
+        tenant = await self._tenant(context)
+        label = check_request_id(request.request_id or f"req-{uuid.uuid4().hex}")
+        with self.tenants.admit(tenant):  # held until the stream ends, however it ends
+            req = await self._request(request, label, tenant)
+            async for ev in self.router.generate(req):
+                yield _response(request, label, ev)
 
     async def Abort(self, request: common_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:
-        return common_pb2.AbortResponse(
-            found=await self.router.abort(check_request_id(request.request_id)))
+        """Abort the caller's own request `request_id`; another key's is "not found"."""
+        tenant = await self._tenant(context)
+        internal = tenant.request_id(check_request_id(request.request_id))
+        return common_pb2.AbortResponse(found=await self.router.abort(internal))
 
 
-def add_to_server(router: Router, server: grpc.aio.Server) -> None:
-    """Serve ``router`` as the pdserve.v1.Router API on ``server``."""
-    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
+def _response(request: router_pb2.GenerateRequest, label: str,
+              ev: TokenEvent) -> router_pb2.GenerateResponse:
+    """One streamed event as the client sees it: with its own request id (`label`)."""
+    resp = router_pb2.GenerateResponse(
+        request_id=label, text=ev.text,
+        finish_reason=convert.finish_reason_to_proto(ev.finish_reason),
+        error=ev.error or "",
+        usage=router_pb2.Usage(prompt_tokens=ev.num_prompt_tokens,
+                               completion_tokens=ev.num_output_tokens,
+                               cached_tokens=ev.num_cached_tokens))
+    if ev.token_id is not None:
+        resp.token_ids.append(ev.token_id)
+        if ev.logprob is not None:
+            resp.logprobs.append(convert.logprob_to_proto(ev.logprob))
+    if ev.route:
+        resp.route = _ROUTES[ev.route]
+    resp.decode_worker = ev.decode_worker or ""
+    resp.prefill_worker = ev.prefill_worker or ""
+    if ev.timings_ms and request.return_timings:
+        resp.timings.CopyFrom(convert.stage_timings_to_proto(ev.timings_ms))
+    return resp
+
+
+def add_to_server(router: Router, server: grpc.aio.Server,
+                  tenants: Tenants | None = None) -> None:
+    """Serve ``router`` as the pdserve.v1.Router API on ``server``; `tenants`: its callers
+    (shared with the REST gateway, so one key's quota spans both APIs), by default open."""
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, tenants), server)

@@ -16,6 +16,7 @@ from pdserve.cli_args import (
     add_engine_args,
     add_insecure_arg,
     add_log_level_arg,
+    api_key_policies,
     api_keys,
     engine_config_from_args,
     exposure_problem,
@@ -61,7 +62,7 @@ async def _run(args: argparse.Namespace) -> None:
     from pdserve.runtime import stop_event_on_signals
 
     config = GatewayConfig(
-        api_keys=frozenset(api_keys(args)),
+        api_keys=frozenset(api_keys(args)), key_policies=api_key_policies(args),
         max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
         request_timeout_s=args.request_timeout_s,
         served_model_name=args.served_model_name or served_name_default(args.model),

@@ -1,9 +1,13 @@
 """The OpenAI-compatible REST gateway over a `GenerationBackend`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming or not), GET /v1/models,
-GET /health, GET /metrics, and GET /v1/pdserve/workers when the backend lists workers; the
-OpenAPI schema of exactly these at /openapi.json (browsable at /docs and /redoc).
-Every error is an OpenAI error object with a meaningful status.
+GET /health, GET /metrics, and GET /v1/pdserve/workers when the backend lists workers (admin
+keys only when keys are set); the OpenAPI schema of exactly these at /openapi.json (browsable at
+/docs and /redoc). Every error is an OpenAI error object with a meaningful status.
+
+Each API key is a tenant (`pdserve.tenants`): the backend sees request ids namespaced by the
+caller's key (responses echo the client's own), each key's requests in flight are bounded
+and its latency class capped.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pdserve.engine.metrics import MODEL_LABEL, labelled_registry
 from pdserve.gateway.backend import GenerationBackend, ListsWorkers
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.errors import (
+    PERMISSION,
     SERVER_ERROR,
     APIError,
     bad_request,
@@ -42,6 +47,7 @@ from pdserve.gateway.middleware import (
     OPEN_PATHS,
     RequestContextMiddleware,
     request_id_of,
+    tenant_of,
 )
 from pdserve.gateway.openai_format import (
     ChatFormat,
@@ -70,6 +76,7 @@ from pdserve.gateway.streaming import (
     next_event,
     race,
 )
+from pdserve.tenants import Lease, Tenant, Tenants
 from pdserve.types import (
     MAX_N,
     MAX_REQUEST_ID_LEN,
@@ -97,15 +104,20 @@ MAX_CHOICES = 4 * MAX_N  # generations per request: prompts x best_of
 Kind = Literal["completion", "chat"]
 
 
-def create_app(backend: GenerationBackend, config: GatewayConfig | None = None) -> FastAPI:
+def create_app(backend: GenerationBackend, config: GatewayConfig | None = None, *,
+               tenants: Tenants | None = None) -> FastAPI:
     """Build the gateway app. Its metrics go into `backend.metrics_registry`, so build at
-    most one app per backend (registering twice raises ValueError)."""
+    most one app per backend (registering twice raises ValueError). `tenants`: the callers
+    and their requests in flight, when shared with another API (the router's gRPC one);
+    by default the config's keys, counted here alone."""
     config = config or GatewayConfig()
-    gw = _Gateway(backend, config, GatewayMetrics(backend.metrics_registry))
+    if tenants is None:
+        tenants = Tenants(config.api_keys, config.key_policies)
+    gw = _Gateway(backend, config, GatewayMetrics(backend.metrics_registry), tenants)
     app = FastAPI(title="pdserve", docs_url="/docs", redoc_url="/redoc",
                   openapi_url="/openapi.json")
     open_paths = OPEN_PATHS if config.metrics_require_auth else OPEN_PATHS | {METRICS_PATH}
-    app.add_middleware(RequestContextMiddleware, api_keys=config.api_keys, open_paths=open_paths)
+    app.add_middleware(RequestContextMiddleware, tenants=tenants, open_paths=open_paths)
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
@@ -154,8 +166,9 @@ class _Prepared:
 
 class _Gateway:
     def __init__(self, backend: GenerationBackend, config: GatewayConfig,
-                 metrics: GatewayMetrics):
+                 metrics: GatewayMetrics, tenants: Tenants):
         self.backend = backend
+        self.tenants = tenants
         self.config = config
         self.metrics = metrics
         self.model_name = config.served_model_name or backend.model_name
@@ -183,8 +196,11 @@ class _Gateway:
                             headers={"Retry-After": str(self.config.retry_after_s)}).response()
         return JSONResponse({"status": "ok"})
 
-    async def workers(self) -> dict[str, Any]:
+    async def workers(self, request: Request) -> dict[str, Any]:
         assert isinstance(self.backend, ListsWorkers)  # the route exists only then
+        if not tenant_of(request.scope).policy.admin:  # internal addresses: operators only
+            raise APIError(403, "listing workers needs an admin API key", type=PERMISSION,
+                           code="permission_denied")
         found = [w for role in _ROLES for w in self.backend.workers(role)]
         return {"workers": [
             dataclasses.asdict(w) if dataclasses.is_dataclass(w) and not isinstance(w, type)
@@ -203,6 +219,24 @@ class _Gateway:
     # ------------------------------------------------------------------ generation
 
     async def _generate(self, request: Request, kind: Kind) -> Response:
+        """Serve one request under its key's quota: the lease is held until the response
+        (a stream: its last byte, or the client gone) is done."""
+        tenant = tenant_of(request.scope)
+        try:
+            lease = self.tenants.admit(tenant)
+        except PdserveError as exc:
+            return self._reject(exc, "unknown", {})
+        try:
+            response = await self._serve(request, kind, tenant, lease)
+        except BaseException:
+            lease.release()
+            raise
+        if not isinstance(response, SSEResponse):
+            lease.release()
+        return response
+
+    async def _serve(self, request: Request, kind: Kind, tenant: Tenant,
+                     lease: Lease) -> Response:
         arrived = time.monotonic()
         deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
         headers: dict[str, str] = {}
@@ -215,7 +249,7 @@ class _Gateway:
                                      self.config.max_json_depth)
             if header_class is None:
                 latency_label = _label_of(body.get("latency_class"))
-            prep = await self._prepare(request, kind, body, header_class)
+            prep = await self._prepare(request, kind, body, header_class, tenant)
         except (APIError, PdserveError) as exc:
             return self._reject(exc, latency_label, headers)
         except ClientDisconnect:  # gone while sending the body
@@ -266,7 +300,10 @@ class _Gateway:
             return self._failed(exc, tracker, headers)
 
         async def cleanup() -> None:
-            await aclose(events)
+            try:
+                await aclose(events)
+            finally:
+                lease.release()
             tracker.finish("aborted")  # no-op if the stream already recorded its outcome
 
         body_iter = self._stream_body(prep, first, events, tracker, deadline, want_timings)
@@ -386,9 +423,10 @@ class _Gateway:
                            f"'{self.model_name}'", code="model_not_found", param="model")
 
     async def _prepare(self, request: Request, kind: Kind, body: dict[str, Any],
-                       header_class: LatencyClass | None) -> _Prepared:
+                       header_class: LatencyClass | None, tenant: Tenant) -> _Prepared:
         """Validate and tokenize. Tokenizing (and chat templating) runs on a worker thread:
-        a megabyte prompt takes seconds, and the event loop serves every other request."""
+        a megabyte prompt takes seconds, and the event loop serves every other request.
+        The generations get the tenant's internal ids and at most its latency class."""
         req: CompletionRequest | ChatCompletionRequest
         if kind == "completion":
             req = validate(body, CompletionRequest, UNSUPPORTED_COMPLETION)
@@ -400,7 +438,7 @@ class _Gateway:
             raise bad_request(f"the {LATENCY_CLASS_HEADER} header ({header_class}) and the "
                               f"latency_class field ({body_class}) disagree",
                               param="latency_class", code="invalid_latency_class")
-        latency_class = header_class or body_class or LatencyClass.STANDARD
+        latency_class = tenant.latency_class(header_class or body_class or LatencyClass.STANDARD)
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true",
                               param="stream_options")
@@ -458,7 +496,8 @@ class _Gateway:
             skip_special_tokens=req.skip_special_tokens,
             json_schema=_json_schema(req.response_format),
         )
-        rid = request_id_of(request.scope)
+        rid = request_id_of(request.scope)  # the client's label, echoed in the response
+        internal = tenant.request_id(rid)
         total = len(prompts) * best_of
         gens = []
         for p, (ids, _) in enumerate(prompts):
@@ -467,7 +506,8 @@ class _Gateway:
                 seed = None if req.seed is None else _wrap_int64(req.seed + j)
                 sampling = SamplingParams(max_tokens=max_tokens, seed=seed,
                                           **common)  # type: ignore[arg-type]
-                child = rid if total == 1 else f"{rid[:MAX_REQUEST_ID_LEN - 8]}-{p * best_of + j}"
+                child = internal if total == 1 else \
+                    f"{internal[:MAX_REQUEST_ID_LEN - 8]}-{p * best_of + j}"
                 gens.append(GenerateRequest(child, tuple(ids), sampling, latency_class))
         fmt_cls = CompletionFormat if kind == "completion" else ChatFormat
         fmt = fmt_cls(rid, self.model_name, int(time.time()), self.backend.tokenizer,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from pdserve.gateway.schemas import PARSER_MAX_DEPTH
+from pdserve.tenants import KeyPolicy
 from pdserve.types import InvalidRequestError
 
 
@@ -12,8 +15,10 @@ from pdserve.types import InvalidRequestError
 class GatewayConfig:
     """REST gateway settings. Environment variables and flags are read by `main()`, not here.
 
-    `api_keys` empty means no authentication; /metrics needs a key only with
-    `metrics_require_auth`. `served_model_name` None serves the backend's
+    `api_keys` empty means no authentication; they are operator keys (admin, no quota) unless
+    `key_policies` (a keys file, `pdserve.tenants`) gives them a policy, and every key of
+    `key_policies` is accepted too (`api_keys` holds them all after init). /metrics needs a
+    key only with `metrics_require_auth`. `served_model_name` None serves the backend's
     `model_name`; requests may also name the model by one of `model_aliases`.
     `default_max_tokens` applies when a request names no limit, clamped to the context left
     after the prompt. `request_timeout_s` bounds a whole generation, arrival to last token.
@@ -23,6 +28,7 @@ class GatewayConfig:
     """
 
     api_keys: frozenset[str] = frozenset()
+    key_policies: Mapping[str, KeyPolicy] = field(default_factory=dict)
     max_body_bytes: int = 1 << 20
     max_json_depth: int = 32
     default_max_tokens: int = 256
@@ -33,7 +39,8 @@ class GatewayConfig:
     metrics_require_auth: bool = False  # /metrics is open (Prometheus scrapes) unless set
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "api_keys", frozenset(self.api_keys))
+        object.__setattr__(self, "key_policies", MappingProxyType(dict(self.key_policies)))
+        object.__setattr__(self, "api_keys", frozenset(self.api_keys) | set(self.key_policies))
         object.__setattr__(self, "model_aliases", frozenset(self.model_aliases))
         if any(not isinstance(k, str) or not k for k in self.api_keys):
             raise InvalidRequestError("api_keys must be non-empty strings")

@@ -17,6 +17,7 @@ from pdserve.types import PdserveError
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 RATE_LIMIT = "rate_limit_error"
+PERMISSION = "permission_error"  # a valid key without the right (HTTP 403)
 
 MAX_MESSAGE_CHARS = 1024  # messages may quote client input (a field name, a value)
 

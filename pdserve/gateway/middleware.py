@@ -1,4 +1,5 @@
-"""Per-request context for every route: request id, API key check, structlog binding, and
+"""Per-request context for every route: request id, API key check (the caller's tenant, put in
+the scope for the routes: `tenant_of`), structlog binding, and
 the last line of defence: an exception no handler caught becomes an OpenAI-shaped 500 and one
 structured log line, never a text/plain traceback.
 
@@ -8,7 +9,6 @@ disconnects pass through untouched.
 
 from __future__ import annotations
 
-import hmac
 import uuid
 
 import structlog
@@ -16,11 +16,13 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.gateway.errors import APIError, bad_request, internal
+from pdserve.tenants import OPEN, Tenant, Tenants
 from pdserve.types import MAX_REQUEST_ID_LEN, InvalidRequestError, check_request_id
 
 log = structlog.get_logger(__name__)
 
 REQUEST_ID_SCOPE_KEY = "pdserve.request_id"
+TENANT_SCOPE_KEY = "pdserve.tenant"
 # Readable without an API key: liveness, and the API's contract (not a secret).
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 METRICS_PATH = "/metrics"  # open too unless the gateway is configured otherwise
@@ -28,6 +30,13 @@ METRICS_PATH = "/metrics"  # open too unless the gateway is configured otherwise
 
 def request_id_of(scope: Scope) -> str:
     return str(scope[REQUEST_ID_SCOPE_KEY])
+
+
+def tenant_of(scope: Scope) -> Tenant:
+    """The caller of a request that passed the key check (`OPEN` on an open path)."""
+    tenant = scope.get(TENANT_SCOPE_KEY, OPEN)
+    assert isinstance(tenant, Tenant)
+    return tenant
 
 
 def _new_request_id(path: str) -> str:
@@ -44,24 +53,23 @@ def _valid_request_id(rid: str) -> bool:
 
 
 class RequestContextMiddleware:
-    def __init__(self, app: ASGIApp, api_keys: frozenset[str] = frozenset(), *,
+    def __init__(self, app: ASGIApp, tenants: Tenants | None = None, *,
                  open_paths: frozenset[str] = OPEN_PATHS | {METRICS_PATH}):
         self.app = app
-        self._keys = [k.encode() for k in api_keys]
+        self._tenants = tenants if tenants is not None else Tenants()
         self._open_paths = open_paths
 
-    def _authorized(self, headers: Headers) -> APIError | None:
+    def _authorized(self, headers: Headers) -> Tenant | APIError:
         auth = headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        given = token.strip().encode()
-        # Compare against every key so timing does not reveal which one nearly matched.
-        if not any([hmac.compare_digest(given, k) for k in self._keys]):
+        tenant = self._tenants.identify(token.strip())
+        if tenant is None:
             return APIError(401, "incorrect API key provided", code="invalid_api_key",
                             headers={"WWW-Authenticate": "Bearer"})
-        return None
+        return tenant
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -87,8 +95,12 @@ class RequestContextMiddleware:
             await send(message)
 
         with structlog.contextvars.bound_contextvars(request_id=rid):
-            if error is None and self._keys and scope["path"] not in self._open_paths:
-                error = self._authorized(headers)
+            if error is None and self._tenants.enabled and scope["path"] not in self._open_paths:
+                found = self._authorized(headers)
+                if isinstance(found, APIError):
+                    error = found
+                else:
+                    scope[TENANT_SCOPE_KEY] = found
             if error is not None:
                 await error.response()(scope, receive, send_with_id)
                 return

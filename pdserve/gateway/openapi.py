@@ -189,8 +189,10 @@ ROUTE_DOCS: dict[str, dict[str, Any]] = {
     "/metrics": {"summary": "Prometheus metrics", "responses": {200: {
         "description": "Prometheus text exposition format",
         "content": {"text/plain": {"schema": {"type": "string"}}}}}},
-    "/v1/pdserve/workers": {"summary": "The router's worker directory", "responses": {
-        200: {"model": WorkerList, "description": "registered workers"}}},
+    "/v1/pdserve/workers": {
+        "summary": "The router's worker directory (admin keys only)",
+        "responses": {200: {"model": WorkerList, "description": "registered workers"},
+                      403: {"model": ErrorResponse, "description": "not an admin key"}}},
 }
 
 # --------------------------------------------------------------------------- the schema
