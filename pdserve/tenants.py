@@ -38,13 +38,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import stat
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
 from pdserve.errors import QuotaExceededError
+from pdserve.private_file import read_private_text
 from pdserve.types import MAX_REQUEST_ID_LEN, LatencyClass
 
 TAG_HEX_DIGITS = 16
@@ -217,21 +217,7 @@ def load_keys_file(path: str | os.PathLike[str]) -> dict[str, KeyPolicy]:
     """The policies of the keys file at `path`. ValueError for an unreadable or empty file,
     one its group or others may read or write (``chmod 600``), or a bad line."""
     p = Path(path)
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"the API keys file {p} is not a regular file")
-            if st.st_mode & 0o077:
-                raise ValueError(f"the API keys file {p} may be read or written by its group "
-                                 f"or others (mode {stat.S_IMODE(st.st_mode):04o}); "
-                                 f"`chmod 600 {p}`")
-            text = f.read().decode()
-    except OSError as exc:
-        raise ValueError(f"cannot read the API keys file {p}: {exc}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"the API keys file {p} is not UTF-8 text") from None
+    text = read_private_text(p, "the API keys file")
     policies = parse_keys(text, f"the API keys file {p}")
     if not policies:
         raise ValueError(f"the API keys file {p} holds no key")

@@ -34,7 +34,6 @@ import hashlib
 import hmac
 import math
 import os
-import stat
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from typing import Any
 import grpc
 import structlog
 
+from pdserve.private_file import read_private_text
 from pdserve.rpc.errors import ERROR_CODE_KEY
 from pdserve.rpc.metadata import metadata_value
 
@@ -109,26 +109,7 @@ def load_cluster_secret(path: str | os.PathLike[str] | None = None,
 
 
 def _read_secret_file(path: Path) -> str:
-    try:
-        # fstat the file opened, not a name that may be swapped; O_NONBLOCK: a FIFO must not
-        # hang the start-up (it is refused below).
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"the cluster secret file {path} is not a regular file")
-            if st.st_mode & 0o077:
-                raise ValueError(
-                    f"the cluster secret file {path} may be read or written by its group or "
-                    f"others (mode {stat.S_IMODE(st.st_mode):04o}); `chmod 600 {path}`")
-            if st.st_uid not in (os.geteuid(), 0):
-                raise ValueError(f"the cluster secret file {path} is owned by uid "
-                                 f"{st.st_uid}, not by this user ({os.geteuid()}) or root")
-            raw = f.read().decode().strip()
-    except OSError as exc:
-        raise ValueError(f"cannot read the cluster secret file {path}: {exc}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"the cluster secret file {path} is not UTF-8 text") from None
+    raw = read_private_text(path, "the cluster secret file").strip()
     if not raw:
         raise ValueError(f"the cluster secret file {path} is empty")
     return raw
