@@ -96,9 +96,15 @@ PACKAGES = find_packages(include=["pdserve", "pdserve.*", *SERVICE_PACKAGES,
 BLOCKHASH = Extension("pdserve._blockhash", ["pdserve/_blockhash.c"], optional=True,
                       extra_compile_args=["-O3"])
 
+# The decode worker's UCX listener binds the configured host, not every interface
+# (kvxfer/listen.py). Optional: without it such a listener refuses to start, unless it was
+# asked for every interface.
+LISTEN_HOST = Extension("kvxfer._listen_host", ["kvxfer/_listen_host.c"], optional=True,
+                        libraries=["dl", "pthread"], extra_compile_args=["-O2"])
+
 setup(
     packages=PACKAGES,
-    ext_modules=[BLOCKHASH],
+    ext_modules=[BLOCKHASH, LISTEN_HOST],
     package_data={"pdserve": ["_blockhash.pyi"], "pdserve.engine.kernels": ["*.cpp"],
                   "pdserve.v1": ["*.pyi", "py.typed"]},
     cmdclass={"build_protos": BuildProtos, "build_py": BuildPyWithProtos},

@@ -35,7 +35,7 @@ SERVICE = "pdserve.v1.DecodeWorker"
 
 @dataclass(frozen=True)
 class DecodeConfig(WorkerConfig):
-    ucx_host: str = "127.0.0.1"  # the UCX address advertised (the listener takes any)
+    ucx_host: str = "127.0.0.1"  # the UCX address advertised (the listener binds `host`)
     alloc_lease_s: float = 30.0  # an unclaimed remote allocation's lease, when none is asked
     max_alloc_lease_s: float = 120.0  # cap on the lease a caller asks for
     max_kv_wait_s: float = 120.0  # cap on a claimed allocation's wait for its KV
@@ -77,7 +77,7 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
         epoch = await registry.next_epoch(config.worker_id)
         descriptor_id = make_descriptor_id(config.worker_id, epoch)
         async with KVReceiver(engine.kv_pool, engine.layout, descriptor_id,
-                              host=config.ucx_host,
+                              host=config.ucx_host, bind_host=config.host,
                               auth=_kv_auth(config, registry, prefills)) as receiver:
             worker = DecodeWorker(aengine, receiver, worker_id=config.worker_id,
                                   alloc_lease_s=config.alloc_lease_s,

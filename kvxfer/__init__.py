@@ -1,4 +1,10 @@
 """KV block transfer between prefill and decode pools over UCX (see kvxfer.protocol)."""
+# ruff: noqa: E402 (the preload comes first)
+
+# Before anything loads ucxx: UCX listeners bind the configured host (kvxfer.listen).
+from kvxfer import listen as _listen
+
+_listen.preload()
 
 from kvxfer.pool import PoolBytes
 from kvxfer.protocol import Code

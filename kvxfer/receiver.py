@@ -28,8 +28,8 @@ from typing import Any, Self
 
 import structlog
 import torch
-import ucxx
 
+from kvxfer import listen
 from kvxfer.auth import KVAuth
 from kvxfer.pool import PoolBytes, check_blocks
 from kvxfer.protocol import (
@@ -130,9 +130,10 @@ class KVReceiver:
     """Accepts KV block writes into `pool` (a tensor laid out as `layout`) over UCX.
 
     `descriptor_id` names this pool incarnation (``"{worker_id}:{epoch}"``); writers that
-    address another one are rejected. The UCX listener accepts on every interface; `host` is
-    the address advertised in `address`. With `auth`, only signed writes from authorized
-    senders are served (`kvxfer.auth`). Use as ``async with KVReceiver(...) as rx:``.
+    address another one are rejected. `host` is the address advertised in `address`; the UCX
+    listener binds `bind_host` (default: `host`; "0.0.0.0" for every interface; see
+    `kvxfer.listen`). With `auth`, only signed writes from authorized senders are served
+    (`kvxfer.auth`). Use as ``async with KVReceiver(...) as rx:``.
     """
 
     def __init__(
@@ -143,6 +144,7 @@ class KVReceiver:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
+        bind_host: str | None = None,
         frame_timeout_s: float = 5.0,
         fence_grace_s: float = 0.25,
         fence_timeout_s: float = 10.0,
@@ -153,6 +155,7 @@ class KVReceiver:
         self.layout = layout
         self.descriptor_id = descriptor_id
         self._host = host
+        self._bind_host = host if bind_host is None else bind_host
         self._port = port
         self._frame_timeout_s = frame_timeout_s
         self._fence_grace_s = fence_grace_s
@@ -185,7 +188,8 @@ class KVReceiver:
 
     async def start(self) -> None:
         if self._listener is None:
-            self._listener = ucxx.create_listener(self._serve, port=self._port)
+            self._listener = listen.create_listener(self._serve, host=self._bind_host,
+                                                    port=self._port)
             self._bound_port = int(self._listener.port)
             log.info("kv_receiver_listening", address=self.address, descriptor=self.descriptor_id)
 

@@ -195,10 +195,10 @@ def _off_loopback(host: str) -> bool:
     return not (mapped or ip).is_loopback
 
 
-def test_no_listener_off_loopback_but_the_ucx_sockaddr_one(cluster: LocalCluster) -> None:
-    """A default (loopback) cluster listens on loopback only, with one exception: the decode
-    worker's UCX sockaddr listener, which ucxx's Python binding binds to every interface
-    (docs/RELIABILITY.md). UCX's TCP transport, which otherwise listens on each interface's
+def test_no_listener_off_loopback(cluster: LocalCluster) -> None:
+    """A default (loopback) cluster listens on loopback only: the decode worker's UCX sockaddr
+    listener, which ucxx's Python binding would bind to every interface, is moved to --host
+    (kvxfer.listen), and UCX's TCP transport, which otherwise listens on each interface's
     address in both workers, is kept on `lo` (UCX_NET_DEVICES)."""
     import json
 
@@ -215,8 +215,11 @@ def test_no_listener_off_loopback_but_the_ucx_sockaddr_one(cluster: LocalCluster
                      for c in psutil.net_connections(kind="inet")
                      if c.status == psutil.CONN_LISTEN and c.pid in pids
                      and _off_loopback(c.laddr.ip))
-    decode_pid = cluster.procs["decode-0"].pid
-    assert exposed == [(decode_pid, "0.0.0.0", ucx_port)], exposed
+    ucx_listeners = [(c.laddr.ip, c.laddr.port) for c in psutil.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == ucx_port
+                     and c.pid == cluster.procs["decode-0"].pid]
+    assert exposed == [], exposed
+    assert ucx_listeners == [("127.0.0.1", ucx_port)], ucx_listeners
 
 
 def _command_lines(cluster: LocalCluster) -> dict[str, str]:
