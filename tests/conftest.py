@@ -15,6 +15,10 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 from conftest_redis import redis_server  # noqa: F401
 
+# Before any test module imports ucxx: kvxfer loads the library that binds UCX listeners to
+# their configured host (kvxfer.listen), which only takes if it comes before libucxx.
+import kvxfer  # noqa: F401
+
 # Eight varied prompts; the last is over 1,000 tokens.
 PROMPTS = [
     "The capital of France is",
