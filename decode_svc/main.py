@@ -87,12 +87,13 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
                                   max_requests=config.max_requests, metrics=metrics)
             with metrics_server(labelled_registry(metrics.registry,
                                               model_name=config.model_name(model_dir.name)),
-                                config.host, config.metrics_port) as mport:
+                                config.host, config.metrics_port, config.tls) as mport:
                 server = transport.new_server(
                     auth=auth.cluster_interceptor(config.cluster_secret))
                 servicer.add_to_server(worker, server)
                 health = await transport.add_health(server, SERVICE)
-                bound = await start_server(server, config.host, config.port)
+                bound = await start_server(server, config.host, config.port,
+                                           config.server_credentials())
                 port = bound.rpartition(":")[2]
                 address = f"{config.advertise_host or config.host}:{port}"
 

@@ -14,6 +14,7 @@ import sys
 
 from pdserve.rpc import convert, errors, transport
 from pdserve.rpc.metadata import request_id_metadata
+from pdserve.rpc.tls import TLSConfig, load_tls
 from pdserve.types import LatencyClass, PdserveError, SamplingParams
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -26,6 +27,7 @@ async def generate(
     *,
     request_id: str = "",
     timings: bool = False,
+    tls: TLSConfig | None = None,
 ) -> router_pb2.GenerateResponse:
     """Stream `prompt`'s completion to stdout; returns the last response."""
     request = router_pb2.GenerateRequest(
@@ -37,7 +39,7 @@ async def generate(
     )
     metadata = request_id_metadata(request_id) if request_id else ()
     last = router_pb2.GenerateResponse()
-    async with transport.insecure_channel(target) as channel:
+    async with transport.channel(target, tls=tls) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         with errors.translate_rpc_errors():
             async for response in stub.Generate(request, metadata=metadata):
@@ -57,7 +59,12 @@ def main() -> int:
     parser.add_argument("--latency-class", default="standard", help="interactive|standard|batch")
     parser.add_argument("--request-id", default="", help="sent as the request id and x-request-id")
     parser.add_argument("--timings", action="store_true", help="print stage timings to stderr")
+    parser.add_argument("--tls-cert", help="client certificate, for a router on TLS")
+    parser.add_argument("--tls-key", help="its private key (mode 600)")
+    parser.add_argument("--tls-ca", help="CA certificate the router's must chain to")
     args = parser.parse_args()
+    tls = (load_tls(args.tls_cert, args.tls_key, args.tls_ca)
+           if args.tls_cert and args.tls_key and args.tls_ca else None)
 
     try:
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
@@ -69,6 +76,7 @@ def main() -> int:
                 LatencyClass.parse(args.latency_class),
                 request_id=args.request_id,
                 timings=args.timings,
+                tls=tls,
             )
         )
     except (PdserveError, TimeoutError) as exc:

@@ -266,6 +266,77 @@ def cluster_secret(args: argparse.Namespace) -> Any:
         raise SystemExit(f"pdserve: {exc}") from None
 
 
+# --------------------------------------------------------------------------- TLS
+
+
+def add_tls_args(p: argparse.ArgumentParser, *, client_auth: bool = False,
+                 server_name: bool = False, client: bool = False) -> None:
+    """--tls-cert, --tls-key, --tls-ca (all three, or none: plaintext); `client_auth`: the
+    listener faces clients (--tls-client-auth); `server_name`: the process dials workers
+    (--tls-server-name); `client`: only dials (then --tls-ca alone is enough)."""
+    from pdserve.rpc.tls import CLIENT_AUTH_CHOICES, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV
+
+    g = p.add_argument_group("TLS (pdserve.rpc.tls; `pdserve certs` makes the files)")
+    g.add_argument("--tls-cert", default=None, metavar="PATH",
+                   help="PEM certificate (chain) this process presents, as server and as "
+                   f"client (default: env {TLS_CERT_ENV}; none: plaintext)")
+    g.add_argument("--tls-key", default=None, metavar="PATH",
+                   help=f"its private key, a mode-600 file (default: env {TLS_KEY_ENV})")
+    g.add_argument("--tls-ca", default=None, metavar="PATH",
+                   help="CA certificate(s) that peers' certificates must chain to; workers "
+                   f"take only clients it signed (default: env {TLS_CA_ENV})")
+    if client_auth:
+        g.add_argument("--tls-client-auth", choices=CLIENT_AUTH_CHOICES, default="none",
+                       help="client certificates on the client-facing APIs (gRPC, HTTP): "
+                       "not asked for (API keys only), or required and signed by --tls-ca")
+    if server_name:
+        g.add_argument("--tls-server-name", default=None, metavar="NAME",
+                       help="name the workers' certificates carry, checked instead of the "
+                       "address dialled (default: the address)")
+
+
+def _tls_paths(args: argparse.Namespace,
+               env: Mapping[str, str] | None) -> tuple[str | None, str | None, str | None]:
+    from pdserve.rpc.tls import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV
+
+    env = os.environ if env is None else env
+    return (getattr(args, "tls_cert", None) or env.get(TLS_CERT_ENV) or None,
+            getattr(args, "tls_key", None) or env.get(TLS_KEY_ENV) or None,
+            getattr(args, "tls_ca", None) or env.get(TLS_CA_ENV) or None)
+
+
+def tls_config(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Any:
+    """The `pdserve.rpc.tls.TLSConfig` of the TLS flags (else the environment), or None when
+    none is given; SystemExit naming the problem when only some are, or a file is bad."""
+    from pdserve.rpc.tls import load_tls
+
+    cert, key, ca = _tls_paths(args, env)
+    if cert is None and key is None and ca is None:
+        return None
+    if cert is None or key is None or ca is None:
+        raise SystemExit("pdserve: TLS needs --tls-cert, --tls-key and --tls-ca together")
+    try:
+        return load_tls(cert, key, ca, client_auth=getattr(args, "tls_client_auth", "none"),
+                        server_name=getattr(args, "tls_server_name", None))
+    except ValueError as exc:
+        raise SystemExit(f"pdserve: {exc}") from None
+
+
+def tls_client_files(args: argparse.Namespace, env: Mapping[str, str] | None = None
+                     ) -> tuple[str, str | None, str | None] | None:
+    """(ca, cert, key) for a command that only dials (`pdserve health`, `pdserve ask`):
+    --tls-ca alone trusts a server, with --tls-cert and --tls-key it also presents a
+    certificate; None without --tls-ca."""
+    cert, key, ca = _tls_paths(args, env)
+    if ca is None:
+        if cert is not None or key is not None:
+            raise SystemExit("pdserve: --tls-cert and --tls-key need --tls-ca")
+        return None
+    if (cert is None) != (key is None):
+        raise SystemExit("pdserve: --tls-cert and --tls-key go together")
+    return ca, cert, key
+
+
 # --------------------------------------------------------------------------- fail closed
 
 API_KEYS_NEEDED = "API keys (--api-key / PDSERVE_API_KEY)"

@@ -27,7 +27,8 @@ import grpc
 
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-__all__ = ["Chunk", "Completion", "RouterClient", "RouterError", "Sampling", "Usage"]
+__all__ = ["Chunk", "Completion", "RouterClient", "RouterError", "Sampling", "Usage",
+           "tls_credentials"]
 
 LatencyClass = Literal["interactive", "standard", "batch"]
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -160,21 +161,44 @@ _REPLICAS_SERVICE_CONFIG = json.dumps({
 })
 
 
+def tls_credentials(ca: str, cert: str | None = None,
+                    key: str | None = None) -> grpc.ChannelCredentials:
+    """Channel credentials for a router on TLS: trust the CA certificate(s) in the PEM file
+    `ca` only; present `cert` (PEM chain) with its `key` where the router asks for a client
+    certificate (``--tls-client-auth require``)."""
+    with open(ca, "rb") as f:
+        root = f.read()
+    if cert is None or key is None:
+        return grpc.ssl_channel_credentials(root_certificates=root)
+    with open(cert, "rb") as c, open(key, "rb") as k:
+        return grpc.ssl_channel_credentials(root_certificates=root, certificate_chain=c.read(),
+                                            private_key=k.read())
+
+
 class RouterClient:
     """A channel to a router, or to several replicas (`target` a list of ``IP:port``: load
     spread over them, and requests that had not started streaming retried on another when
     one fails); use ``async with`` (or call `close`). `api_key` is sent as
-    ``authorization: Bearer <key>`` metadata, for a router started with API keys."""
+    ``authorization: Bearer <key>`` metadata, for a router started with API keys.
+    `credentials` (`tls_credentials`) make the channel TLS, for a router started with
+    ``--tls-*``; `server_name` is the name its certificate must carry when that is not the
+    address dialled."""
 
     def __init__(self, target: str | Sequence[str], *, channel: grpc.aio.Channel | None = None,
-                 timeout_s: float | None = 600.0, api_key: str | None = None):
+                 timeout_s: float | None = 600.0, api_key: str | None = None,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 server_name: str | None = None):
         if channel is None:
-            if isinstance(target, str):
-                channel = grpc.aio.insecure_channel(target)
-            else:
-                channel = grpc.aio.insecure_channel(replicas_target(target), options=[
-                    ("grpc.service_config", _REPLICAS_SERVICE_CONFIG),
-                    ("grpc.enable_retries", 1)])
+            options: list[tuple[str, str | int]] = []
+            if server_name is not None:
+                options.append(("grpc.ssl_target_name_override", server_name))
+            if not isinstance(target, str):
+                options += [("grpc.service_config", _REPLICAS_SERVICE_CONFIG),
+                            ("grpc.enable_retries", 1)]
+                target = replicas_target(target)
+            channel = (grpc.aio.insecure_channel(target, options=options or None)
+                       if credentials is None
+                       else grpc.aio.secure_channel(target, credentials, options=options))
         self._channel = channel
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._timeout_s = timeout_s

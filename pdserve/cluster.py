@@ -129,7 +129,14 @@ class LocalCluster:
     else the one in `env` / this process's environment, else none (internal calls are then
     not authenticated, and every process warns about it). `pdserve cluster up` always has
     one. To call a worker directly, send
-    ``pdserve.rpc.auth.ClusterSecret(secret.encode()).grpc_metadata()``."""
+    ``pdserve.rpc.auth.ClusterSecret(secret.encode()).grpc_metadata()``.
+
+    With ``tls=True`` every hop is TLS: a private CA and a certificate per process kind
+    (router, prefill, decode, client) are made in ``log_dir/tls`` (`pdserve.certs`, mode
+    600), each child gets the paths of its own (``--tls-cert/--tls-key/--tls-ca``: paths,
+    never key material, on its command line), the router serves HTTPS and gRPC over TLS and
+    dials the workers with mTLS, which refuse any client without a certificate from that
+    CA. `client_tls()` is the client certificate's `TLSConfig`, for callers."""
 
     def __init__(self, *, prefill: int = 1, decode: int = 1, redis_url: str | None = None,
                  model: str | None = None, http_port: int = 0, grpc_port: int = 0,
@@ -137,7 +144,8 @@ class LocalCluster:
                  log_dir: Path | None = None,
                  namespace: str | None = None, env: dict[str, str] | None = None,
                  place_workers: bool = True, prefill_nice: int = 5,
-                 cluster_secret: str | None = None, host: str = "127.0.0.1"):
+                 cluster_secret: str | None = None, host: str = "127.0.0.1",
+                 tls: bool = False):
         self.host = host
         self.n_prefill, self.n_decode = prefill, decode
         self.place_workers, self.prefill_nice = place_workers, prefill_nice
@@ -151,6 +159,13 @@ class LocalCluster:
         self.metrics_ports: dict[str, int] = {}  # worker name -> Prometheus HTTP port
         self.namespace = namespace or f"cluster{uuid.uuid4().hex[:8]}"
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="pdserve-cluster-"))
+        self.tls_dir: Path | None = None
+        if tls:
+            from pdserve.certs import make_local_pki
+
+            self.tls_dir = self.log_dir / "tls"
+            make_local_pki(self.tls_dir, hosts=() if host in ("127.0.0.1", "localhost")
+                           else (host,))
         self.env = {**os.environ, **(env or {})}
         if cluster_secret is None:
             cluster_secret = self.env.get(CLUSTER_SECRET_ENV, "")
@@ -165,8 +180,12 @@ class LocalCluster:
         self._redis: subprocess.Popen[bytes] | None = None
 
     @property
+    def scheme(self) -> str:
+        return "http" if self.tls_dir is None else "https"
+
+    @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"{self.scheme}://127.0.0.1:{self.http_port}"
 
     @property
     def grpc_address(self) -> str:
@@ -174,7 +193,30 @@ class LocalCluster:
 
     def metrics_url(self, name: str) -> str:
         """Prometheus endpoint of a worker (the router's is ``{http_url}/metrics``)."""
-        return f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"
+        return f"{self.scheme}://127.0.0.1:{self.metrics_ports[name]}/metrics"
+
+    def client_tls(self) -> Any:
+        """The `pdserve.rpc.tls.TLSConfig` of the cluster's client certificate (None without
+        TLS): ``channel_credentials()`` for gRPC, ``client_context()`` for HTTPS."""
+        if self.tls_dir is None:
+            return None
+        from pdserve.rpc.tls import load_tls
+
+        d = self.tls_dir
+        return load_tls(d / "client.crt", d / "client.key", d / "ca.crt")
+
+    def http_verify(self) -> Any:
+        """httpx's ``verify=`` for this cluster's HTTP(S) endpoints."""
+        tls = self.client_tls()
+        return True if tls is None else tls.client_context()
+
+    def _tls_args(self, name: str) -> list[str]:
+        """The TLS flags of a child whose certificate is `name` (none without TLS)."""
+        if self.tls_dir is None:
+            return []
+        d = self.tls_dir
+        return ["--tls-cert", str(d / f"{name}.crt"), "--tls-key", str(d / f"{name}.key"),
+                "--tls-ca", str(d / "ca.crt")]
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         log = open(self.log_dir / f"{name}.log", "wb")
@@ -241,7 +283,7 @@ class LocalCluster:
         proc = self._spawn(name, self._pdserve(f"{role}-worker", "--worker-id", name,
                                                "--port", str(port), "--metrics-port",
                                                str(mport), *self._placement(role, index),
-                                               *self.extra))
+                                               *self._tls_args(role), *self.extra))
         if wait:
             wait_port(port, proc, timeout_s, name)
         return name
@@ -252,7 +294,7 @@ class LocalCluster:
         grpc_port, http_port = free_port(), free_port()
         proc = self._spawn(f"router-{index}", self._pdserve(
             "router", "--port", str(grpc_port), "--http-port", str(http_port),
-            *self.router_args))
+            *self._tls_args("router"), *self.router_args))
         wait_port(http_port, proc, timeout_s, f"router-{index}")
         return grpc_port, http_port
 
@@ -266,7 +308,7 @@ class LocalCluster:
             self.add_worker("prefill", i, wait=False)
         router = self._spawn("router", self._pdserve(
             "router", "--port", str(self.grpc_port), "--http-port", str(self.http_port),
-            *self.router_args))
+            *self._tls_args("router"), *self.router_args))
         wait_port(self.http_port, router, max(0.0, deadline - time.monotonic()), "router")
         self.wait_ready(max(0.0, deadline - time.monotonic()))
         return self
@@ -284,14 +326,15 @@ class LocalCluster:
 
         deadline = time.monotonic() + timeout_s
         want = self.n_decode + self.n_prefill
-        headers = self.auth_headers()
+        headers, verify = self.auth_headers(), self.http_verify()
         while True:
             for name, p in self.procs.items():
                 if p.poll() is not None:
                     raise RuntimeError(f"{name} exited with code {p.returncode}; see "
                                        f"{self.log_dir / (name + '.log')}")
             try:
-                r = httpx.get(f"{self.http_url}/v1/pdserve/workers", headers=headers, timeout=2)
+                r = httpx.get(f"{self.http_url}/v1/pdserve/workers", headers=headers,
+                              timeout=2, verify=verify)
                 if r.status_code == 200 and len(r.json().get("workers", [])) >= want:
                     return
                 if r.status_code in (401, 403):  # waiting would not change the answer
@@ -352,14 +395,15 @@ def new_cluster_secret() -> str:
 
 def stream_completion(url: str, prompt: str, max_tokens: int, out: Any = sys.stdout,
                       headers: Mapping[str, str] | None = None, model: str = "default",
-                      temperature: float = 0.0) -> None:
-    """Send one chat request to the gateway at ``url`` and stream the answer to ``out``."""
+                      temperature: float = 0.0, verify: Any = True) -> None:
+    """Send one chat request to the gateway at ``url`` and stream the answer to ``out``
+    (`verify`: httpx's, an `ssl.SSLContext` for a gateway on TLS)."""
     import httpx
 
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "stream": True, "temperature": temperature}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120,
-                      headers=dict(headers or {})) as r:
+                      headers=dict(headers or {}), verify=verify) as r:
         if r.status_code != 200:
             r.read()
             raise RuntimeError(f"request failed: HTTP {r.status_code}: {r.text}")

@@ -10,16 +10,21 @@ import inspect
 import logging
 import os
 import signal
+import socket
+import ssl
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
 import structlog
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app, start_http_server
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from pdserve.rpc.metadata import request_id_from_context
+from pdserve.rpc.tls import TLSConfig
 from pdserve.types import InvalidRequestError, check_request_id
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -79,9 +84,14 @@ def _hard_exit(reason: str) -> None:
     os._exit(1)
 
 
-async def start_server(server: grpc.aio.Server, host: str, port: int) -> str:
-    """Bind and start; returns the actual "host:port" (port 0 picks a free one)."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+async def start_server(server: grpc.aio.Server, host: str, port: int,
+                       credentials: grpc.ServerCredentials | None = None) -> str:
+    """Bind and start; returns the actual "host:port" (port 0 picks a free one). With
+    `credentials` (`pdserve.rpc.tls.TLSConfig.server_credentials`) the port speaks TLS only:
+    nothing is served in plaintext."""
+    address = f"{host}:{port}"
+    bound = (server.add_insecure_port(address) if credentials is None
+             else server.add_secure_port(address, credentials))
     if bound == 0:
         raise OSError(f"could not bind gRPC server to {host}:{port}")
     await server.start()
@@ -131,16 +141,62 @@ def logs_request_id(method: F) -> F:
 # --------------------------------------------------------------------------- metrics
 
 
+# A TLS client gets this long to finish its handshake and to send each part of a request.
+_TLS_IO_TIMEOUT_S = 10.0
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _TLSMetricsServer(ThreadingWSGIServer):
+    """Prometheus text over TLS, the handshake done in each connection's own thread with a
+    timeout: wrapping the listening socket would handshake inside accept(), so one client
+    that connects and says nothing would stall every scrape."""
+
+    context: ssl.SSLContext
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        sock, addr = super().get_request()
+        sock.settimeout(_TLS_IO_TIMEOUT_S)
+        return self.context.wrap_socket(sock, server_side=True,
+                                        do_handshake_on_connect=False), addr
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        request.do_handshake()  # a plaintext or unknown client ends here (handle_error)
+        super().finish_request(request, client_address)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # refused handshakes and dropped clients are not worth a traceback
+
+
+def _start_tls_metrics(registry: CollectorRegistry, host: str, port: int,
+                       tls: TLSConfig) -> tuple[WSGIServer, threading.Thread]:
+    class Server(_TLSMetricsServer):
+        address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        context = tls.server_context("require")
+
+    httpd: WSGIServer = make_server(host, port, make_wsgi_app(registry), Server,
+                                    handler_class=_QuietHandler)
+    thread = threading.Thread(target=httpd.serve_forever, name="metrics-tls", daemon=True)
+    thread.start()
+    return httpd, thread
+
+
 @contextlib.contextmanager
-def metrics_server(registry: CollectorRegistry, host: str, port: int) -> Iterator[int | None]:
+def metrics_server(registry: CollectorRegistry, host: str, port: int,
+                   tls: TLSConfig | None = None) -> Iterator[int | None]:
     """Serve ``registry`` as Prometheus text on ``http://host:port/metrics`` (any path works)
     from a daemon thread; yields the bound port (``port=0`` picks a free one), or None
     without serving when ``port`` is negative. Collectors run on that thread, so they must
-    only read state. The server is shut down on exit."""
+    only read state. The server is shut down on exit. With `tls`: HTTPS only, and only for
+    clients with a certificate from its CA (a worker's rule for every listener)."""
     if port < 0:
         yield None
         return
-    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    httpd, thread = (start_http_server(port, addr=host, registry=registry) if tls is None
+                     else _start_tls_metrics(registry, host, port, tls))
     try:
         yield int(httpd.server_port)
     finally:

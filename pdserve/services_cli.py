@@ -23,6 +23,7 @@ from pdserve.cli_args import (
     add_insecure_arg,
     add_log_level_arg,
     add_model_arg,
+    add_tls_args,
     admission_argv,
     admission_config_from_args,
     api_key_policies,
@@ -35,6 +36,8 @@ from pdserve.cli_args import (
     missing_credentials,
     positive_int,
     served_name_default,
+    tls_client_files,
+    tls_config,
 )
 from pdserve.cluster import (
     REDIS_URL_ENV,
@@ -173,7 +176,8 @@ def _worker_settings(args: argparse.Namespace, role: str) -> dict[str, Any]:
                 port=args.port, advertise_host=_advertise_host(args),
                 metrics_port=args.metrics_port, namespace=args.namespace,
                 served_model_name=_served_name(args), drain_timeout_s=args.drain_timeout,
-                cluster_secret=cluster_secret(args), max_requests=args.max_requests)
+                cluster_secret=cluster_secret(args), max_requests=args.max_requests,
+                tls=tls_config(args))
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
@@ -223,6 +227,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         metrics_require_auth=args.metrics_require_auth,
         max_request_bytes=args.max_request_bytes,
+        tls=tls_config(args),
         router=RouterConfig(policy=RouterPolicy(
             remote_min_uncached_tokens=args.remote_threshold,
             max_prefill_backlog_tokens=args.max_prefill_backlog, placement=args.placement),
@@ -264,7 +269,7 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
                            extra_worker_args=tuple(worker_args), router_args=tuple(router_args),
                            prefill_nice=args.prefill_nice, env=env, host=args.host,
                            cluster_secret=new_cluster_secret() if secret is None
-                           else secret.value.decode())
+                           else secret.value.decode(), tls=args.tls)
     print(f"starting cluster: {args.prefill} prefill, {args.decode} decode workers "
           f"(logs in {cluster.log_dir})", file=sys.stderr)
     stop = started = False
@@ -284,10 +289,13 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
         started = True
         print(f"ready: HTTP {cluster.http_url}  gRPC {cluster.grpc_address}  "
               f"redis {redact_url(str(cluster.redis_url))}", file=sys.stderr)
+        if cluster.tls_dir is not None:
+            print(f"TLS: CA {cluster.tls_dir / 'ca.crt'}, client certificate "
+                  f"{cluster.tls_dir / 'client.crt'} (key client.key)", file=sys.stderr)
         if args.demo:
             print(f"> {args.demo}", file=sys.stderr)
             stream_completion(cluster.http_url, args.demo, args.max_tokens,
-                              headers=cluster.auth_headers())
+                              headers=cluster.auth_headers(), verify=cluster.http_verify())
             return 0
         while not stop:
             time.sleep(0.5)
@@ -305,20 +313,52 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     try:
         stream_completion(args.url, args.prompt, args.max_tokens, model=args.model_name,
                           temperature=args.temperature,
-                          headers={"Authorization": f"Bearer {keys[0]}"} if keys else None)
-    except (RuntimeError, httpx.HTTPError) as exc:  # refused, or nobody listening
+                          headers={"Authorization": f"Bearer {keys[0]}"} if keys else None,
+                          verify=_https_verify(args))
+    except (RuntimeError, httpx.HTTPError, ValueError) as exc:  # refused, nobody listening
         print(f"pdserve ask: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
+def _https_verify(args: argparse.Namespace) -> Any:
+    """httpx's `verify` for a command that dials: the CA (and client certificate) of the
+    TLS flags, else the system's CAs (True)."""
+    files = tls_client_files(args)
+    if files is None:
+        return True
+    from pdserve.rpc.tls import client_context
+
+    return client_context(*files)
+
+
+def _grpc_channel(args: argparse.Namespace, target: str) -> Any:
+    """A blocking channel to `target`: TLS with the TLS flags (CA, client certificate,
+    --tls-server-name), else plaintext."""
+    import grpc
+
+    files = tls_client_files(args)
+    if files is None:
+        return grpc.insecure_channel(target)
+    from pdserve.rpc.tls import client_channel_credentials
+
+    options = ([("grpc.ssl_target_name_override", args.tls_server_name)]
+               if args.tls_server_name else [])
+    return grpc.secure_channel(target, client_channel_credentials(*files), options=options)
+
+
 def _cmd_health(args: argparse.Namespace) -> int:
     """Exit 0 when the target reports healthy, 1 otherwise (with the reason on stderr)."""
+    try:
+        verify = _https_verify(args)
+    except ValueError as exc:
+        print(f"pdserve health: {exc}", file=sys.stderr)
+        return 1
     if args.http:
         import httpx
 
         try:
-            r = httpx.get(args.http, timeout=args.timeout)
+            r = httpx.get(args.http, timeout=args.timeout, verify=verify)
         except httpx.HTTPError as exc:
             print(f"unhealthy: {args.http}: {exc}", file=sys.stderr)
             return 1
@@ -327,7 +367,7 @@ def _cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.grpc) as channel:
+    with _grpc_channel(args, args.grpc) as channel:
         try:
             # HealthStub's stubs omit the methods it sets up per channel (types-grpcio-health).
             resp = health_pb2_grpc.HealthStub(channel).Check(  # type: ignore[attr-defined]
@@ -339,6 +379,21 @@ def _cmd_health(args: argparse.Namespace) -> int:
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     print(f"{args.grpc} {args.service or '(server)'}: {status}", file=sys.stderr)
     return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _cmd_certs(args: argparse.Namespace) -> int:
+    from pdserve.certs import DEFAULT_NAMES, make_local_pki
+
+    try:
+        issued = make_local_pki(args.out, args.name or DEFAULT_NAMES, args.host,
+                                days=args.days)
+    except (ValueError, OSError) as exc:
+        print(f"pdserve certs: {exc}", file=sys.stderr)
+        return 1
+    print(f"CA: {Path(args.out) / 'ca.crt'} (its key ca.key stays here)", file=sys.stderr)
+    for cert in issued:
+        print(f"{cert.name}: --tls-cert {cert.cert} --tls-key {cert.key}", file=sys.stderr)
+    return 0
 
 
 Adder = Callable[..., argparse.ArgumentParser]
@@ -374,6 +429,14 @@ def _worker_parser(add: Adder, sub: Any, role: str, fn: Callable[..., int]) -> N
     p.add_argument("--max-requests", type=positive_int, default=256,
                    help="requests this worker holds at most (queued, running, awaiting KV); "
                    "more are refused with UNAVAILABLE and the router goes elsewhere")
+    p.add_argument("--max-message-bytes", type=positive_int, default=None,
+                   help="largest gRPC request message, else RESOURCE_EXHAUSTED (default: what "
+                   "a request for the model's whole context can hold: 10 bytes a token + "
+                   "1 MiB 64 KiB; keep it above the router's --max-request-bytes)")
+    p.add_argument("--max-concurrent-rpcs", type=positive_int, default=None,
+                   help="gRPC calls in progress at once, all callers together, else "
+                   "RESOURCE_EXHAUSTED (default: 2 x --max-requests + 64)")
+    add_tls_args(p)
     p.set_defaults(func=fn)
 
 
@@ -413,6 +476,7 @@ def register(sub: Any, add: Adder) -> None:
                    "RESOURCE_EXHAUSTED)")
     r.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds a stopping router lets in-flight requests finish")
+    add_tls_args(r, client_auth=True, server_name=True)
     r.set_defaults(func=_cmd_router)
 
     c = add(sub, "cluster", "local cluster on 127.0.0.1")
@@ -437,6 +501,11 @@ def register(sub: Any, add: Adder) -> None:
                    "workers at a lower priority")
     g.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds to wait for every process to be ready before giving up")
+    g.add_argument("--tls", action="store_true",
+                   help="TLS on every hop: make a private CA and a certificate per process "
+                   "in the cluster's log directory (tls/), serve HTTPS and gRPC over TLS, "
+                   "mTLS between router and workers (clients use tls/ca.crt, and "
+                   "tls/client.crt + client.key where a certificate is wanted)")
     add_log_level_arg(g)  # type: ignore[arg-type]
     add_cluster_secret_arg(g)  # type: ignore[arg-type]
     _router_flags(up)
@@ -452,6 +521,7 @@ def register(sub: Any, add: Adder) -> None:
     a.add_argument("--model", dest="model_name", default="default",
                    help="model name sent in the request")
     add_api_key_args(a)
+    add_tls_args(a, client=True)
     a.set_defaults(func=_cmd_ask)
 
     h = add(sub, "health", "probe a router or worker: exit 0 when it serves (for "
@@ -464,4 +534,19 @@ def register(sub: Any, add: Adder) -> None:
     h.add_argument("--service", default="",
                    help="gRPC service name to check ('': the whole server)")
     h.add_argument("--timeout", type=float, default=3.0, help="seconds before giving up")
+    add_tls_args(h, server_name=True, client=True)
     h.set_defaults(func=_cmd_health)
+
+    ce = add(sub, "certs", "make a local CA and a TLS certificate per process (--tls-* flags)")
+    ce.add_argument("--out", required=True, metavar="DIR",
+                    help="directory for ca.crt/ca.key and NAME.crt/NAME.key (made mode 700; "
+                    "files mode 600); an existing CA there is reused")
+    ce.add_argument("--name", action="append", default=[], metavar="NAME",
+                    help="a certificate to issue, repeatable (default: router, prefill, "
+                    "decode, client)")
+    ce.add_argument("--host", action="append", default=[], metavar="HOST",
+                    help="a host name or address the certificates are valid for, besides "
+                    "localhost, 127.0.0.1 and ::1; repeatable")
+    ce.add_argument("--days", type=positive_int, default=365,
+                    help="days the certificates are valid")
+    ce.set_defaults(func=_cmd_certs)

@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import grpc
+
 from pdserve.engine.config import EngineConfig
 
 if TYPE_CHECKING:
     from pdserve.rpc.auth import ClusterSecret
+    from pdserve.rpc.tls import TLSConfig
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,13 @@ class WorkerConfig:
     max_requests: int = 256
     # Authenticates gRPC callers and KV writes (pdserve.rpc.auth); None: open, with a warning.
     cluster_secret: ClusterSecret | None = None
+    # TLS on the gRPC and metrics listeners, a client certificate from its CA required
+    # (pdserve.rpc.tls); None: plaintext.
+    tls: TLSConfig | None = None
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """The gRPC port's credentials: mTLS with `tls`, else None (plaintext)."""
+        return None if self.tls is None else self.tls.server_credentials("require")
 
     def model_name(self, model_dir_name: str) -> str:
         return self.served_model_name or model_dir_name

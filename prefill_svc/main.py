@@ -76,11 +76,12 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
                                max_requests=config.max_requests, metrics=metrics)
         with metrics_server(labelled_registry(metrics.registry,
                                               model_name=config.model_name(model_dir.name)),
-                            config.host, config.metrics_port) as mport:
+                            config.host, config.metrics_port, config.tls) as mport:
             server = transport.new_server(auth=auth.cluster_interceptor(secret))
             servicer.add_to_server(worker, server)
             health = await transport.add_health(server, SERVICE)
-            bound = await start_server(server, config.host, config.port)
+            bound = await start_server(server, config.host, config.port,
+                                       config.server_credentials())
             port = bound.rpartition(":")[2]
             address = f"{config.advertise_host or config.host}:{port}"
             # Connect to the decode workers we already know before announcing ourselves.

@@ -26,7 +26,8 @@ from pdserve.errors import WorkerTimeoutError
 from pdserve.rpc import convert
 from pdserve.rpc.errors import error_from_rpc
 from pdserve.rpc.metadata import request_id_metadata
-from pdserve.rpc.transport import insecure_channel
+from pdserve.rpc.tls import TLSConfig
+from pdserve.rpc.transport import channel
 from pdserve.types import (
     CapacityError,
     GenerateRequest,
@@ -214,10 +215,13 @@ class WorkerChannels:
     """One channel per worker address, closed when the worker leaves; clients on them.
 
     `metadata` is sent with every call (e.g. an authorization pair); `interceptors` wrap every
-    call (tests count RPCs with them)."""
+    call (tests count RPCs with them); with `tls` every channel is TLS, the router's
+    certificate presented to the workers (they require one) and theirs checked against its CA."""
 
     def __init__(self, metadata: Iterable[tuple[str, str]] = (), *,
-                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+                 tls: TLSConfig | None = None) -> None:
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._metadata: Metadata = tuple(metadata)
@@ -226,8 +230,8 @@ class WorkerChannels:
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = insecure_channel(
-                address, interceptors=self._interceptors)
+            ch = self._channels[address] = channel(address, tls=self._tls,
+                                                   interceptors=self._interceptors)
         return ch
 
     def decode(self, w: WorkerInfo) -> DecodeClient:

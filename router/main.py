@@ -25,6 +25,7 @@ from router.router import Router, RouterConfig
 
 if TYPE_CHECKING:
     from pdserve.rpc.auth import ClusterSecret
+    from pdserve.rpc.tls import TLSConfig
 
 log = structlog.get_logger(__name__)
 SERVICE = "pdserve.v1.Router"
@@ -50,6 +51,9 @@ class RouterProcessConfig:
     max_request_bytes: int = 1 << 20
     router: RouterConfig = field(default_factory=RouterConfig)
     drain_timeout_s: float = 30.0
+    # TLS on both APIs (client certificates as tls.client_auth says) and mTLS to the
+    # workers; None: plaintext everywhere.
+    tls: TLSConfig | None = None
 
 
 @dataclass
@@ -68,7 +72,8 @@ async def run_router(config: RouterProcessConfig, stop: asyncio.Event,
     addresses = addresses if addresses is not None else RouterAddresses()
     secret = config.cluster_secret
     auth.warn_unauthenticated(secret, "router")
-    channels = WorkerChannels(() if secret is None else secret.grpc_metadata())
+    tls = config.tls
+    channels = WorkerChannels(() if secret is None else secret.grpc_metadata(), tls=tls)
     # Only workers whose records are signed under the cluster secret, serving these weights,
     # are ever listed: they alone get prompts, requests and the cluster token.
     signer = signer_for(secret, config.namespace)
@@ -84,7 +89,9 @@ async def run_router(config: RouterProcessConfig, stop: asyncio.Event,
                                       auth=auth.api_key_interceptor(tenants.keys))
         servicer.add_to_server(router, server, tenants)
         health = await transport.add_health(server, SERVICE)
-        addresses.grpc = await start_server(server, config.host, config.grpc_port)
+        addresses.grpc = await start_server(
+            server, config.host, config.grpc_port,
+            None if tls is None else tls.server_credentials(tls.client_auth))
         http_task = None
         http_server = None
         if config.http_port is not None:
@@ -97,16 +104,17 @@ async def run_router(config: RouterProcessConfig, stop: asyncio.Event,
                                                    max_body_bytes=config.max_request_bytes,
                                                    served_model_name=model_name),
                              tenants=tenants)
-            http_server = make_server(app, host=config.host, port=config.http_port)
+            http_server = make_server(app, host=config.host, port=config.http_port, tls=tls)
             http_task = asyncio.create_task(http_server.serve())
             while not http_server.started:
                 if http_task.done():
                     http_task.result()
                 await asyncio.sleep(0.05)
             port = http_server.servers[0].sockets[0].getsockname()[1]
-            addresses.http = f"http://{config.host}:{port}"
+            addresses.http = f"{'http' if tls is None else 'https'}://{config.host}:{port}"
         await transport.set_serving(health, SERVICE)
-        log.info("router_ready", grpc=addresses.grpc, http=addresses.http or None)
+        log.info("router_ready", grpc=addresses.grpc, http=addresses.http or None,
+                 tls=None if tls is None else tls.client_auth)
         if ready is not None:
             ready.set()
         await stop.wait()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import Any
 
 from pdserve.cli_args import (
     HelpFormatter,
@@ -16,6 +17,7 @@ from pdserve.cli_args import (
     add_engine_args,
     add_insecure_arg,
     add_log_level_arg,
+    add_tls_args,
     api_key_policies,
     api_keys,
     engine_config_from_args,
@@ -23,6 +25,7 @@ from pdserve.cli_args import (
     is_loopback,
     missing_credentials,
     served_name_default,
+    tls_config,
     version,
 )
 
@@ -50,10 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout-s", type=float, default=600.0,
                    help="bound on one whole generation, arrival to last token")
     add_log_level_arg(p)
+    add_tls_args(p, client_auth=True)
     return p
 
 
-async def _run(args: argparse.Namespace) -> None:
+async def _run(args: argparse.Namespace, tls: Any) -> None:
     from pdserve.engine.async_engine import AsyncEngine, load_engine
     from pdserve.engine.model_store import resolve_model
     from pdserve.gateway.app import GatewayConfig, create_app
@@ -74,7 +78,7 @@ async def _run(args: argparse.Namespace) -> None:
     async with AsyncEngine(engine) as aeng:
         backend = EngineBackend(aeng, engine.tokenizer, model_dir.name)
         await serve(create_app(backend, config), args.host, args.port, stop=stop,
-                    log_level=args.log_level.lower())
+                    log_level=args.log_level.lower(), tls=tls)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = exposure_problem(args.host, missing, args.insecure)
     if problem:  # fail closed, before anything is loaded or bound
         raise SystemExit(f"python -m pdserve.gateway: {problem}")
+    tls = tls_config(args)  # checked before anything is loaded
     from pdserve.rpc.auth import warn_insecure_listener, warn_no_api_keys
     from pdserve.runtime import configure_logging
 
@@ -90,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     warn_no_api_keys(api_keys(args), "gateway")
     if missing and not is_loopback(args.host):  # --insecure
         warn_insecure_listener("gateway", args.host, missing)
-    asyncio.run(_run(args))
+    asyncio.run(_run(args, tls))
     return 0
 
 

@@ -11,10 +11,13 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Generator
+from typing import Any
 
 import structlog
 import uvicorn
 from starlette.types import ASGIApp
+
+from pdserve.rpc.tls import TLSConfig
 
 log = structlog.get_logger(__name__)
 
@@ -26,14 +29,17 @@ class _Server(uvicorn.Server):
 
 
 def make_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *,
-                log_level: str = "warning", graceful_shutdown_s: int = 10) -> uvicorn.Server:
+                log_level: str = "warning", graceful_shutdown_s: int = 10,
+                tls: TLSConfig | None = None) -> uvicorn.Server:
     """A uvicorn.Server for `app` that leaves signals to the hosting process. Drive it
     yourself: ``task = create_task(server.serve())``, poll ``server.started``, then set
-    ``server.should_exit = True`` and await the task to stop gracefully."""
+    ``server.should_exit = True`` and await the task to stop gracefully. With `tls` it
+    serves HTTPS only (client certificates as ``tls.client_auth`` says)."""
+    ssl: dict[str, Any] = {} if tls is None else tls.uvicorn_options()
     # log_config=None: leave the process's logging configuration alone.
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level=log_level,
                             access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=graceful_shutdown_s)
+                            timeout_graceful_shutdown=graceful_shutdown_s, **ssl)
     return _Server(config)
 
 
@@ -42,8 +48,9 @@ class GatewayServer:
 
     def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *,
                  log_level: str = "warning", graceful_shutdown_s: int = 10,
-                 startup_timeout_s: float = 10.0):
+                 startup_timeout_s: float = 10.0, tls: TLSConfig | None = None):
         self.app = app
+        self.tls = tls
         self.host = host
         self.port = port
         self._log_level = log_level
@@ -55,7 +62,7 @@ class GatewayServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'http' if self.tls is None else 'https'}://{self.host}:{self.port}"
 
     async def start(self) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -64,7 +71,8 @@ class GatewayServer:
         self._sock, self.port = sock, sock.getsockname()[1]
         server = self._server = make_server(self.app, self.host, self.port,
                                             log_level=self._log_level,
-                                            graceful_shutdown_s=self._graceful_shutdown_s)
+                                            graceful_shutdown_s=self._graceful_shutdown_s,
+                                            tls=self.tls)
         task = self._task = asyncio.create_task(server.serve(sockets=[sock]),
                                                 name=f"gateway:{self.port}")
         try:
@@ -102,14 +110,15 @@ class GatewayServer:
 
 async def serve(app: ASGIApp, host: str = "127.0.0.1", port: int = 8000, *,
                 stop: asyncio.Event | None = None, log_level: str = "info",
-                graceful_shutdown_s: int = 10) -> None:
+                graceful_shutdown_s: int = 10, tls: TLSConfig | None = None) -> None:
     """Serve `app` until `stop` is set, or until cancelled; then shut down gracefully."""
     async with GatewayServer(app, host, port, log_level=log_level,
-                             graceful_shutdown_s=graceful_shutdown_s) as server:
+                             graceful_shutdown_s=graceful_shutdown_s, tls=tls) as server:
         log.info("gateway listening", url=server.url)
         await (stop.wait() if stop is not None else asyncio.Future())
 
 
-def running_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> GatewayServer:
+def running_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *,
+                   tls: TLSConfig | None = None) -> GatewayServer:
     """For tests and tools: ``async with running_server(app) as srv: ... srv.url``."""
-    return GatewayServer(app, host, port, graceful_shutdown_s=5)
+    return GatewayServer(app, host, port, graceful_shutdown_s=5, tls=tls)

@@ -1,5 +1,5 @@
 """gRPC transport: channel and server options that match, the server every service runs
-(`ErrorInterceptor` first), plaintext channels, and grpc.health.v1."""
+(`ErrorInterceptor` first), plaintext and TLS channels, and grpc.health.v1."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as _health_aio
 
 from pdserve.rpc.errors import ErrorInterceptor
+from pdserve.rpc.tls import TLSConfig
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -47,6 +48,18 @@ def insecure_channel(target: str, *, interceptors: Sequence[grpc.aio.ClientInter
     """A plaintext channel with `channel_options(**options)`; the caller owns it (`async with`)."""
     return grpc.aio.insecure_channel(target, options=channel_options(**options),
                                      interceptors=list(interceptors) or None)
+
+
+def channel(target: str, *, tls: TLSConfig | None = None,
+            interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+            **options: int) -> grpc.aio.Channel:
+    """`insecure_channel`, or with `tls` a TLS channel that trusts its CA only and presents
+    its certificate (mTLS where the server asks for one); the caller owns it."""
+    if tls is None:
+        return insecure_channel(target, interceptors=interceptors, **options)
+    opts: list[tuple[str, int | str]] = [*channel_options(**options), *tls.channel_options()]
+    return grpc.aio.secure_channel(target, tls.channel_credentials(), options=opts,
+                                   interceptors=list(interceptors) or None)
 
 
 def new_server(*interceptors: grpc.aio.ServerInterceptor,
