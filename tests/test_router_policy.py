@@ -22,7 +22,7 @@ from router.policy import (
     choose_decode,
     decide_route,
 )
-from router.router import _Timings
+from router.timings import StageClock
 
 POLICY = RouterPolicy(remote_min_uncached_tokens=256, max_prefill_backlog_tokens=4096)
 
@@ -116,7 +116,7 @@ def test_stage_timings_add_up_to_ttft_on_every_route() -> None:
     def total(t: dict[str, float]) -> float:
         return sum(t.get(k, 0.0) for k in stages)
 
-    remote = _Timings(time.monotonic())
+    remote = StageClock(time.monotonic())
     remote.routed()
     remote.allocated()
     time.sleep(0.005)
@@ -128,7 +128,7 @@ def test_stage_timings_add_up_to_ttft_on_every_route() -> None:
 
     # Fell back, then the decode worker went away and a second placement ran locally: the
     # first attempt counts as routing, never as a negative stage.
-    retried = _Timings(time.monotonic())
+    retried = StageClock(time.monotonic())
     retried.routed()
     retried.allocated()
     retried.fell_back()

@@ -42,6 +42,7 @@ from router import placement
 from router.admission import AdmissionConfig
 from router.cost import CostModel
 from router.kv_index import KVIndex
+from router.ledger import PlacementLedger
 from router.policy import Decision, Route, RouterPolicy, decide_route
 
 Policy = Literal["threshold", "cost", "least-loaded", "random", "round-robin"]
@@ -160,11 +161,10 @@ class Simulation(Clock):
         self._event_seq = {d.worker_id: 1 for d in self.decoders}
         for d in self.decoders:
             self.index.apply(d.worker_id, KVEventBatch(1, 1, c.block_size, (), snapshot=True))
-        self.placed: collections.Counter[str] = collections.Counter()
-        self.inflight_tokens: collections.Counter[str] = collections.Counter()
-        self._charges: dict[str, tuple[str, int]] = {}
+        self.ledger = PlacementLedger()  # the router's in-flight accounting
+        self.placed = self.ledger.placed
+        self.inflight_tokens = self.ledger.inflight_tokens
         self._tiebreak = itertools.count()
-        self._placements: dict[str, str] = {}
         self.progress: dict[str, Progress] = {}
         self.decisions: list[tuple[str, str, str]] = []
         self._unfinished = 0
@@ -245,7 +245,7 @@ class Simulation(Clock):
         decode = self.by_id[decode_info.worker_id]
         assert isinstance(decode, DecodeSim)
         self.decisions.append((decode.worker_id, decision.route.value, decision.reason))
-        self._set_placement(req.rid, decode.worker_id)
+        self.ledger.place(req.rid, decode.worker_id)
         p.decode = decode.worker_id
         o = self.config.overheads
         if decision.route is Route.REMOTE and prefill_info is not None:
@@ -254,35 +254,15 @@ class Simulation(Clock):
                 prefill = self.by_id[prefill_info.worker_id]
                 assert isinstance(prefill, PrefillSim)
                 p.route, p.prefill = "remote", prefill.worker_id
-                self._charge(req.rid, prefill.worker_id, decision.uncached_tokens)
+                self.ledger.charge(req.rid, prefill.worker_id, decision.uncached_tokens)
                 self.at(self.now + o.remote_s,
                         functools.partial(prefill.submit, req, seq.num_cached_tokens, decode))
                 return
             p.route = "fallback"
         p.route = p.route or "local"
-        self._charge(req.rid, decode.worker_id, decision.uncached_tokens)
+        self.ledger.charge(req.rid, decode.worker_id, decision.uncached_tokens)
 
         self.at(self.now + o.local_s, functools.partial(decode.add_local, req))
-
-    def _set_placement(self, rid: str, worker_id: str | None) -> None:
-        old = self._placements.pop(rid, None)
-        if old is not None:
-            self.placed[old] -= 1
-            if not self.placed[old]:
-                del self.placed[old]
-        if worker_id is not None:
-            self._placements[rid] = worker_id
-            self.placed[worker_id] += 1
-
-    def _charge(self, rid: str, worker_id: str | None, tokens: int) -> None:
-        old = self._charges.pop(rid, None)
-        if old is not None:
-            self.inflight_tokens[old[0]] -= old[1]
-            if self.inflight_tokens[old[0]] <= 0:
-                del self.inflight_tokens[old[0]]
-        if worker_id is not None and tokens > 0:
-            self._charges[rid] = (worker_id, tokens)
-            self.inflight_tokens[worker_id] += tokens
 
     # ------------------------------------------------------------------ the client
 
@@ -290,7 +270,7 @@ class Simulation(Clock):
         p = self.progress[rid]
         if p.first_token_s is None:
             p.first_token_s = t
-            self._charge(rid, None, 0)
+            self.ledger.charge(rid, None, 0)
         p.tokens += 1
         p.token_times.append(t)
 
@@ -299,7 +279,7 @@ class Simulation(Clock):
         p.finish_s = self.now
         p.cached_tokens = cached_tokens
         self._unfinished -= 1
-        self._set_placement(rid, None)
+        self.ledger.place(rid, None)
 
     def _result(self, requests: Sequence[SimRequest], slo: SLO) -> SimResult:
         results = []

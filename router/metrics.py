@@ -1,0 +1,45 @@
+"""The router's own Prometheus metrics (its workers' engine numbers come from their load
+records, `pdserve.engine.metrics.WorkerLoadCollector`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+        self.decisions = Counter("pdserve_router_decisions_total",
+                                 "Routing decisions by route and reason", ["route", "reason"],
+                                 registry=registry)
+        self.fallbacks = Counter("pdserve_router_fallbacks_total",
+                                 "Remote prefills that failed and were redone locally",
+                                 ["cause"], registry=registry)
+        self.retries = Counter("pdserve_router_decode_retries_total",
+                               "Requests moved to another decode worker before any token",
+                               registry=registry)
+        self.migrations = Counter("pdserve_router_migrations_total",
+                                  "Streams moved to another decode worker after their first "
+                                  "token (its worker died, hung or left), by error code",
+                                  ["cause"], registry=registry)
+        self.workers_lost = Counter("pdserve_router_workers_lost_total",
+                                    "Workers whose lease lapsed and that did not answer a probe",
+                                    ["role"], registry=registry)
+        self.rejections = Counter("pdserve_router_rejections_total",
+                                  "Requests refused by admission control (HTTP 429, gRPC "
+                                  "RESOURCE_EXHAUSTED)", ["latency_class", "reason"],
+                                  registry=registry)
+
+    def gauges(self, *, in_flight: Callable[[], float], predicted_wait_s: Callable[[], float],
+               directory_staleness_s: Callable[[], float]) -> None:
+        Gauge("pdserve_router_in_flight", "Requests admitted and not finished",
+              registry=self.registry).set_function(in_flight)
+        Gauge("pdserve_router_predicted_wait_seconds",
+              "Predicted wait for a first token of a request admitted now",
+              registry=self.registry).set_function(predicted_wait_s)
+        Gauge("pdserve_router_directory_staleness_seconds",
+              "Seconds since the worker directory last read Redis (grows while Redis is "
+              "unreachable; routing stops past the directory's max_staleness_s)",
+              registry=self.registry).set_function(directory_staleness_s)

@@ -1,0 +1,119 @@
+"""A remote prefill, seen from the router: allocate on the decode worker, prefill on the
+prefill worker, stream from the KV's arrival on. Any failure before the first token is
+`RemotePrefillFailed`, which the router answers by prefilling locally."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.types import CapacityError, GenerateRequest, PdserveError, PrefillReport, TokenEvent
+from router.clients import DecodeClient, PrefillClient
+from router.liveness import Liveness
+from router.timings import StageClock
+
+
+class RemotePrefillFailed(PdserveError):
+    code = "remote_prefill_failed"
+
+
+@dataclass(frozen=True)
+class RemoteTimeouts:
+    allocate_timeout_s: float = 5.0
+    prefill_timeout_s: float = 30.0
+    transfer_timeout_s: float = 30.0
+    token_timeout_s: float = 60.0  # between two tokens of a running stream
+    prefill_report_wait_s: float = 1.0  # at a stream's end, for the prefill worker's timings
+
+
+async def remote_prefill(req: GenerateRequest, decode: DecodeClient, prefill: PrefillClient,
+                         clock: StageClock, *, timeouts: RemoteTimeouts, liveness: Liveness,
+                         abort_on: Callable[[DecodeClient, str], None], timed: bool = True,
+                         budget_s: float | None = None) -> AsyncGenerator[TokenEvent, None]:
+    """The request's events through a remote prefill. RemotePrefillFailed before the first
+    token means: prefill locally. `budget_s` caps the prefill and KV waits (the request's
+    first-token deadline); `timed`: this attempt's stages go into `clock`."""
+    cfg = timeouts
+    prefill_timeout_s = min(cfg.prefill_timeout_s, budget_s or cfg.prefill_timeout_s)
+    kv_wait_s = min(cfg.prefill_timeout_s + cfg.transfer_timeout_s,
+                    budget_s or cfg.prefill_timeout_s + cfg.transfer_timeout_s)
+    decode_lost = liveness.lost_future(decode.worker_id)
+    prefill_lost = liveness.lost_future(prefill.worker_id)
+    try:
+        slot = await decode.allocate(req, lease_s=prefill_timeout_s,
+                                     timeout_s=cfg.allocate_timeout_s)
+    except CapacityError as exc:
+        raise RemotePrefillFailed(f"decode allocation failed: {exc}",
+                                  code="allocate_failed") from exc
+    if timed:
+        clock.allocated()
+    # Open the decode stream first: it starts decoding the moment the KV lands, taking the
+    # first token from the transfer's completion notice (no extra hop through us).
+    stream = decode.generate_remote(slot, transfer_timeout_s=kv_wait_s,
+                                    token_timeout_s=cfg.token_timeout_s)
+    first_task: asyncio.Task[TokenEvent] = asyncio.create_task(anext(stream))  # type: ignore[arg-type]
+    prefill_task = asyncio.create_task(prefill.prefill(req, slot, timeout_s=prefill_timeout_s))
+    try:
+        racing: set[asyncio.Future[Any]] = {prefill_task, first_task, prefill_lost}
+        await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+        if not first_task.done() and prefill_lost.done():
+            raise RemotePrefillFailed(f"prefill worker {prefill.worker_id} is lost",
+                                      code="prefill_worker_lost")
+        if not first_task.done() and prefill_task.exception() is not None:
+            raise RemotePrefillFailed(f"prefill worker {prefill.worker_id} failed: "
+                                      f"{describe(prefill_task.exception())}",
+                                      code="prefill_failed")
+        try:
+            first = await first_task
+        except (PdserveError, TimeoutError) as exc:
+            if decode_lost.done():
+                raise  # the decode worker itself is gone: another one takes the request
+            raise RemotePrefillFailed(f"KV never arrived: {describe(exc)}",
+                                      code="transfer_failed") from exc
+        if timed:
+            clock.first_token()
+        yield first
+        if first.finished:
+            if timed:
+                await _prefill_report(prefill_task, clock, cfg.prefill_report_wait_s)
+            return
+        async for ev in stream:
+            if ev.finished and timed:
+                await _prefill_report(prefill_task, clock, cfg.prefill_report_wait_s)
+            yield ev
+    except BaseException:
+        first_task.cancel()
+        prefill_task.cancel()
+        # Make sure the decode worker fences the transfer and frees the blocks before a
+        # fallback reuses the request id there; a lost one is not waited for.
+        if decode_lost.done():
+            abort_on(decode, req.request_id)
+        else:
+            with contextlib.suppress(PdserveError, TimeoutError, asyncio.CancelledError):
+                await asyncio.shield(decode.abort(req.request_id))
+        raise
+    finally:
+        if not first_task.done():
+            first_task.cancel()
+            with contextlib.suppress(BaseException):
+                await first_task  # the stream must not be running when we close it
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def _prefill_report(task: asyncio.Task[PrefillReport], clock: StageClock,
+                          wait_s: float) -> None:
+    """Put the prefill worker's stage timings into `clock`. Its reply may trail the first
+    tokens (it frees its blocks before answering): wait a little for it, never fail."""
+    if not task.done():
+        await asyncio.wait({task}, timeout=wait_s)
+    if task.done() and not task.cancelled() and task.exception() is None:
+        clock.prefilled(task.result())
+
+
+def describe(exc: BaseException | None) -> str:
+    if isinstance(exc, PdserveError):
+        return f"{exc.code}: {exc.message}"
+    return repr(exc)

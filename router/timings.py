@@ -1,0 +1,80 @@
+"""A request's time to first token, cut into stages measured where they happen."""
+
+from __future__ import annotations
+
+import time
+
+from pdserve.types import PrefillReport
+
+
+class StageClock:
+    """One request's stages on the router's clock (ms), with the prefill worker's own.
+
+    Every stage is measured where it happens and the stages before the first token add up to
+    `ttft_ms` by construction of the boundaries:
+
+    - remote:   route + decode_allocate + prefill_queued + prefill_compute + kv_transfer + handoff
+    - local:    route + local_prefill
+    - fallback: route + remote_attempt + local_prefill
+
+    `handoff_ms` is the part of the remote window (allocation done -> first token here) the
+    prefill worker did not spend queued, computing or sending KV: dispatching the Prefill call,
+    the decode worker's admission and the first token's trip back. Without the prefill
+    worker's report (it failed after the KV landed) the window stays in handoff. The worker's
+    stages overlap the window's end by the receiver's done reply, so they are cut to fit it.
+    """
+
+    def __init__(self, started: float):
+        self.started = started
+        self._routed = self._allocated = self._fallback = self._first = 0.0
+        self._prefill: PrefillReport | None = None
+
+    def routed(self) -> None:
+        """A (new) placement: time spent on earlier attempts counts as routing."""
+        self._routed = time.monotonic()
+        self._allocated = self._fallback = 0.0
+        self._prefill = None
+
+    def allocated(self) -> None:
+        self._allocated = time.monotonic()
+
+    def fell_back(self) -> None:
+        self._fallback = time.monotonic()
+        self._allocated, self._prefill = 0.0, None
+
+    def first_token(self) -> None:
+        self._first = time.monotonic()
+
+    def prefilled(self, outcome: PrefillReport) -> None:
+        self._prefill = outcome
+
+    def finish(self) -> dict[str, float]:
+        def ms(a: float, b: float) -> float:
+            return (b - a) * 1000.0
+
+        out: dict[str, float] = {"route_ms": ms(self.started, self._routed)}
+        if self._first:
+            out["ttft_ms"] = ms(self.started, self._first)
+            if self._fallback:
+                out["remote_attempt_ms"] = ms(self._routed, self._fallback)
+                out["local_prefill_ms"] = ms(self._fallback, self._first)
+            elif self._allocated:
+                out["decode_allocate_ms"] = ms(self._routed, self._allocated)
+                handoff = ms(self._allocated, self._first)
+                if (p := self._prefill) is not None:
+                    # The worker's stages are cut to fit the window, in order: its transfer
+                    # clock stops at the receiver's done reply, which the decode worker sends
+                    # after it already has the KV, so on a busy host the first token can reach
+                    # us before the prefill worker reads its clock.
+                    stages = {}
+                    for key, value in (("prefill_queued_ms", p.queued_ms),
+                                       ("prefill_compute_ms", p.compute_ms),
+                                       ("kv_transfer_ms", p.transfer_ms)):
+                        stages[key] = min(max(value, 0.0), max(handoff, 0.0))
+                        handoff -= stages[key]
+                    out.update(stages, kv_bytes=float(p.bytes_transferred))
+                out["handoff_ms"] = max(handoff, 0.0)
+            else:
+                out["local_prefill_ms"] = ms(self._routed, self._first)
+        out["total_ms"] = ms(self.started, time.monotonic())
+        return out
