@@ -1,6 +1,6 @@
 """KV transfer throughput between two processes, next to raw memcpy and raw UCX.
 
-    python bench/bench_kvxfer.py [--mb 64] [--iters 10]
+    python bench/bench_kvxfer.py [--mb 64] [--iters 10] [--sizes 1,8,64] [--json out.json]
 
 A receiver process owns a destination pool (KVReceiver) and a raw ucxx listener; this
 process sends 64 MB of KV blocks to it three ways and prints GB/s:
@@ -9,6 +9,12 @@ process sends 64 MB of KV blocks to it three ways and prints GB/s:
 - raw ucxx:          one 64 MB ucxx tag send + 1-byte ack, same two processes
 - kvxfer contiguous: KVSender.send of 64 MB as one block run (header, accept, data, done)
 - kvxfer scattered:  the same blocks at shuffled ids, so every block is its own run
+
+Each kvxfer row runs twice, alternating transfer by transfer: without digests
+(`KVSender(integrity=False)`) and with them (the default: the sender hashes every run with
+BLAKE3 before its request, the receiver hashes each run as it lands), so their difference is
+the integrity check's cost. Hash rows: BLAKE3 and hashlib's BLAKE2b-256 of the same bytes in
+this process, one core. `--json` writes every timing, the git commit and the CPU.
 
 Reading the numbers: endpoints made through a ucxx listener always ask UCX for peer-failure
 error handling, and on one host UCX then only offers tcp/lo (the shared-memory transports
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -129,9 +136,27 @@ async def bench_raw(port: int, nbytes: int, iters: int) -> list[float]:
     return times
 
 
+def bench_hash(nbytes: int, iters: int) -> dict[str, list[float]]:
+    import hashlib
+
+    from kvxfer.pool import digest
+
+    buf = np.random.default_rng(2).integers(0, 255, nbytes, dtype=np.uint8)
+    times: dict[str, list[float]] = {"hash: blake3 (1 core)": [],
+                                     "hash: blake2b-256 (1 core)": []}
+    for _ in range(iters):
+        start = time.perf_counter()
+        digest(buf)
+        times["hash: blake3 (1 core)"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        hashlib.blake2b(buf.data, digest_size=32).digest()
+        times["hash: blake2b-256 (1 core)"].append(time.perf_counter() - start)
+    return times
+
+
 async def bench_kvxfer(
     conn: Connection, address: str, nbytes: int, iters: int, scattered: bool
-) -> list[float]:
+) -> dict[str, list[float]]:
     layout, nblocks = layout_for(nbytes)
     src_pool = torch.randn(layout.shape, dtype=torch.float32).to(torch.float16)
     rng = np.random.default_rng(1)
@@ -146,25 +171,28 @@ async def bench_kvxfer(
     async def resolve(_: str) -> KVDescriptor:
         return desc
 
-    tag = "s" if scattered else "c"
-    ids = [f"{tag}{i}" for i in range(iters + 2)]
+    name = "kvxfer scattered" if scattered else "kvxfer contiguous (1 run)"
+    ids = [f"{name[7]}{i}" for i in range(2 * (iters + 2))]
     conn.send((ids, dst_ids))
     assert await asyncio.to_thread(conn.recv) == "ready"
-    times = []
-    async with KVSender(layout, resolve) as tx:
-        await tx.warmup(descriptor_id=DESC_ID)
-        for i, transfer_id in enumerate(ids):
+    times: dict[str, list[float]] = {name: [], f"{name} + digests": []}
+    async with KVSender(layout, resolve, integrity=False) as plain, \
+            KVSender(layout, resolve) as hashed:
+        await plain.warmup(descriptor_id=DESC_ID)
+        await hashed.warmup(descriptor_id=DESC_ID)
+        for i, transfer_id in enumerate(ids):  # alternate, so drift hits both alike
+            tx, key = (plain, name) if i % 2 == 0 else (hashed, f"{name} + digests")
             start = time.perf_counter()
             result = await tx.send(DESC_ID, src_pool, src_ids, dst_ids, transfer_id, 60)
-            if i >= 2:
-                times.append(time.perf_counter() - start)
+            if i >= 4:
+                times[key].append(time.perf_counter() - start)
     assert await asyncio.to_thread(conn.recv) == "done"
     if scattered:
         assert result.num_runs > nblocks // 2, result.num_runs
     return times
 
 
-async def run(nbytes: int, iters: int) -> None:
+async def run(nbytes: int, iters: int) -> dict[str, list[float]]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=receiver_main, args=(child, nbytes), daemon=True)
@@ -176,8 +204,9 @@ async def run(nbytes: int, iters: int) -> None:
         results = {
             "memcpy (torch, 1 process)": bench_memcpy(nbytes, iters),
             "raw ucxx send (1 buffer)": await bench_raw(raw_port, nbytes, iters),
-            "kvxfer contiguous (1 run)": await bench_kvxfer(parent, address, nbytes, iters, False),
-            "kvxfer scattered": await bench_kvxfer(parent, address, nbytes, iters, True),
+            **await bench_kvxfer(parent, address, nbytes, iters, False),
+            **await bench_kvxfer(parent, address, nbytes, iters, True),
+            **bench_hash(nbytes, iters),
         }
         parent.send(None)
     finally:
@@ -185,6 +214,7 @@ async def run(nbytes: int, iters: int) -> None:
         if proc.is_alive():
             proc.kill()
     report(results, nbytes)
+    return results
 
 
 def report(results: dict[str, list[float]], nbytes: int) -> None:
@@ -196,23 +226,79 @@ def report(results: dict[str, list[float]], nbytes: int) -> None:
         f"median of {len(next(iter(results.values())))} runs, host memory, "
         f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}\n"
     )
-    print(f"{'method':<28} {'GB/s':>8} {'ms':>8} {'vs memcpy':>10} {'vs raw ucxx':>12}")
+    print(f"{'method':<38} {'GB/s':>8} {'ms':>8} {'vs memcpy':>10} {'vs raw ucxx':>12}")
     for name, times in results.items():
         med = statistics.median(times)
         gbps = nbytes / med / 1e9
         print(
-            f"{name:<28} {gbps:>8.2f} {med * 1e3:>8.2f} {gbps / memcpy:>10.2f} {gbps / raw:>12.2f}"
+            f"{name:<38} {gbps:>8.2f} {med * 1e3:>8.2f} {gbps / memcpy:>10.2f} {gbps / raw:>12.2f}"
         )
+    for name in ("kvxfer contiguous (1 run)", "kvxfer scattered"):
+        base, hashed = (statistics.median(results[k]) for k in (name, f"{name} + digests"))
+        print(f"digests cost on {name}: +{(hashed - base) * 1e3:.2f} ms "
+              f"({(hashed / base - 1) * 100:+.1f} %)")
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on: commit, CPU, its flags that matter for hashing."""
+    import platform
+    import subprocess
+
+    import blake3
+    import ucxx
+
+    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines()
+                  if ln.startswith("model name")), platform.processor())
+    flags = next((ln.split(":", 1)[1].split() for ln in cpu.splitlines()
+                  if ln.startswith("flags")), [])
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                              check=False).stdout.strip()
+
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "dirty_files": git("status", "--porcelain", "--", "kvxfer", "bench/bench_kvxfer.py"),
+        "cpu_model": model,
+        "cpus": os.cpu_count(),
+        "cpu_flags": sorted(f for f in flags if f.startswith(("avx", "sse4", "sha")) or
+                            f in ("ssse3", "bmi2")),
+        "loadavg_before": os.getloadavg(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ucxx": ucxx.__version__,
+        "blake3": blake3.__version__,
+        "ucx_tls": os.environ.get("UCX_TLS", "(default)"),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=64, help="MiB per transfer")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--sizes", default="", help="MiB per transfer, comma-separated "
+                        "(overrides --mb), e.g. 1,8,64")
+    parser.add_argument("--json", type=Path, help="write the raw record here")
     args = parser.parse_args()
     quiet_logs()
     torch.set_num_threads(1)
-    asyncio.run(run(args.mb << 20, args.iters))
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else [args.mb]
+    record: dict[str, Any] = {"bench": "bench/bench_kvxfer.py", "iters": args.iters,
+                              "machine": machine(), "sizes": {}}
+    for mb in sizes:
+        results = asyncio.run(run(mb << 20, args.iters))
+        record["sizes"][str(mb)] = {
+            "nbytes": mb << 20,
+            "median_ms": {k: statistics.median(v) * 1e3 for k, v in results.items()},
+            "times_s": results,
+        }
+    record["machine"]["loadavg_after"] = os.getloadavg()
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":

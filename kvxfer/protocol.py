@@ -13,12 +13,14 @@ order, so the pair stays together as long as only one coroutine writes a tag at 
                           ``pong``, ``accept``/``reject``, then ``done``/``failed``.
 - ``data_tag(seq, i)``    the raw bytes of the i-th block run of transfer `seq`.
 
-A write goes: sender ``write`` (descriptor id, transfer id, layout, destination runs, and an
-optional JSON ``notice`` handed to the decode side on success) -> receiver validates, posts
+A write goes: sender ``write`` (descriptor id, transfer id, layout, destination runs, a
+BLAKE3 ``digests`` entry per run, and an optional JSON ``notice`` handed to the decode side on
+success; signed with `kvxfer.auth` when the cluster has a secret) -> receiver validates, posts
 one recv per destination run straight into its pool, replies ``accept`` (or ``reject`` with a
 code and message, before any data moved) -> sender sends each source run -> receiver replies
-``done`` once every byte landed. Each transfer has its own tags, so transfers over one
-endpoint run concurrently.
+``done`` once every byte landed and matched its digest (else ``failed``). Each transfer has
+its own tags, so transfers over one endpoint run concurrently. A ``ping`` may be signed too:
+that authenticates the endpoint, which the receiver then lets idle (see kvxfer.receiver).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class Code(enum.StrEnum):
     FENCE_FAILED = "kv_fence_failed"
     CLOSED = "kv_closed"
     UNAUTHENTICATED = "kv_unauthenticated"  # see kvxfer.auth
+    TOO_MANY_CONNECTIONS = "kv_too_many_connections"
+    INTEGRITY = "kv_integrity_failed"  # a run's bytes do not match the signed digest
 
 
 def error(code: Code, message: str) -> KVTransferError:
@@ -89,42 +93,46 @@ def encode(message: dict[str, Any]) -> tuple[bytes, bytes]:
     return _LEN.pack(len(payload)), payload
 
 
+def check_open(ep: Any) -> None:
+    """Raise UCXError for an endpoint we aborted: ucxx would raise AttributeError."""
+    if ep.closed:
+        raise UCXError("the endpoint is closed")
+
+
 async def send_frame(ep: Any, tag: int, message: dict[str, Any], timeout_s: float) -> None:
     header, payload = encode(message)
+    check_open(ep)
     async with asyncio.timeout(timeout_s):
         await ep.send(header, tag=tag)
+        check_open(ep)
         await ep.send(payload, tag=tag)
 
 
 async def recv_frame(
-    ep: Any,
-    tag: int,
-    timeout_s: float | None,
-    *,
-    idle_ok: bool = False,
-    max_bytes: int = MAX_FRAME_BYTES,
+    ep: Any, tag: int, timeout_s: float | None, *, max_bytes: int = MAX_FRAME_BYTES
 ) -> dict[str, Any]:
-    """Receive one frame. With `idle_ok` the wait for its first byte is unbounded (a server
-    waiting for the next request); the rest of the frame must still arrive within
-    `timeout_s`. A declared length above `max_bytes` is refused before anything is
-    allocated for it.
-    """
-    header = bytearray(_LEN.size)
-    if idle_ok:
-        await ep.recv(header, tag=tag)
-        async with asyncio.timeout(timeout_s):
-            return await _recv_payload(ep, tag, header, max_bytes)
+    """Receive one frame within `timeout_s`. A declared length above `max_bytes` is refused
+    before anything is allocated for it."""
+    header = new_header()
+    check_open(ep)
     async with asyncio.timeout(timeout_s):
         await ep.recv(header, tag=tag)
-        return await _recv_payload(ep, tag, header, max_bytes)
+        return await recv_payload(ep, tag, header, max_bytes)
 
 
-async def _recv_payload(ep: Any, tag: int, header: bytearray, max_bytes: int) -> dict[str, Any]:
+def new_header() -> bytearray:
+    """A buffer for a frame's length message (`recv_payload` reads the rest)."""
+    return bytearray(_LEN.size)
+
+
+async def recv_payload(ep: Any, tag: int, header: bytearray, max_bytes: int) -> dict[str, Any]:
+    """The JSON object announced by `header` (already received); raises ProtocolError."""
     (length,) = _LEN.unpack(header)
     limit = min(max_bytes, MAX_FRAME_BYTES)
     if not 0 < length <= limit:
         raise ProtocolError(f"frame length {length} is outside (0, {limit}]")
     payload = bytearray(length)
+    check_open(ep)
     await ep.recv(payload, tag=tag)
     try:
         # Strict UTF-8 (json.loads would guess UTF-16/32 from the first bytes); nesting too

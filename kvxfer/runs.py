@@ -40,5 +40,15 @@ def merge_pairs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[in
     return runs
 
 
+def split_runs(runs: Sequence[tuple[int, int, int]], max_count: int
+               ) -> list[tuple[int, int, int]]:
+    """`merge_pairs` runs cut into pieces of at most `max_count` blocks, order kept:
+    ``[(0, 7, 5)]`` with 2 -> ``[(0, 7, 2), (2, 9, 2), (4, 11, 1)]``."""
+    if max_count < 1:
+        raise ValueError("max_count must be >= 1")
+    return [(src + off, dst + off, min(max_count, count - off))
+            for src, dst, count in runs for off in range(0, count, max_count)]
+
+
 def expand_runs(runs: Sequence[tuple[int, int]]) -> list[int]:
     return [block for start, count in runs for block in range(start, start + count)]

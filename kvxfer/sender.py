@@ -17,7 +17,7 @@ import torch
 import ucxx
 
 from kvxfer.auth import KVAuth
-from kvxfer.pool import PoolBytes, check_blocks
+from kvxfer.pool import DIGEST_RUN_BYTES, INLINE_DIGEST_BYTES, PoolBytes, check_blocks, digest
 from kvxfer.protocol import (
     CTRL_TAG,
     Code,
@@ -30,7 +30,7 @@ from kvxfer.protocol import (
     reply_tag,
     send_frame,
 )
-from kvxfer.runs import merge_pairs
+from kvxfer.runs import merge_pairs, split_runs
 from pdserve.control.descriptors import KVDescriptor, split_address
 from pdserve.types import KVLayout, KVTransferError
 
@@ -57,6 +57,8 @@ class _Peer:
         self.address = address
         self.ep = ep
         self.ctrl_lock = asyncio.Lock()  # a request frame is two tag messages: keep them paired
+        self.answered = False  # the receiver replied on it at least once
+        self.last_used = time.monotonic()
         self._seq = 0
 
     @property
@@ -73,15 +75,19 @@ class _Peer:
 
 
 class _Retry(Exception):
-    """A reused endpoint turned out dead before the receiver saw our request."""
+    """A reused endpoint turned out dead before the receiver answered our request (it may
+    have closed it as idle just then): safe to send again on a new one, since a receiver
+    that did take the request failed it when the endpoint died."""
 
 
 class KVSender:
     """Writes KV blocks from local pools laid out as `layout` into remote KVReceivers.
 
     Keeps one endpoint per receiver address and reuses it; transfers to the same receiver
-    run concurrently over it. Descriptors come from `resolve_descriptor` and are cached until
-    a receiver rejects one as stale. With `auth`, every write is signed (`kvxfer.auth`).
+    run concurrently over it, and one unused for `max_idle_s` (less than the receiver's idle
+    limit) is replaced by a new one. Descriptors come from `resolve_descriptor` and are cached
+    until a receiver rejects one as stale. With `auth`, every write and ping is signed
+    (`kvxfer.auth`); with `integrity` (the default) a write carries a digest of each run.
     Use as ``async with KVSender(...) as tx:``.
     """
 
@@ -94,9 +100,13 @@ class KVSender:
         fence_timeout_s: float = 10.0,
         max_cached_descriptors: int = 4096,
         auth: KVAuth | None = None,
+        integrity: bool = True,
+        max_idle_s: float = 240.0,
     ) -> None:
         self.layout = layout
         self._auth = auth
+        self._integrity = integrity or auth is not None  # a signing receiver requires it
+        self._max_idle_s = max_idle_s
         self._resolve = resolve_descriptor
         self._connect_timeout_s = connect_timeout_s
         self._fence_timeout_s = fence_timeout_s
@@ -144,9 +154,18 @@ class KVSender:
             if descriptor_id is not None:
                 address = (await self._descriptor(descriptor_id, remaining())).ucx_address
             assert address is not None
-            peer = await self._peer(address, remaining())
-            seq = peer.next_seq()
-            reply = await self._exchange(peer, {"op": "ping", "seq": seq}, remaining())
+            for attempt in range(2):
+                peer = await self._peer(address, remaining())
+                ping: dict[str, Any] = {"op": "ping", "seq": peer.next_seq()}
+                if self._auth is not None:  # a signed ping authenticates the endpoint
+                    ping = self._auth.sign(ping)
+                try:
+                    reply = await self._exchange(peer, ping, remaining(), retry_ok=attempt == 0)
+                    break
+                except _Retry:
+                    continue
+            else:
+                raise AssertionError("unreachable: the second attempt never retries")
             if reply.get("op") != "pong":
                 raise self._protocol_failure(peer, f"expected pong, got {reply.get('op')!r}")
             if descriptor_id is not None and reply.get("descriptor_id") != descriptor_id:
@@ -186,6 +205,8 @@ class KVSender:
             if not src_ids:
                 raise ValueError("no blocks to send")
             runs = merge_pairs(src_ids, dst_ids)
+            if self._integrity:
+                runs = split_runs(runs, max(1, DIGEST_RUN_BYTES // self.layout.block_nbytes))
             check_blocks(src_ids, self.layout.num_blocks, "source")
             if len(set(dst_ids)) != len(dst_ids):
                 raise ValueError("dst_block_ids contains duplicates")
@@ -208,7 +229,7 @@ class KVSender:
             except ValueError as exc:
                 raise error(Code.BLOCK_OUT_OF_RANGE, f"transfer {transfer_id!r}: {exc}") from None
 
-            request = {
+            request: dict[str, Any] = {
                 "op": "write",
                 "transfer_id": transfer_id,
                 "descriptor_id": descriptor_id,
@@ -216,6 +237,8 @@ class KVSender:
                 "runs": [[dst, count] for _, dst, count in runs],
                 "notice": notice,
             }
+            if self._integrity:
+                request["digests"] = await self._digests(src, runs)
             for attempt in range(2):
                 try:
                     peer = await self._peer(desc.ucx_address, remaining())
@@ -245,7 +268,7 @@ class KVSender:
             if reply.get("op") != "accept":
                 raise self._protocol_failure(peer, f"expected accept, got {reply.get('op')!r}")
 
-            await self._send_data(peer, seq, src, runs, transfer_id, remaining())
+            await self._send_run_data(peer, seq, src, runs, transfer_id, remaining())
             try:
                 reply = await recv_frame(peer.ep, reply_tag(seq), remaining())
             except (UCXError, ProtocolError) as exc:
@@ -269,6 +292,28 @@ class KVSender:
         return result
 
     # ------------------------------------------------------------------ steps
+
+    async def _digests(self, src: PoolBytes, runs: list[tuple[int, int, int]]) -> list[str]:
+        """One digest per source run, hashed in a thread (the event loop keeps serving)
+        unless they are small."""
+        def hash_runs() -> list[str]:
+            return [digest(src.run(start, count)) for start, _, count in runs]
+
+        if sum(count for _, _, count in runs) * self.layout.block_nbytes <= INLINE_DIGEST_BYTES:
+            return hash_runs()
+        return await asyncio.to_thread(hash_runs)
+
+    async def _send_run_data(
+        self,
+        peer: _Peer,
+        seq: int,
+        src: PoolBytes,
+        runs: list[tuple[int, int, int]],
+        transfer_id: str,
+        timeout_s: float,
+    ) -> None:
+        """The bytes of every run (tests override this to alter them in flight)."""
+        await self._send_data(peer, seq, src, runs, transfer_id, timeout_s)
 
     async def _send_data(
         self,
@@ -317,16 +362,23 @@ class KVSender:
         """Send one request on the control tag and wait for its first reply."""
         seq = request["seq"]
         sent = False
+        peer.last_used = time.monotonic()
         try:
             async with peer.ctrl_lock:
                 await send_frame(peer.ep, CTRL_TAG, request, timeout_s)
             sent = True
-            return await recv_frame(peer.ep, reply_tag(seq), timeout_s)
-        except (UCXError, ProtocolError) as exc:
+            reply = await recv_frame(peer.ep, reply_tag(seq), timeout_s)
+            peer.answered = True
+            peer.last_used = time.monotonic()
+            return reply
+        except UCXError as exc:
             self._drop_peer(peer)
-            if retry_ok and not sent:
+            if retry_ok and (not sent or peer.answered):
                 log.info("kv_endpoint_stale_reconnecting", peer=peer.address)
                 raise _Retry from exc
+            raise error(Code.PEER_GONE, f"lost connection to {peer.address}: {exc!r}") from exc
+        except ProtocolError as exc:
+            self._drop_peer(peer)
             raise error(Code.PEER_GONE, f"lost connection to {peer.address}: {exc!r}") from exc
 
     async def _descriptor(self, descriptor_id: str, timeout_s: float) -> KVDescriptor:
@@ -365,7 +417,9 @@ class KVSender:
             raise error(Code.CLOSED, "sender is closed")
         peer = self._peers.get(address)
         if peer is not None and peer.alive:
-            return peer
+            if time.monotonic() - peer.last_used <= self._max_idle_s:
+                return peer
+            self._drop_peer(peer)  # the receiver may be closing it as idle right now
         lock = self._connect_locks.setdefault(address, asyncio.Lock())
         async with asyncio.timeout(timeout_s):
             await lock.acquire()

@@ -25,6 +25,7 @@ from kvxfer import (
     merge_runs,
 )
 from kvxfer.protocol import CTRL_TAG, data_tag, recv_frame, reply_tag, send_frame
+from kvxfer.runs import split_runs
 from pdserve.control import KVDescriptor, WorkerRegistry, make_descriptor_id
 from pdserve.types import KVLayout, KVTransferError
 
@@ -136,6 +137,19 @@ def test_merge_pairs_needs_both_sides_consecutive() -> None:
     assert merge_pairs([5, 4], [0, 1]) == [(5, 0, 1), (4, 1, 1)]
     with pytest.raises(ValueError):
         merge_pairs([1], [])
+
+
+def test_split_runs_keeps_the_copy() -> None:
+    """Runs cut into pieces (kvxfer sends digested runs in pieces of at most 8 MiB) still
+    copy every source block to its destination."""
+    runs = merge_pairs([0, 1, 2, 3, 4, 9], [7, 8, 9, 10, 11, 1])
+    pieces = split_runs(runs, 2)
+    assert pieces == [(0, 7, 2), (2, 9, 2), (4, 11, 1), (9, 1, 1)]
+    assert [(s + i, d + i) for s, d, n in pieces for i in range(n)] == \
+        [(s + i, d + i) for s, d, n in runs for i in range(n)]
+    assert split_runs(runs, 100) == runs
+    with pytest.raises(ValueError):
+        split_runs(runs, 0)
 
 
 # --------------------------------------------------------------------------- transfers

@@ -22,6 +22,7 @@ import ucxx
 from decode_svc.main import DecodeConfig, _kv_auth
 from kvxfer import Code, KVReceiver, KVSender
 from kvxfer.auth import KVAuth, mac_of
+from kvxfer.pool import digest
 from kvxfer.protocol import CTRL_TAG, data_tag, recv_frame, reply_tag, send_frame
 from pdserve.control import KVDescriptor, WorkerRegistry, make_descriptor_id
 from pdserve.control.directory import WorkerDirectory
@@ -154,44 +155,57 @@ async def test_prefill_worker_registered_after_the_directory_poll(
 
 async def test_tampered_or_stale_frames_are_refused_and_no_data_lands(
         cluster: dict[str, object]) -> None:
-    """Raw frames: a correctly signed write whose runs were changed afterwards, and one
-    signed long ago, are refused; data pushed on the transfer's tags after the refusal does
-    not land (no receive was ever posted)."""
+    """Raw frames: a correctly signed write whose runs were changed afterwards, one signed
+    long ago, and a replayed copy of a good one are refused and their endpoint disconnected;
+    data pushed on the transfer's tags after the refusal does not land (no receive was ever
+    posted)."""
     rx: KVReceiver = cluster["rx"]  # type: ignore[assignment]
     dst: torch.Tensor = cluster["dst"]  # type: ignore[assignment]
     host, port = rx.address.rsplit(":", 1)
+    xid = uuid.uuid4().hex
+    landed = rx.expect(xid, [14, 15], timeout_s=30)
+    before = dst.clone()
+    signer = KVAuth(SECRET.kv_key, sender_id="prefill-a")
+    data = pool(4)[[0, 1]].contiguous().view(-1).view(torch.uint8).numpy()
+    write = {"op": "write", "transfer_id": xid, "descriptor_id": DESC_ID,
+             "layout": LAYOUT.to_wire(), "runs": [[14, 2]], "notice": None,
+             "digests": [digest(data)]}
+    tampered = signer.sign({**write, "seq": 1})
+    tampered["runs"] = [[13, 2]]
+    stale = {**write, "seq": 1, "sender_id": "prefill-a", "ts": time.time() - 3600,
+             "nonce": "00"}
+    stale["mac"] = mac_of(SECRET.kv_key, stale)
+    good = signer.sign({**write, "seq": 1})
+    replayed_ping = signer.sign({"op": "ping", "seq": 1})
     ep = await ucxx.create_endpoint(host, int(port))
-    try:
-        xid = uuid.uuid4().hex
-        landed = rx.expect(xid, [14, 15], timeout_s=30)
-        before = dst.clone()
-        signer = KVAuth(SECRET.kv_key, sender_id="prefill-a")
-        write = {"op": "write", "transfer_id": xid, "descriptor_id": DESC_ID,
-                 "layout": LAYOUT.to_wire(), "runs": [[14, 2]], "notice": None}
-        tampered = signer.sign({**write, "seq": 1})
-        tampered["runs"] = [[13, 2]]
-        stale = {**write, "seq": 2, "sender_id": "prefill-a", "ts": time.time() - 3600,
-                 "nonce": "00"}
-        stale["mac"] = mac_of(SECRET.kv_key, stale)
-        for seq, frame, why in ((1, tampered, "signature is wrong"), (2, stale, "time")):
+    try:  # the ping authenticates, the copy of it does not
+        await send_frame(ep, CTRL_TAG, replayed_ping, 5)
+        assert (await recv_frame(ep, reply_tag(1), 5))["op"] == "pong"
+    finally:
+        ep.abort()
+    for frame, why in ((tampered, "signature is wrong"), (stale, "time"),
+                       (replayed_ping, "replay")):
+        ep = await ucxx.create_endpoint(host, int(port))
+        try:
             await send_frame(ep, CTRL_TAG, frame, 5)
-            reply = await recv_frame(ep, reply_tag(seq), 5)
+            reply = await recv_frame(ep, reply_tag(1), 5)
             assert reply["op"] == "reject" and reply["code"] == Code.UNAUTHENTICATED
             assert why in reply["message"]
-            junk = torch.zeros(2 * LAYOUT.block_nbytes, dtype=torch.uint8).numpy()
-            try:
-                await asyncio.wait_for(ep.send(junk, tag=data_tag(seq, 0)), 2)
-            except (ucxx.exceptions.UCXError, TimeoutError):
-                pass
-        await asyncio.sleep(0.3)
-        assert torch.equal(dst, before) and not landed.done()
-        # The endpoint is still served: the same connection's correctly signed write lands.
-        good = signer.sign({**write, "seq": 3})
+            with pytest.raises((ucxx.exceptions.UCXError, TimeoutError)):  # disconnected
+                await asyncio.wait_for(ep.send(data, tag=data_tag(1, 0)), 2)
+                await send_frame(ep, CTRL_TAG, good, 2)
+                await recv_frame(ep, reply_tag(1), 2)
+        finally:
+            ep.abort()
+    await asyncio.sleep(0.3)
+    assert torch.equal(dst, before) and not landed.done()
+    # A new endpoint's correctly signed write lands.
+    ep = await ucxx.create_endpoint(host, int(port))
+    try:
         await send_frame(ep, CTRL_TAG, good, 5)
-        assert (await recv_frame(ep, reply_tag(3), 5))["op"] == "accept"
-        data = pool(4)[[0, 1]].contiguous().view(-1).view(torch.uint8).numpy()
-        await asyncio.wait_for(ep.send(data, tag=data_tag(3, 0)), 10)
-        assert (await recv_frame(ep, reply_tag(3), 10))["op"] == "done"
+        assert (await recv_frame(ep, reply_tag(1), 5))["op"] == "accept"
+        await asyncio.wait_for(ep.send(data, tag=data_tag(1, 0)), 10)
+        assert (await recv_frame(ep, reply_tag(1), 10))["op"] == "done"
         assert await landed is None
         assert torch.equal(dst[[14, 15]], pool(4)[[0, 1]])
     finally:

@@ -19,6 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# Before test_kv_listener imports ucxx: kvxfer must load its listener library first.
+import kvxfer  # noqa: F401, I001
+
 from hypothesis import strategies as st
 from test_kv_listener import (
     DESC_ID,
