@@ -233,10 +233,20 @@ def report(results: dict[str, list[float]], nbytes: int) -> None:
         print(
             f"{name:<38} {gbps:>8.2f} {med * 1e3:>8.2f} {gbps / memcpy:>10.2f} {gbps / raw:>12.2f}"
         )
+    for name, (extra, base) in digest_cost(results).items():
+        print(f"digests cost on {name}: {extra * 1e3:+.2f} ms ({extra / base * 100:+.1f} %; "
+              "median of the paired differences)")
+
+
+def digest_cost(results: dict[str, list[float]]) -> dict[str, tuple[float, float]]:
+    """Per kvxfer row: (median over pairs of the with-digests minus the plain transfer that
+    ran just before it, median plain time). Pairing cancels the drift of a busy machine."""
+    out = {}
     for name in ("kvxfer contiguous (1 run)", "kvxfer scattered"):
-        base, hashed = (statistics.median(results[k]) for k in (name, f"{name} + digests"))
-        print(f"digests cost on {name}: +{(hashed - base) * 1e3:.2f} ms "
-              f"({(hashed / base - 1) * 100:+.1f} %)")
+        plain, hashed = results[name], results[f"{name} + digests"]
+        out[name] = (statistics.median(h - p for p, h in zip(plain, hashed, strict=True)),
+                     statistics.median(plain))
+    return out
 
 
 def machine() -> dict[str, Any]:
@@ -281,19 +291,25 @@ def main() -> None:
     parser.add_argument("--sizes", default="", help="MiB per transfer, comma-separated "
                         "(overrides --mb), e.g. 1,8,64")
     parser.add_argument("--json", type=Path, help="write the raw record here")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds over every size")
     args = parser.parse_args()
     quiet_logs()
     torch.set_num_threads(1)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else [args.mb]
     record: dict[str, Any] = {"bench": "bench/bench_kvxfer.py", "iters": args.iters,
-                              "machine": machine(), "sizes": {}}
-    for mb in sizes:
-        results = asyncio.run(run(mb << 20, args.iters))
-        record["sizes"][str(mb)] = {
-            "nbytes": mb << 20,
-            "median_ms": {k: statistics.median(v) * 1e3 for k, v in results.items()},
-            "times_s": results,
-        }
+                              "machine": machine(), "rounds": []}
+    for _ in range(args.repeat):
+        sizes_out: dict[str, Any] = {}
+        for mb in sizes:
+            results = asyncio.run(run(mb << 20, args.iters))
+            sizes_out[str(mb)] = {
+                "nbytes": mb << 20,
+                "median_ms": {k: statistics.median(v) * 1e3 for k, v in results.items()},
+                "digest_cost_ms": {k: {"paired_median": extra * 1e3, "plain_median": base * 1e3}
+                                   for k, (extra, base) in digest_cost(results).items()},
+                "times_s": results,
+            }
+        record["rounds"].append(sizes_out)
     record["machine"]["loadavg_after"] = os.getloadavg()
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
