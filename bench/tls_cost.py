@@ -72,8 +72,7 @@ async def _grpc_round(cluster: Any, prompts: list[list[int]], tokens: int,
                       ) -> dict[str, Any]:
     from pdserve.client import RouterClient
 
-    tls = cluster.client_tls()
-    creds = None if tls is None else tls.channel_credentials()
+    creds = cluster.grpc_credentials()
     res: dict[str, Any] = {"grpc_c1": [], "grpc_c4": [], "tokens": []}
     async with RouterClient(cluster.grpc_address, api_key=API_KEY, credentials=creds) as c:
         await _grpc_stream(c, prompts[0][:8], 2)  # the channel is up before timing
@@ -92,12 +91,12 @@ async def _grpc_round(cluster: Any, prompts: list[list[int]], tokens: int,
 async def _connect(cluster: Any, n: int) -> list[float]:
     import grpc
 
-    tls = cluster.client_tls()
+    creds = cluster.grpc_credentials()
     times = []
     for _ in range(n):
         started = time.perf_counter()
-        channel = (grpc.aio.insecure_channel(cluster.grpc_address) if tls is None else
-                   grpc.aio.secure_channel(cluster.grpc_address, tls.channel_credentials()))
+        channel = (grpc.aio.insecure_channel(cluster.grpc_address) if creds is None else
+                   grpc.aio.secure_channel(cluster.grpc_address, creds))
         async with channel:
             await asyncio.wait_for(channel.channel_ready(), 30)
             times.append((time.perf_counter() - started) * 1000)
@@ -155,7 +154,7 @@ def main() -> int:
             c = clusters[mode] = LocalCluster(
                 prefill=1, decode=1, model=model, cluster_secret=SECRET, tls=mode == "tls",
                 env={"PDSERVE_API_KEY": API_KEY}, extra_worker_args=("--kv-cache-mb", "256"))
-            c.start()
+            c.start(timeout_s=900)
             print(f"{mode} cluster up ({time.time() - started:.0f} s)", file=sys.stderr)
         per_round = args.requests + 1 + 4 + args.requests
         for r in range(args.rounds):

@@ -132,11 +132,12 @@ class LocalCluster:
     ``pdserve.rpc.auth.ClusterSecret(secret.encode()).grpc_metadata()``.
 
     With ``tls=True`` every hop is TLS: a private CA and a certificate per process kind
-    (router, prefill, decode, client) are made in ``log_dir/tls`` (`pdserve.certs`, mode
+    (router, prefill, decode, client) are made in ``log_dir/tls`` (`pdserve certs`, mode
     600), each child gets the paths of its own (``--tls-cert/--tls-key/--tls-ca``: paths,
     never key material, on its command line), the router serves HTTPS and gRPC over TLS and
     dials the workers with mTLS, which refuse any client without a certificate from that
-    CA. `client_tls()` is the client certificate's `TLSConfig`, for callers."""
+    CA. Callers use `tls_files()` (the client certificate's cert, key and CA paths),
+    `grpc_credentials()` and `http_verify()`."""
 
     def __init__(self, *, prefill: int = 1, decode: int = 1, redis_url: str | None = None,
                  model: str | None = None, http_port: int = 0, grpc_port: int = 0,
@@ -161,11 +162,11 @@ class LocalCluster:
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="pdserve-cluster-"))
         self.tls_dir: Path | None = None
         if tls:
-            from pdserve.certs import make_local_pki
-
             self.tls_dir = self.log_dir / "tls"
-            make_local_pki(self.tls_dir, hosts=() if host in ("127.0.0.1", "localhost")
-                           else (host,))
+            hosts = [] if host in ("127.0.0.1", "localhost") else ["--host", host]
+            subprocess.run([sys.executable, "-m", "pdserve.cli", "certs", "--out",
+                            str(self.tls_dir), *hosts], check=True, timeout=120,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.env = {**os.environ, **(env or {})}
         if cluster_secret is None:
             cluster_secret = self.env.get(CLUSTER_SECRET_ENV, "")
@@ -195,20 +196,37 @@ class LocalCluster:
         """Prometheus endpoint of a worker (the router's is ``{http_url}/metrics``)."""
         return f"{self.scheme}://127.0.0.1:{self.metrics_ports[name]}/metrics"
 
-    def client_tls(self) -> Any:
-        """The `pdserve.rpc.tls.TLSConfig` of the cluster's client certificate (None without
-        TLS): ``channel_credentials()`` for gRPC, ``client_context()`` for HTTPS."""
+    def tls_files(self, name: str = "client") -> tuple[Path, Path, Path] | None:
+        """(certificate, key, CA) of the cluster's certificate `name` (``client`` for
+        callers), or None without TLS; `pdserve.rpc.tls.load_tls(*files)` reads them."""
         if self.tls_dir is None:
             return None
-        from pdserve.rpc.tls import load_tls
-
         d = self.tls_dir
-        return load_tls(d / "client.crt", d / "client.key", d / "ca.crt")
+        return d / f"{name}.crt", d / f"{name}.key", d / "ca.crt"
+
+    def grpc_credentials(self) -> Any:
+        """gRPC channel credentials with the client certificate (None without TLS)."""
+        files = self.tls_files()
+        if files is None:
+            return None
+        import grpc
+
+        cert, key, ca = (f.read_bytes() for f in files)
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                            certificate_chain=cert)
 
     def http_verify(self) -> Any:
-        """httpx's ``verify=`` for this cluster's HTTP(S) endpoints."""
-        tls = self.client_tls()
-        return True if tls is None else tls.client_context()
+        """httpx's ``verify=`` for this cluster's HTTP(S) endpoints: an `ssl.SSLContext`
+        trusting the cluster's CA and presenting the client certificate, else True."""
+        files = self.tls_files()
+        if files is None:
+            return True
+        import ssl
+
+        cert, key, ca = files
+        ctx = ssl.create_default_context(cafile=str(ca))
+        ctx.load_cert_chain(cert, key)
+        return ctx
 
     def _tls_args(self, name: str) -> list[str]:
         """The TLS flags of a child whose certificate is `name` (none without TLS)."""
