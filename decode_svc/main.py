@@ -89,7 +89,9 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
                                               model_name=config.model_name(model_dir.name)),
                                 config.host, config.metrics_port, config.tls) as mport:
                 server = transport.new_server(
-                    auth=auth.cluster_interceptor(config.cluster_secret))
+                    auth=auth.cluster_interceptor(config.cluster_secret),
+                    max_message_bytes=config.grpc_max_message_bytes(aengine.max_model_len),
+                    max_concurrent_rpcs=config.grpc_max_concurrent_rpcs())
                 servicer.add_to_server(worker, server)
                 health = await transport.add_health(server, SERVICE)
                 bound = await start_server(server, config.host, config.port,

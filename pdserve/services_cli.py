@@ -177,6 +177,8 @@ def _worker_settings(args: argparse.Namespace, role: str) -> dict[str, Any]:
                 metrics_port=args.metrics_port, namespace=args.namespace,
                 served_model_name=_served_name(args), drain_timeout_s=args.drain_timeout,
                 cluster_secret=cluster_secret(args), max_requests=args.max_requests,
+                max_message_bytes=args.max_message_bytes,
+                max_concurrent_rpcs=args.max_concurrent_rpcs,
                 tls=tls_config(args))
 
 

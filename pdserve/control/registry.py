@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Self, TypeVar
@@ -37,6 +36,7 @@ from pdserve.control.descriptors import DescriptorFormatError, KVDescriptor
 from pdserve.control.load import WorkerLoad
 from pdserve.control.signing import RecordSigner, SignatureError
 from pdserve.control.workers import Role, WorkerInfo, WorkerInfoError
+from pdserve.ratelog import RateLimitedLog
 from pdserve.types import KVLayout, PdserveError
 
 __all__ = ["ControlPlaneError", "LoadFn", "WorkerInfo", "WorkerRegistry"]
@@ -151,7 +151,9 @@ class WorkerRegistry:
         self.op_timeout_s = op_timeout_s
         self._prefix = f"pdserve:{namespace}:"
         self.signer = signer  # None: the open mode, records neither signed nor checked
-        self._rejected = _RejectionLog()
+        # Whoever writes junk into Redis cannot flood the log (readers poll every fraction
+        # of a second): one line per kind per 30 s, with a count.
+        self._rejected = RateLimitedLog(log, "control_record_refused")
         self._heartbeat_lua = client.register_script(_HEARTBEAT_LUA)
         self._deregister_lua = client.register_script(_DEREGISTER_LUA)
         self._list_lua = client.register_script(_LIST_LUA)
@@ -409,7 +411,7 @@ class WorkerRegistry:
             try:
                 raw = json.dumps(self.signer.verify_json("kvdesc", raw))
             except SignatureError as err:
-                self._rejected.warn("kvdesc", err)
+                self._rejected("kvdesc", kind="kvdesc", error=str(err))
                 return None
         try:
             desc = KVDescriptor.from_json(raw)
@@ -436,7 +438,7 @@ class WorkerRegistry:
                 raw = json.dumps(self.signer.verify_json("worker", raw, timestamp=True))
             return WorkerInfo.from_json(raw)
         except (SignatureError, WorkerInfoError) as err:
-            self._rejected.warn("worker", err)
+            self._rejected("worker", kind="worker", error=str(err))
             return None
 
     # ------------------------------------------------------------------ plumbing
@@ -462,28 +464,6 @@ class WorkerRegistry:
             raise
         except RedisError as exc:
             raise ControlPlaneError(f"redis error: {exc}") from exc
-
-
-class _RejectionLog:
-    """Warn about refused records at most once per `interval_s` per kind, with a count:
-    whoever writes junk into Redis cannot flood the log (readers poll every fraction of
-    a second)."""
-
-    def __init__(self, interval_s: float = 30.0) -> None:
-        self.interval_s = interval_s
-        self._next: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-        self.total = 0
-
-    def warn(self, kind: str, err: Exception) -> None:
-        self.total += 1
-        now = time.monotonic()
-        if now < self._next.get(kind, 0.0):
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-            return
-        self._next[kind] = now + self.interval_s
-        log.warning("control_record_refused", kind=kind, error=str(err),
-                    suppressed=self._suppressed.pop(kind, 0))
 
 
 def _consume(task: asyncio.Future[T]) -> None:

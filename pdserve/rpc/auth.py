@@ -25,17 +25,29 @@ catches repetition and tiny alphabets, not a dictionary phrase: make one with
 **API keys.** The router's client gRPC API takes the same keys as the REST gateway, as
 ``authorization: Bearer <key>`` metadata (`api_key_check`).
 
-grpc.health.v1 stays open on every server (probes carry no credentials).
+grpc.health.v1 stays open on every server (probes carry no credentials), within bounds: a
+caller without credentials holds at most `MAX_OPEN_CALLS` health calls at once between all
+such callers, and each must send its request within `OPEN_READ_TIMEOUT_S`, so probes that
+never finish cannot take the server's concurrent-call slots (`transport.new_server`) from
+authenticated callers.
+
+**Refusals cost little and log little.** A refused call is answered before its request is
+read (the bytes of its message are never buffered or parsed, and a caller who never sends
+one holds nothing), and the WARNING it logs is rate-limited (`pdserve.ratelog`): one line per
+refusal reason per `REFUSAL_LOG_INTERVAL_S`, with the count of the calls it stands for.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
+import inspect
 import math
 import os
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +56,7 @@ import grpc
 import structlog
 
 from pdserve.private_file import read_private_text
+from pdserve.ratelog import RateLimitedLog
 from pdserve.rpc.errors import ERROR_CODE_KEY
 from pdserve.rpc.metadata import metadata_value
 
@@ -57,6 +70,11 @@ UNAUTHENTICATED_CODE = "unauthenticated"  # pdserve-error-code of a refused call
 MIN_SECRET_CHARS = 16
 MIN_SECRET_DISTINCT_CHARS = 8
 MIN_SECRET_BITS = 64.0  # Shannon estimate, see the module docstring
+# Open (health) calls from callers without credentials: how many at once, between all of
+# them (probes come one per period), and how long each may take to send its request.
+MAX_OPEN_CALLS = 16
+OPEN_READ_TIMEOUT_S = 5.0
+REFUSAL_LOG_INTERVAL_S = 30.0  # one "grpc_call_unauthenticated" line per reason this often
 
 Metadata = Iterable[tuple[str, Any]] | None
 Check = Callable[[Metadata], str | None]  # metadata -> None (accepted) or the refusal message
@@ -206,15 +224,22 @@ def api_key_check(keys: Collection[str]) -> Check:
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call `check` rejects with UNAUTHENTICATED (trailer ``pdserve-error-code:
-    unauthenticated``) before its handler runs or its request is parsed; methods under
-    `open_prefixes` (grpc.health.v1) pass unchecked. Give it to `transport.new_server(auth=...)`,
-    which puts it before every other interceptor."""
+    unauthenticated``) before its handler runs or its request is read; methods under
+    `open_prefixes` (grpc.health.v1) pass unchecked, bounded as the module docstring says
+    when the caller has no credentials. Give it to `transport.new_server(auth=...)`, which
+    puts it before every other interceptor."""
 
     def __init__(self, check: Check, *, what: str,
-                 open_prefixes: tuple[str, ...] = OPEN_METHOD_PREFIXES) -> None:
+                 open_prefixes: tuple[str, ...] = OPEN_METHOD_PREFIXES,
+                 max_open_calls: int = MAX_OPEN_CALLS,
+                 open_read_timeout_s: float = OPEN_READ_TIMEOUT_S,
+                 log_interval_s: float = REFUSAL_LOG_INTERVAL_S) -> None:
         self._check = check
         self._what = what
         self._open = open_prefixes
+        self._open_calls = _OpenCalls(max_open_calls, open_read_timeout_s)
+        self.refusals = RateLimitedLog(log, "grpc_call_unauthenticated",
+                                       interval_s=log_interval_s)
 
     async def intercept_service(
         self,
@@ -223,32 +248,85 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         method = handler_call_details.method
-        if method.startswith(self._open):
-            return await continuation(handler_call_details)
         problem = self._check(handler_call_details.invocation_metadata)
-        if problem is None:
-            return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
-        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED
-            return None
-        log.warning("grpc_call_unauthenticated", method=method, credential=self._what,
-                    reason=problem)
+        if problem is None or handler is None:  # None: unknown method, grpc answers UNIMPLEMENTED
+            return handler
+        if method.startswith(self._open):
+            return self._open_calls.bound(handler)
+        self.refusals(problem, method=method, credential=self._what, reason=problem)
         return _refusing(handler, problem)
 
 
 def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that aborts at once, reading no request."""
+    """A handler that aborts at once, reading no request: a request-streaming one whatever
+    `handler` is, since grpc reads a unary request before it calls the handler (a caller
+    that never sent it would hold the call open), and with no deserializer."""
     trailers = ((ERROR_CODE_KEY, UNAUTHENTICATED_CODE),)
 
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+    async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message, trailing_metadata=trailers)
 
-    kinds = ((handler.unary_unary, grpc.unary_unary_rpc_method_handler),
-             (handler.unary_stream, grpc.unary_stream_rpc_method_handler),
-             (handler.stream_unary, grpc.stream_unary_rpc_method_handler))
-    make = next((m for behavior, m in kinds if behavior), grpc.stream_stream_rpc_method_handler)
-    # No request deserializer: the bytes of a refused call are never parsed.
-    return make(refuse, response_serializer=handler.response_serializer)
+    return grpc.stream_stream_rpc_method_handler(
+        refuse, response_serializer=handler.response_serializer)
+
+
+class _OpenCalls:
+    """Open methods' calls from callers without credentials: at most `limit` at once
+    (more: RESOURCE_EXHAUSTED at once), each request read within `read_timeout_s` (else
+    DEADLINE_EXCEEDED). The handler is made request-streaming, so it runs (and counts) from
+    the call's start rather than from its request's arrival."""
+
+    def __init__(self, limit: int, read_timeout_s: float) -> None:
+        self.limit = limit
+        self.read_timeout_s = read_timeout_s
+        self.active = 0  # one event loop: no lock
+
+    def bound(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        kw = dict(request_deserializer=handler.request_deserializer,
+                  response_serializer=handler.response_serializer)
+        if handler.unary_unary:
+            unary: Any = handler.unary_unary  # typed for the sync context by grpc's stubs
+
+            async def call(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                async with self._slot(requests, context) as request:
+                    return await unary(request, context)
+
+            return grpc.stream_unary_rpc_method_handler(call, **kw)
+        if handler.unary_stream:
+            stream: Any = handler.unary_stream
+
+            async def stream_call(requests: Any, context: grpc.aio.ServicerContext) -> None:
+                async with self._slot(requests, context) as request:
+                    result = stream(request, context)
+                    if inspect.isasyncgen(result):
+                        async for message in result:
+                            await context.write(message)
+                    elif inspect.isawaitable(result):
+                        await result
+
+            return grpc.stream_stream_rpc_method_handler(stream_call, **kw)
+        return handler  # request-streaming open methods: none (grpc.health.v1 has none)
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, requests: Any,
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if self.active >= self.limit:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"more than {self.limit} unauthenticated calls at once")
+        self.active += 1
+        try:
+            try:
+                async with asyncio.timeout(self.read_timeout_s):
+                    request = await anext(aiter(requests))
+            except TimeoutError:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"no request within {self.read_timeout_s:g} s")
+            except StopAsyncIteration:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
+            yield request
+        finally:
+            self.active -= 1
 
 
 def cluster_interceptor(secret: ClusterSecret | None) -> AuthInterceptor | None:

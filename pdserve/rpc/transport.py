@@ -12,7 +12,11 @@ from grpc_health.v1.health import aio as _health_aio
 from pdserve.rpc.errors import ErrorInterceptor
 from pdserve.rpc.tls import TLSConfig
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # channels, and servers told no smaller limit
+KEEPALIVE_MS = 30_000  # how often our channels ping an idle connection
+# Pings a server takes more often than half our keepalive before it sends GOAWAY
+# (ENHANCE_YOUR_CALM "too_many_pings") and closes the connection; grpc's own default.
+MAX_PING_STRIKES = 2
 
 
 def _shared_options(max_message_bytes: int, keepalive_ms: int) -> list[tuple[str, int]]:
@@ -27,7 +31,7 @@ def _shared_options(max_message_bytes: int, keepalive_ms: int) -> list[tuple[str
 
 
 def channel_options(
-    *, max_message_bytes: int = MAX_MESSAGE_BYTES, keepalive_ms: int = 30_000
+    *, max_message_bytes: int = MAX_MESSAGE_BYTES, keepalive_ms: int = KEEPALIVE_MS
 ) -> list[tuple[str, int]]:
     """Client channel options: big messages, keepalive pings that detect dead peers."""
     return [*_shared_options(max_message_bytes, keepalive_ms),
@@ -35,12 +39,15 @@ def channel_options(
 
 
 def server_options(
-    *, max_message_bytes: int = MAX_MESSAGE_BYTES, keepalive_ms: int = 30_000
+    *, max_message_bytes: int = MAX_MESSAGE_BYTES, keepalive_ms: int = KEEPALIVE_MS,
+    max_ping_strikes: int = MAX_PING_STRIKES,
 ) -> list[tuple[str, int]]:
-    """Server options matching `channel_options`: accepts its pings instead of GOAWAY-ing."""
+    """Server options matching `channel_options`: takes their pings (one per `keepalive_ms`,
+    allowed down to half that), and GOAWAYs a peer that pings faster more than
+    `max_ping_strikes` times; refuses a message over `max_message_bytes` (RESOURCE_EXHAUSTED)."""
     return [*_shared_options(max_message_bytes, keepalive_ms),
             ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms // 2),
-            ("grpc.http2.max_ping_strikes", 0)]
+            ("grpc.http2.max_ping_strikes", max_ping_strikes)]
 
 
 def insecure_channel(target: str, *, interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
@@ -63,13 +70,17 @@ def channel(target: str, *, tls: TLSConfig | None = None,
 
 
 def new_server(*interceptors: grpc.aio.ServerInterceptor,
-               auth: grpc.aio.ServerInterceptor | None = None, **options: int) -> grpc.aio.Server:
+               auth: grpc.aio.ServerInterceptor | None = None,
+               max_concurrent_rpcs: int | None = None, **options: int) -> grpc.aio.Server:
     """A grpc.aio server with `server_options(**options)`: `auth` (see `pdserve.rpc.auth`)
     first, so an unauthenticated call is refused before anything else looks at it, then
-    `ErrorInterceptor`, then `interceptors`."""
+    `ErrorInterceptor`, then `interceptors`. With `max_concurrent_rpcs`, a call arriving while
+    that many are in progress (any caller, any method) is answered RESOURCE_EXHAUSTED
+    without running its handler."""
     first = [auth] if auth is not None else []
     return grpc.aio.server(
-        interceptors=[*first, ErrorInterceptor(), *interceptors], options=server_options(**options)
+        interceptors=[*first, ErrorInterceptor(), *interceptors], options=server_options(**options),
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
 
 
