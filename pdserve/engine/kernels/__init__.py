@@ -158,8 +158,13 @@ def _build() -> ModuleType | None:
     from pdserve.engine.cpu import cpu_info
 
     info = cpu_info()
+    # The paths are in the key too: ninja's build file names the source and torch's headers
+    # by path, so two checkouts or venvs sharing one build directory would rebuild each
+    # other's kernel on every load (seen: a CI clone beside a working tree).
     key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()
-                         + " ".join(sorted(info.flags)).encode()).hexdigest()[:16]
+                         + " ".join(sorted(info.flags)).encode()
+                         + str(_SOURCE.resolve()).encode() + str(torch.__file__).encode()
+                         ).hexdigest()[:16]
     name = f"pdserve_cpu_ops_{key}"
     build_dir = _build_root() / name
     log.info("cpu_kernels_loading", name=name,
