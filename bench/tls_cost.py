@@ -54,17 +54,24 @@ def _gaps_ms(stamps: list[float]) -> float:
     return statistics.median(gaps) * 1000
 
 
-async def _grpc_stream(client: Any, ids: list[int], tokens: int) -> tuple[float, float, list[int]]:
-    from pdserve.client import Sampling
+async def _grpc_stream(client: Any, ids: list[int], tokens: int
+                       ) -> tuple[float, float, list[int]] | None:
+    """(TTFT ms, TPOT ms, tokens), or None when the router refused or failed the request (a
+    machine this loaded can lose a worker's lease; such requests are counted, not timed)."""
+    from pdserve.client import RouterError, Sampling
 
     out: list[int] = []
     started = time.perf_counter()
     stamps = [started]
-    async for chunk in client.generate(token_ids=ids, sampling=Sampling(
-            max_tokens=tokens, ignore_eos=True)):
-        if chunk.token_ids:
-            stamps.append(time.perf_counter())
-            out.extend(chunk.token_ids)
+    try:
+        async for chunk in client.generate(token_ids=ids, sampling=Sampling(
+                max_tokens=tokens, ignore_eos=True)):
+            if chunk.token_ids:
+                stamps.append(time.perf_counter())
+                out.extend(chunk.token_ids)
+    except RouterError as exc:
+        print(f"request failed: {exc}", file=sys.stderr)
+        return None
     return (stamps[1] - started) * 1000, _gaps_ms(stamps), out
 
 
@@ -73,18 +80,23 @@ async def _grpc_round(cluster: Any, prompts: list[list[int]], tokens: int,
     from pdserve.client import RouterClient
 
     creds = cluster.grpc_credentials()
-    res: dict[str, Any] = {"grpc_c1": [], "grpc_c4": [], "tokens": []}
+    res: dict[str, Any] = {"grpc_c1": [], "grpc_c4": [], "tokens": {}, "failed": 0}
+
+    def keep(kind: str, i: int, done: tuple[float, float, list[int]] | None) -> None:
+        if done is None:
+            res["failed"] += 1
+            return
+        res[kind].append(done[:2])
+        res["tokens"][i] = done[2]
+
     async with RouterClient(cluster.grpc_address, api_key=API_KEY, credentials=creds) as c:
         await _grpc_stream(c, prompts[0][:8], 2)  # the channel is up before timing
-        for ids in prompts[1:-4]:
-            ttft, tpot, out = await _grpc_stream(c, ids, tokens)
-            res["grpc_c1"].append((ttft, tpot))
-            res["tokens"].append(out)
-        together = await asyncio.gather(*(_grpc_stream(c, ids, tokens)
-                                          for ids in prompts[-4:]))
-        for ttft, tpot, out in together:
-            res["grpc_c4"].append((ttft, tpot))
-            res["tokens"].append(out)
+        for i in range(1, len(prompts) - 4):
+            keep("grpc_c1", i, await _grpc_stream(c, prompts[i], tokens))
+        together = await asyncio.gather(*(_grpc_stream(c, prompts[i], tokens)
+                                          for i in range(len(prompts) - 4, len(prompts))))
+        for i, done in zip(range(len(prompts) - 4, len(prompts)), together, strict=True):
+            keep("grpc_c4", i, done)
     return res
 
 
@@ -103,10 +115,12 @@ async def _connect(cluster: Any, n: int) -> list[float]:
     return times
 
 
-def _rest_round(cluster: Any, prompts: list[list[int]], tokens: int) -> list[tuple[float, float]]:
+def _rest_round(cluster: Any, prompts: list[list[int]], tokens: int
+                ) -> tuple[list[tuple[float, float]], int]:
+    """(TTFT, TPOT) of each answered request, and how many failed."""
     import httpx
 
-    out = []
+    out, failed = [], 0
     with httpx.Client(base_url=cluster.http_url, verify=cluster.http_verify(), timeout=300,
                       headers={"Authorization": f"Bearer {API_KEY}"}) as http:
         http.get("/health").raise_for_status()  # connected before timing
@@ -116,15 +130,19 @@ def _rest_round(cluster: Any, prompts: list[list[int]], tokens: int) -> list[tup
             with http.stream("POST", "/v1/completions", json={
                     "prompt": ids, "max_tokens": tokens, "stream": True, "ignore_eos": True,
                     "temperature": 0}) as r:
-                r.raise_for_status()
+                if r.status_code != 200:
+                    r.read()
+                    print(f"request failed: HTTP {r.status_code} {r.text}", file=sys.stderr)
+                    failed += 1
+                    continue
                 for line in r.iter_lines():
                     if line.startswith("data:") and "[DONE]" not in line:
                         stamps.append(time.perf_counter())
             out.append(((stamps[1] - started) * 1000, _gaps_ms(stamps)))
-    return out
+    return out, failed
 
 
-def _p(values: list[float], q: float) -> float:
+def _p(values: list[float], q: int) -> float:
     return round(statistics.quantiles(values, n=100, method="inclusive")[q - 1]
                  if len(values) > 1 else values[0], 2)
 
@@ -148,12 +166,14 @@ def main() -> int:
     samples: dict[str, dict[str, list[tuple[float, float]]]] = {
         m: defaultdict(list) for m in ("plain", "tls")}
     connect: dict[str, list[float]] = {"plain": [], "tls": []}
-    tokens: dict[str, list[list[int]]] = {"plain": [], "tls": []}
+    tokens: dict[str, dict[tuple[int, int], list[int]]] = {"plain": {}, "tls": {}}
+    failed = {"plain": 0, "tls": 0}
     try:
         for mode in ("plain", "tls"):
             c = clusters[mode] = LocalCluster(
                 prefill=1, decode=1, model=model, cluster_secret=SECRET, tls=mode == "tls",
-                env={"PDSERVE_API_KEY": API_KEY}, extra_worker_args=("--kv-cache-mb", "256"))
+                env={"PDSERVE_API_KEY": API_KEY}, extra_worker_args=("--kv-cache-mb", "256"),
+                router_args=("--no-admission",))  # latency is measured, not admission
             c.start(timeout_s=900)
             print(f"{mode} cluster up ({time.time() - started:.0f} s)", file=sys.stderr)
         per_round = args.requests + 1 + 4 + args.requests
@@ -166,8 +186,10 @@ def main() -> int:
                 res = asyncio.run(_grpc_round(c, grpc_prompts, args.tokens))
                 samples[mode]["grpc_c1"] += res["grpc_c1"]
                 samples[mode]["grpc_c4"] += res["grpc_c4"]
-                tokens[mode] += res["tokens"]
-                samples[mode]["rest_c1"] += _rest_round(c, rest_prompts, args.tokens)
+                tokens[mode].update({(r, i): t for i, t in res["tokens"].items()})
+                rest, rest_failed = _rest_round(c, rest_prompts, args.tokens)
+                samples[mode]["rest_c1"] += rest
+                failed[mode] += res["failed"] + rest_failed
                 connect[mode] += asyncio.run(_connect(c, 10))
             print(f"round {r + 1}/{args.rounds} done ({time.time() - started:.0f} s)",
                   file=sys.stderr)
@@ -201,7 +223,10 @@ def main() -> int:
                    "tls": "EC P-256 certificates from `pdserve certs` (LocalCluster tls=True)"},
         "results": results,
         "ratio_tls_to_plain": ratio,
-        "tokens_identical": tokens["plain"] == tokens["tls"],
+        "failed_requests": failed,
+        # Greedy tokens of every gRPC request answered in both runs.
+        "tokens_compared": len(both := tokens["plain"].keys() & tokens["tls"].keys()),
+        "tokens_identical": all(tokens["plain"][k] == tokens["tls"][k] for k in both),
         "total_s": round(time.time() - started, 1),
     }
     print(f"CPU: {cpu_summary()}")
@@ -209,7 +234,8 @@ def main() -> int:
         p, t = results["plain"][name], results["tls"][name]
         print(f"{name:>8}: " + ", ".join(f"{k} {p[k]} -> {t[k]} ({ratio[name][k]:.2f}x)"
                                          for k in p if k in ratio[name]))
-    print(f"greedy tokens identical with and without TLS: {record['tokens_identical']}")
+    print(f"greedy tokens identical with and without TLS: {record['tokens_identical']} "
+          f"({record['tokens_compared']} requests); failed: {failed}")
     if args.out:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {args.out}")
