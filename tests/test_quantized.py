@@ -47,9 +47,10 @@ async def test_an_int8_cluster_serves_remote_and_local(model_dir: Path) -> None:
     with LocalCluster(prefill=1, decode=1, model=str(model_dir),
                       extra_worker_args=("--dtype", "int8", "--kv-cache-mb", "64"),
                       router_args=("--remote-threshold", "16")) as cluster:
+        sampling = Sampling(max_tokens=12, ignore_eos=True)
         async with RouterClient(cluster.grpc_address, timeout_s=120) as client:
-            remote = await client.complete(text=text, sampling=Sampling(max_tokens=12, ignore_eos=True))
+            remote = await client.complete(text=text, sampling=sampling)
             # The same prompt again is cached on the decode worker: prefilled there.
-            local = await client.complete(text=text, sampling=Sampling(max_tokens=12, ignore_eos=True))
+            local = await client.complete(text=text, sampling=sampling)
     assert remote.route == "remote" and local.route == "local", (remote.route, local.route)
     assert remote.token_ids == local.token_ids and len(remote.token_ids) == 12
