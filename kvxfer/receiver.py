@@ -38,8 +38,9 @@ import asyncio
 import collections
 import contextlib
 import enum
+import functools
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self, cast
@@ -75,7 +76,7 @@ _FINISHED_MEMORY = 4096  # finished transfer ids remembered, for clearer late-wr
 _FRAME_BASE_BYTES = 64 << 10  # a request's fixed part (ids, layout, notice) fits in this ...
 _FRAME_BYTES_PER_BLOCK = 32 + DIGEST_HEX_CHARS + 3  # ... plus a run and its digest per block
 _PEER_EVENTS = ("kv_bad_frame", "kv_connection_evicted", "kv_connection_refused",
-                "kv_write_unauthenticated", "kv_write_rejected")
+                "kv_reply_failed", "kv_write_unauthenticated", "kv_write_rejected")
 _REFUSED_LINGER_S = 0.5  # a refused peer's reject gets this long to be read before we hang up
 _NONCE_MEMORY = 1 << 17  # signed frames remembered (within the clock skew) to refuse replays
 
@@ -120,6 +121,7 @@ class _Idle(Exception):
 class _Connection:
     ep: Any  # ucxx Endpoint
     peer: str
+    warn: Callable[..., Any]  # rate-limited: a peer that never reads replies could flood
     authenticated: bool = False
     checking: bool = False  # a validly signed frame's sender is being looked up
     active: int = 0  # transfers running over it: it is not idle while one is
@@ -140,7 +142,10 @@ class _Connection:
             await send_frame(self.ep, reply_tag(seq), message, timeout_s)
             return True
         except (UCXError, TimeoutError) as exc:
-            log.warning("kv_reply_failed", peer=self.peer, op=message["op"], error=repr(exc))
+            if self.ep.closed:  # we dropped it meanwhile (evicted, fenced, closing)
+                log.debug("kv_reply_dropped", peer=self.peer, op=message["op"])
+            else:
+                self.warn(peer=self.peer, op=message["op"], error=repr(exc))
             return False
 
 
@@ -336,7 +341,8 @@ class KVReceiver:
     async def _serve(self, ep: Any) -> None:
         """One connected sender: read requests until the endpoint goes away or idles too long
         (see the module docstring for what an unauthenticated connection may do)."""
-        conn = _Connection(ep, peer=f"ep-{ep.uid:#x}")
+        conn = _Connection(ep, peer=f"ep-{ep.uid:#x}",
+                           warn=functools.partial(self._warn, "kv_reply_failed", "reply"))
         if self._closing:
             conn.abort("receiver closed")
             return

@@ -188,7 +188,7 @@ async def test_idle_pinging_and_refused_peers_do_not_lock_out_a_prefill_worker(
     # Refused, or evicted by newer connections before the refusal came: none wrote a byte.
     assert set(codes) <= {Code.UNAUTHENTICATED, "dropped"}
     assert not victim.done() and torch.equal(rx._pool.tensor[0], block0)
-    assert codes.count(Code.UNAUTHENTICATED) >= 900
+    assert codes.count(Code.UNAUTHENTICATED) >= 700  # 986-1,000 here; evictions drop some
     assert rx._peer_logs["kv_write_unauthenticated"].total >= codes.count(Code.UNAUTHENTICATED)
     assert peak_unauth <= 32
     by_event = {e["event"] for e in warnings}
