@@ -15,6 +15,7 @@ import ctypes
 import functools
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -91,9 +92,35 @@ def die_with_parent(parent: int, sig: signal.Signals = signal.SIGTERM) -> None:
         os.kill(os.getpid(), sig)
 
 
-def free_port() -> int:
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+_PICKED_FLOOR = 10000
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now, for a child to bind later. Taken below the kernel's
+    ephemeral range where there is room: a port picked there could be handed to any socket
+    of any process (UCX's listeners and connections on lo, clients) before the child binds
+    it, and the child would fail with "Address already in use"."""
+    lo, _ = _ephemeral_range()
+    if lo - _PICKED_FLOOR >= 1000:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(_PICKED_FLOOR, lo)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.cluster import free_port
+
 _START_TIMEOUT_S = 10.0
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_port()  # below the ephemeral range (pdserve.cluster.free_port)
 
 
 def _ping(port: int) -> bool:

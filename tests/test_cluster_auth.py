@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,15 +17,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.cluster import free_port
+
 KEYS = "sk-first, sk-second"  # as an operator may write it: spaces around the comma
 READY_TIMEOUT_S = 60.0
 pytestmark = pytest.mark.timeout(600)
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()  # below the ephemeral range (pdserve.cluster.free_port)
 
 
 def _chat(url: str, key: str | None) -> httpx.Response:

@@ -31,6 +31,7 @@ import httpx
 import pytest
 import yaml
 
+from pdserve.cluster import free_port
 from pdserve.services_cli import _advertise_host
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -209,9 +210,7 @@ def test_wildcard_host_advertises_a_reachable_address() -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()  # below the ephemeral range (pdserve.cluster.free_port)
 
 
 def _local_argv(argv: list[str], namespace: str) -> tuple[list[str], dict]:

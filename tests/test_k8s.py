@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from pdserve.cli import build_parser
+from pdserve.cluster import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -444,9 +445,7 @@ def test_network_policies() -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()  # below the ephemeral range (pdserve.cluster.free_port)
 
 
 def _redis_says(port: int, command: bytes) -> bytes:

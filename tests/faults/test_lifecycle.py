@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from pdserve.cluster import free_port
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -28,9 +29,7 @@ GRACE_S = 75.0
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()  # below the ephemeral range (pdserve.cluster.free_port)
 
 
 def _children(pid: int) -> dict[int, str]:

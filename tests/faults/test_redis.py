@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.cluster import free_port
 from pdserve.control.directory import WorkerDirectory
 from pdserve.control.registry import ControlPlaneError, WorkerRegistry
 from pdserve.control.workers import WorkerInfo
@@ -28,9 +29,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()  # below the ephemeral range (pdserve.cluster.free_port)
 
 
 class RedisProc:
