@@ -74,6 +74,10 @@ class _Peer:
             self.ep.abort(period=_ABORT_PERIOD_NS)
 
 
+class _Unreachable(KVTransferError):
+    """No endpoint to the receiver could be made (`KVSender._request`)."""
+
+
 class _Retry(Exception):
     """A reused endpoint turned out dead before the receiver answered our request (it may
     have closed it as idle just then): safe to send again on a new one, since a receiver
@@ -154,18 +158,8 @@ class KVSender:
             if descriptor_id is not None:
                 address = (await self._descriptor(descriptor_id, remaining())).ucx_address
             assert address is not None
-            for attempt in range(2):
-                peer = await self._peer(address, remaining())
-                ping: dict[str, Any] = {"op": "ping", "seq": peer.next_seq()}
-                if self._auth is not None:  # a signed ping authenticates the endpoint
-                    ping = self._auth.sign(ping)
-                try:
-                    reply = await self._exchange(peer, ping, remaining(), retry_ok=attempt == 0)
-                    break
-                except _Retry:
-                    continue
-            else:
-                raise AssertionError("unreachable: the second attempt never retries")
+            # Signed when authenticated: a signed ping authenticates the endpoint.
+            peer, _, reply = await self._request(address, {"op": "ping"}, remaining)
             if reply.get("op") != "pong":
                 raise self._protocol_failure(peer, f"expected pong, got {reply.get('op')!r}")
             if descriptor_id is not None and reply.get("descriptor_id") != descriptor_id:
@@ -239,23 +233,11 @@ class KVSender:
             }
             if self._integrity:
                 request["digests"] = await self._digests(src, runs)
-            for attempt in range(2):
-                try:
-                    peer = await self._peer(desc.ucx_address, remaining())
-                except KVTransferError:
-                    self.forget_descriptor(descriptor_id)  # the worker may have moved
-                    raise
-                seq = peer.next_seq()
-                frame = {**request, "seq": seq}
-                if self._auth is not None:
-                    frame = self._auth.sign(frame)
-                try:
-                    reply = await self._exchange(peer, frame, remaining(), retry_ok=attempt == 0)
-                    break
-                except _Retry:
-                    continue
-            else:
-                raise AssertionError("unreachable: the second attempt never retries")
+            try:
+                peer, seq, reply = await self._request(desc.ucx_address, request, remaining)
+            except _Unreachable:
+                self.forget_descriptor(descriptor_id)  # the worker may have moved
+                raise
             if reply.get("op") == "reject":
                 code = str(reply.get("code", Code.PROTOCOL_ERROR))
                 if code == Code.STALE_DESCRIPTOR:
@@ -292,6 +274,27 @@ class KVSender:
         return result
 
     # ------------------------------------------------------------------ steps
+
+    async def _request(self, address: str, request: Mapping[str, Any],
+                       remaining: Callable[[], float]) -> tuple[_Peer, int, dict[str, Any]]:
+        """Send `request` with a fresh seq (signed when authenticated) and take its reply:
+        (peer, seq, reply). A reused endpoint that died before any reply is replaced and the
+        request sent once more (the receiver failed whatever it took on the dead one). A
+        failure to connect raises `_Unreachable` (a KVTransferError)."""
+        for attempt in range(2):
+            try:
+                peer = await self._peer(address, remaining())
+            except KVTransferError as exc:
+                raise _Unreachable(exc.message, code=exc.code) from exc
+            frame = {**request, "seq": peer.next_seq()}
+            if self._auth is not None:
+                frame = self._auth.sign(frame)
+            try:
+                return peer, frame["seq"], await self._exchange(
+                    peer, frame, remaining(), retry_ok=attempt == 0)
+            except _Retry:
+                continue
+        raise AssertionError("unreachable: the second attempt never retries")
 
     async def _digests(self, src: PoolBytes, runs: list[tuple[int, int, int]]) -> list[str]:
         """One digest per source run, hashed in a thread (the event loop keeps serving)
