@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: install run test lint typecheck bench clean
+.PHONY: install run test test-fast lint typecheck bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ run: install
 test: install
 	$(BIN)/pdserve model pull
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# The fast loop: every test that starts no process and takes well under a few seconds
+# (tests/conftest.py marks the rest `slow`). `make test` runs everything.
+test-fast: install
+	$(BIN)/pdserve model pull
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow"
 
 lint: install
 	$(BIN)/ruff check .

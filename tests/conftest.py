@@ -19,6 +19,33 @@ from conftest_redis import redis_server  # noqa: F401
 # their configured host (kvxfer.listen), which only takes if it comes before libucxx.
 import kvxfer  # noqa: F401
 
+# A module that starts processes (clusters, workers, redis-server, kubectl, compose's
+# commands, mypy) is `slow`: `make test-fast` runs the rest (`-m "not slow"`).
+_STARTS_PROCESSES = ("LocalCluster", "cluster_util", "subprocess", "Popen", "redis_server")
+# In-process tests that take seconds each here (a GGUF conversion, a compiler killed mid-build,
+# whole-engine runs against the transformers reference, schemathesis): slow too.
+_SLOW_IN_PROCESS = (
+    "test_model_store.py::test_gguf_path_converts_into_cache_with_identical_logits",
+    "test_kernels.py::test_killed_build_does_not_block_later_loads",
+    "test_engine_disagg.py::",
+    "test_engine_reference.py::",
+    "test_gateway_hostile.py::test_schemathesis",
+    "test_resume.py::test_resume_through_remote_prefill",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    verdicts: dict[Path, bool] = {}
+    for item in items:
+        path = Path(item.path)
+        slow = verdicts.get(path)
+        if slow is None:
+            text = path.read_text(errors="replace")
+            slow = verdicts[path] = path.parent.name == "faults" or any(
+                word in text for word in _STARTS_PROCESSES)
+        if slow or any(part in item.nodeid for part in _SLOW_IN_PROCESS):
+            item.add_marker(pytest.mark.slow)
+
 # Eight varied prompts; the last is over 1,000 tokens.
 PROMPTS = [
     "The capital of France is",
