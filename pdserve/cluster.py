@@ -194,7 +194,8 @@ class LocalCluster:
             subprocess.run([sys.executable, "-m", "pdserve.cli", "certs", "--out",
                             str(self.tls_dir), *hosts], check=True, timeout=120,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.env = {**os.environ, **(env or {})}
+        # Unbuffered: a child that crashes leaves its last log lines behind.
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         if cluster_secret is None:
             cluster_secret = self.env.get(CLUSTER_SECRET_ENV, "")
         if cluster_secret:
@@ -205,6 +206,8 @@ class LocalCluster:
         if redis_url:
             self.env[REDIS_URL_ENV] = redis_url
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._argv: dict[str, list[str]] = {}  # how each child was started
+        self._restarted: set[str] = set()  # children restarted after a crash at startup
         self._redis: subprocess.Popen[bytes] | None = None
 
     @property
@@ -268,7 +271,22 @@ class LocalCluster:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                 preexec_fn=functools.partial(die_with_parent, os.getpid()))
         self.procs[name] = proc
+        self._argv[name] = argv
         return proc
+
+    def _restart_crashed(self, name: str, proc: subprocess.Popen[bytes]) -> bool:
+        """A child killed by a signal before the cluster was first ready (a crash, not an
+        exit) is started again, once, with the same arguments; its log is kept beside."""
+        if proc.returncode is None or proc.returncode >= 0 or name in self._restarted:
+            return False
+        self._restarted.add(name)
+        log_path = self.log_dir / f"{name}.log"
+        crashed = log_path.with_suffix(".crashed.log")
+        log_path.replace(crashed)
+        print(f"pdserve cluster: {name} crashed while starting (signal {-proc.returncode}); "
+              f"starting it again once (its log: {crashed})", file=sys.stderr, flush=True)
+        self._spawn(name, self._argv[name])
+        return True
 
     def _pdserve(self, *args: str) -> list[str]:
         # The Redis URL is in self.env (start_redis / start), not here: it may hold a password.
@@ -355,7 +373,7 @@ class LocalCluster:
             "router", "--port", str(self.grpc_port), "--http-port", str(self.http_port),
             *self._tls_args("router"), *self.router_args))
         wait_port(self.http_port, router, max(0.0, deadline - time.monotonic()), "router")
-        self.wait_ready(max(0.0, deadline - time.monotonic()))
+        self.wait_ready(max(0.0, deadline - time.monotonic()), restart_crashed=True)
         return self
 
     def auth_headers(self) -> dict[str, str]:
@@ -365,16 +383,20 @@ class LocalCluster:
         keys = api_keys_from_argv(self.router_args) or api_keys_from_env(self.env)
         return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
 
-    def wait_ready(self, timeout_s: float = 300) -> None:
-        """Until every worker is registered with the router (its gateway's worker listing)."""
+    def wait_ready(self, timeout_s: float = 300, *, restart_crashed: bool = False) -> None:
+        """Until every worker is registered with the router (its gateway's worker listing).
+        `restart_crashed` (the first start): a worker killed by a signal meanwhile is started
+        again once (`_restart_crashed`); otherwise any child that exited is an error."""
         import httpx
 
         deadline = time.monotonic() + timeout_s
         want = self.n_decode + self.n_prefill
         headers, verify = self.auth_headers(), self.http_verify()
         while True:
-            for name, p in self.procs.items():
+            for name, p in list(self.procs.items()):
                 if p.poll() is not None:
+                    if restart_crashed and name != "router" and self._restart_crashed(name, p):
+                        continue
                     raise RuntimeError(f"{name} exited with code {p.returncode}; see "
                                        f"{self.log_dir / (name + '.log')}")
             try:
