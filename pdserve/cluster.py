@@ -11,8 +11,6 @@ A library module: it imports nothing from the CLI, and runs each process through
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import json
 import os
 import random
@@ -29,6 +27,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
+
+from pdserve.deathsig import guarded
 
 API_KEY_ENV = "PDSERVE_API_KEY"  # comma-separated keys
 CLUSTER_SECRET_ENV = "PDSERVE_CLUSTER_SECRET"  # pdserve.rpc.auth reads it
@@ -75,21 +75,6 @@ def api_keys_from_argv(argv: Iterable[str]) -> list[str]:
             elif i + 1 < len(args):
                 values.append(args[i + 1])
     return split_keys(values)
-
-
-def die_with_parent(parent: int, sig: signal.Signals = signal.SIGTERM) -> None:
-    """Ask Linux to send `sig` to this process when its parent dies (PR_SET_PDEATHSIG): a
-    `subprocess.Popen` preexec_fn, ``functools.partial(die_with_parent, os.getpid())``, so
-    no child outlives a SIGKILLed supervisor. `parent` is the supervisor's pid, taken before
-    the fork: if it is already gone, the signal comes at once. A no-op off Linux."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_set_pdeathsig = 1
-    if libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0) != 0:
-        return
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os.kill(os.getpid(), sig)
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -206,8 +191,6 @@ class LocalCluster:
         if redis_url:
             self.env[REDIS_URL_ENV] = redis_url
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._argv: dict[str, list[str]] = {}  # how each child was started
-        self._restarted: set[str] = set()  # children restarted after a crash at startup
         self._redis: subprocess.Popen[bytes] | None = None
 
     @property
@@ -268,25 +251,10 @@ class LocalCluster:
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         log = open(self.log_dir / f"{name}.log", "wb")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        proc = subprocess.Popen(guarded(argv), stdout=log, stderr=subprocess.STDOUT,
+                                env=self.env)
         self.procs[name] = proc
-        self._argv[name] = argv
         return proc
-
-    def _restart_crashed(self, name: str, proc: subprocess.Popen[bytes]) -> bool:
-        """A child killed by a signal before the cluster was first ready (a crash, not an
-        exit) is started again, once, with the same arguments; its log is kept beside."""
-        if proc.returncode is None or proc.returncode >= 0 or name in self._restarted:
-            return False
-        self._restarted.add(name)
-        log_path = self.log_dir / f"{name}.log"
-        crashed = log_path.with_suffix(".crashed.log")
-        log_path.replace(crashed)
-        print(f"pdserve cluster: {name} crashed while starting (signal {-proc.returncode}); "
-              f"starting it again once (its log: {crashed})", file=sys.stderr, flush=True)
-        self._spawn(name, self._argv[name])
-        return True
 
     def _pdserve(self, *args: str) -> list[str]:
         # The Redis URL is in self.env (start_redis / start), not here: it may hold a password.
@@ -313,8 +281,8 @@ class LocalCluster:
             f.write(f'port {port}\nbind 127.0.0.1\nsave ""\nappendonly no\n'
                     f"requirepass {password}\n")
         self._redis = subprocess.Popen(
-            [exe, str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            cwd=self.log_dir, preexec_fn=functools.partial(die_with_parent, os.getpid()))
+            guarded([exe, str(config)]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cwd=self.log_dir)
         wait_port(port, self._redis, 10, "redis-server")
         return f"redis://:{password}@127.0.0.1:{port}/0"
 
@@ -373,7 +341,7 @@ class LocalCluster:
             "router", "--port", str(self.grpc_port), "--http-port", str(self.http_port),
             *self._tls_args("router"), *self.router_args))
         wait_port(self.http_port, router, max(0.0, deadline - time.monotonic()), "router")
-        self.wait_ready(max(0.0, deadline - time.monotonic()), restart_crashed=True)
+        self.wait_ready(max(0.0, deadline - time.monotonic()))
         return self
 
     def auth_headers(self) -> dict[str, str]:
@@ -383,20 +351,16 @@ class LocalCluster:
         keys = api_keys_from_argv(self.router_args) or api_keys_from_env(self.env)
         return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
 
-    def wait_ready(self, timeout_s: float = 300, *, restart_crashed: bool = False) -> None:
-        """Until every worker is registered with the router (its gateway's worker listing).
-        `restart_crashed` (the first start): a worker killed by a signal meanwhile is started
-        again once (`_restart_crashed`); otherwise any child that exited is an error."""
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        """Until every worker is registered with the router (its gateway's worker listing)."""
         import httpx
 
         deadline = time.monotonic() + timeout_s
         want = self.n_decode + self.n_prefill
         headers, verify = self.auth_headers(), self.http_verify()
         while True:
-            for name, p in list(self.procs.items()):
+            for name, p in self.procs.items():
                 if p.poll() is not None:
-                    if restart_crashed and name != "router" and self._restart_crashed(name, p):
-                        continue
                     raise RuntimeError(f"{name} exited with code {p.returncode}; see "
                                        f"{self.log_dir / (name + '.log')}")
             try:

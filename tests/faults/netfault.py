@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import random
 import shutil
@@ -33,7 +32,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.cluster import die_with_parent, free_port, wait_port
+from pdserve.cluster import free_port, wait_port
+from pdserve.deathsig import guarded
 
 CLI = [sys.executable, "-m", "pdserve.cli"]
 
@@ -140,9 +140,8 @@ class Procs:
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> \
             subprocess.Popen[bytes]:
         log = open(self.log_dir / f"{name}.log", "wb")
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                             env={**os.environ, **(env or {})},
-                             preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        p = subprocess.Popen(guarded(argv), stdout=log, stderr=subprocess.STDOUT,
+                             env={**os.environ, **(env or {})})
         self.procs[name] = p
         return p
 
