@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from kvxfer.auth import KVAuth
 from kvxfer.sender import KVSender
 from pdserve.control.directory import WorkerDirectory
+from pdserve.control.kv_events import KVEventPublisher, KVEventStreams
 from pdserve.control.load import WorkerLoad
 from pdserve.control.registry import ControlPlaneError, WorkerRegistry
 from pdserve.control.signing import signer_for
@@ -99,6 +100,12 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
             info = WorkerInfo(worker_id=config.worker_id, role="prefill", grpc_address=address,
                               model_id=engine.layout.model_id, epoch=epoch,
                               started_at=time.time(), load=load())
+            # Prefix-cache events, as a decode worker publishes them (same stream, numbering
+            # and snapshots): the router prices a remote prefill by what this cache lacks.
+            kv_events = KVEventPublisher(
+                KVEventStreams(registry), aengine, lambda: aengine.kv_event_count,
+                worker_id=config.worker_id, epoch=epoch, block_size=engine.config.block_size)
+            await kv_events.start()
             await registry.register(info, config.lease_ttl_s, heartbeat_s=config.heartbeat_s,
                                     load_fn=load)
             await transport.set_serving(health, SERVICE)
@@ -118,4 +125,5 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
             await worker.drained(config.drain_timeout_s)  # pending prefills and transfers
             await server.stop(grace=5.0)
             warm_task.cancel()
+            await kv_events.close()
     log.info("prefill_worker_stopped", worker_id=config.worker_id)

@@ -1,5 +1,6 @@
-"""Keeps a router's KVIndex equal to the decode workers' prefix caches, from their KV event
-streams (pdserve.control.kv_events): one task, one XREAD over every followed stream.
+"""Keeps a router's KVIndex equal to the workers' prefix caches (decode and prefill workers
+alike), from their KV event streams (pdserve.control.kv_events): one task, one XREAD over
+every followed stream.
 
 A worker that joins is read from the start of its stream (its epoch's opening snapshot, or,
 if the stream was trimmed, a gap that asks for a fresh snapshot); one that leaves the
@@ -53,7 +54,7 @@ class KVIndexFollower:
                                      "for a snapshot (a gap in its KV event stream, a "
                                      "malformed entry, too many blocks)", registry=reg)
         Gauge("pdserve_router_kv_index_blocks", "Distinct prefix blocks the router's index "
-              "knows a decode worker holds", registry=reg).set_function(
+              "knows a worker (decode or prefill) holds", registry=reg).set_function(
                   lambda: index.num_blocks)
         self.malformed_total = Counter("pdserve_router_kv_events_malformed_total",
                                        "KV event entries refused (malformed, unsigned or "

@@ -1,4 +1,8 @@
-"""An exact index of which decode worker holds which prefix block, kept from KV events.
+"""An exact index of which worker holds which prefix block, kept from KV events.
+
+Decode and prefill workers are indexed alike, in one index: worker ids are unique across
+roles (one registry key per id), a prompt's walk answers for both roles at once, and the
+caller picks the candidates of each role from the answer (router.placement).
 
 Workers publish every block their prefix cache stores or evicts (pdserve.kv_events); the
 router folds those batches in here, in order, and asks this index, not the workers, how much
@@ -52,7 +56,7 @@ class _Worker:
 
 
 class KVIndex:
-    """Block hash -> holders, for every decode worker the caller follows."""
+    """Block hash -> holders, for every worker the caller follows (any role)."""
 
     def __init__(self, *, max_blocks_per_worker: int = 1 << 22):
         self.max_blocks_per_worker = max_blocks_per_worker

@@ -10,7 +10,6 @@ import dataclasses
 import itertools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -31,65 +30,24 @@ from pdserve.types import (
     TokenEvent,
 )
 from router import placement
-from router.admission import AdmissionConfig, AdmissionController, Ticket
+from router.admission import AdmissionController, Ticket
 from router.clients import (
     DecodeClient,
     WorkerChannels,
 )
+from router.config import RouterConfig
 from router.cost import CostModel, prefill_capacity
 from router.kv_follow import KVIndexFollower
 from router.kv_index import KVIndex
 from router.ledger import PlacementLedger
-from router.liveness import Liveness, LivenessConfig
+from router.liveness import Liveness
 from router.metrics import RouterMetrics
 from router.placement import DecodeTable
-from router.policy import Decision, Route, RouterPolicy
-from router.remote import RemotePrefillFailed, RemoteTimeouts, describe, remote_prefill
+from router.policy import Decision, Route
+from router.remote import RemotePrefillFailed, describe, remote_prefill
 from router.timings import StageClock
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    policy: RouterPolicy = field(default_factory=RouterPolicy)
-    allocate_timeout_s: float = 5.0
-    prefill_timeout_s: float = 30.0
-    transfer_timeout_s: float = 30.0
-    first_token_timeout_s: float = 120.0  # local prefill of a long prompt on a busy worker
-    token_timeout_s: float = 60.0  # between two tokens of a running stream
-    max_decode_attempts: int = 2  # placements of a request before its first token
-    # A stream whose decode worker dies or hangs moves to another one, resuming after the
-    # tokens the client has, at most this many times; then the request fails (503).
-    max_migrations: int = 2
-    # A worker whose lease lapsed is probed once with this deadline: no answer means it is
-    # dead or hung, and its requests move (a draining worker answers and keeps its streams).
-    lost_probe_timeout_s: float = 2.0
-    # A stream that gets nothing for this long has its worker probed (see above): a worker
-    # that keeps its lease but does not answer is treated as lost too.
-    stall_probe_s: float = 5.0
-    stall_probe_failures: int = 3  # probes in a row a registered worker must miss
-    drain_grace_s: float = 300.0  # streams on a worker that left may finish within this
-    prefill_report_wait_s: float = 1.0  # at a stream's end, for the prefill worker's timings
-    # While Redis is unreachable, route on the last known workers for at most this long.
-    directory_max_staleness_s: float = 30.0
-    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    cost: CostModel = field(default_factory=CostModel)  # policy.placement == "cost"
-
-    @property
-    def liveness(self) -> LivenessConfig:
-        return LivenessConfig(lost_probe_timeout_s=self.lost_probe_timeout_s,
-                              stall_probe_s=self.stall_probe_s,
-                              stall_probe_failures=self.stall_probe_failures,
-                              drain_grace_s=self.drain_grace_s)
-
-    @property
-    def remote(self) -> RemoteTimeouts:
-        return RemoteTimeouts(allocate_timeout_s=self.allocate_timeout_s,
-                              prefill_timeout_s=self.prefill_timeout_s,
-                              transfer_timeout_s=self.transfer_timeout_s,
-                              token_timeout_s=self.token_timeout_s,
-                              prefill_report_wait_s=self.prefill_report_wait_s)
 
 
 class WorkerLostError(CapacityError):
@@ -105,14 +63,15 @@ _WORKER_FAILURES = (CapacityError, WorkerTimeoutError, TimeoutError)
 class Router:
     def __init__(self, registry: WorkerRegistry, tokenizer: Tokenizer, *, model_name: str,
                  max_model_len: int, config: RouterConfig | None = None,
-                 metrics_registry: CollectorRegistry | None = None, poll_s: float = 0.25,
+                 metrics_registry: CollectorRegistry | None = None, poll_s: float | None = None,
                  channels: WorkerChannels | None = None, model_id: str | None = None):
         self.config = config or RouterConfig()
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.directory = WorkerDirectory(
-            registry, poll_s=poll_s, max_staleness_s=self.config.directory_max_staleness_s,
+            registry, poll_s=self.config.directory_poll_s if poll_s is None else poll_s,
+            max_staleness_s=self.config.directory_max_staleness_s,
             model_id=model_id, any_format=True)  # None: any model (emulated workers)
         self._channels = channels or WorkerChannels()  # the router closes it
         self.ledger = PlacementLedger()  # what this router placed where (in-flight accounting)
@@ -126,11 +85,13 @@ class Router:
         self.metrics = RouterMetrics(self.metrics_registry)
         self.liveness = Liveness(self.config.liveness, self.directory, self._channels,
                                  self.metrics.workers_lost, self._spawn)
-        # What each decode worker's prefix cache holds, from its KV events (router.kv_index).
+        # What each worker's prefix cache holds (decode and prefill workers: the ids are one
+        # namespace), from its KV events (router.kv_index).
         self.kv_index = KVIndex()
         self.kv_follower = KVIndexFollower(
             KVEventStreams(registry), self.kv_index,
-            lambda: [w.worker_id for w in self.workers("decode")],
+            lambda: [w.worker_id for w in self.directory.snapshot().values()
+                     if w.role in ("decode", "prefill")],
             metrics_registry=self.metrics_registry)
         self.admission = AdmissionController(self.config.admission)
         self.metrics.gauges(in_flight=lambda: self.admission.in_flight,
