@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from dataclasses import dataclass
 
 import structlog
 from prometheus_client import CollectorRegistry
 
 from decode_svc import servicer
+from decode_svc.config import DecodeConfig
 from decode_svc.metrics import DecodeMetrics
 from decode_svc.worker import DecodeWorker
 from kvxfer.auth import KVAuth
@@ -27,19 +27,9 @@ from pdserve.engine.metrics import labelled_registry
 from pdserve.engine.model_store import resolve_model
 from pdserve.rpc import auth, transport
 from pdserve.runtime import metrics_server, start_server
-from pdserve.worker_config import WorkerConfig
 
 log = structlog.get_logger(__name__)
 SERVICE = "pdserve.v1.DecodeWorker"
-
-
-@dataclass(frozen=True)
-class DecodeConfig(WorkerConfig):
-    ucx_host: str = "127.0.0.1"  # the UCX address advertised (the listener binds `host`)
-    alloc_lease_s: float = 30.0  # an unclaimed remote allocation's lease, when none is asked
-    max_alloc_lease_s: float = 120.0  # cap on the lease a caller asks for
-    max_kv_wait_s: float = 120.0  # cap on a claimed allocation's wait for its KV
-    max_pending_kv_fraction: float = 0.5  # of the pool, at most this waits for transfers
 
 
 def _kv_auth(config: DecodeConfig, registry: WorkerRegistry,

@@ -2,13 +2,16 @@
 router, `pdserve cluster up` and `python -m pdserve.gateway`): one spelling, one help text,
 one validation for each of model, engine, API-key and logging flags.
 
-Only argparse and the standard library at import time; the engine's config is imported when
-a command builds it.
+Flags that set a config field are generated from it (pdserve.settings): the engine's from
+`ENGINE_SETTINGS` and EngineConfig's defaults, the router's and workers' from their config
+dataclasses. Only argparse, the standard library and pdserve.settings at import time; the
+config classes are imported when a parser is built.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import logging
 import math
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.cluster import api_keys_from_env, split_keys
+from pdserve.settings import Flag, Setting, add_flags, table_flags, to_argv, values
 
 DTYPES = ("float32", "bfloat16", "float16", "int8")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -149,56 +153,59 @@ def add_model_arg(p: argparse.ArgumentParser) -> None:
                    "none: 'default')")
 
 
+# EngineConfig (pdserve.engine.config) fields that are flags; their defaults are its own.
+ENGINE_SETTINGS = {
+    "kv_cache_bytes": Setting("KV cache pool size in MiB", flag="--kv-cache-mb", scale=1 << 20,
+                              metavar="MIB", ge=1, group="engine"),
+    "block_size": Setting("tokens per KV cache block (a power of two)", ge=1, group="engine"),
+    "max_num_seqs": Setting("most sequences scheduled in one engine step", ge=1,
+                            group="engine"),
+    "max_num_batched_tokens": Setting("most tokens (prefill + decode) in one engine step",
+                                      ge=1, group="engine"),
+    "max_prefill_chunk": Setting("most prompt tokens of one sequence prefilled per step "
+                                 "(chunked prefill)", ge=1, group="engine"),
+    "num_threads": Setting("torch intra-op threads (default: the CPUs this process may run "
+                           "on)", flag="--threads", kind=int, ge=1, group="engine"),
+    "device": Setting("torch device of the engine", group="engine"),
+    "dtype": Setting("weights: float32 (exact); bfloat16/float16 (needs native bf16 on CPU); "
+                     "int8 (per-channel int8 weights, per-token int8 activations)",
+                     choices=DTYPES, group="engine"),
+}
+
+
+def engine_flags() -> list[Flag]:
+    """The engine's flags, with EngineConfig's defaults."""
+    from pdserve.engine.config import EngineConfig
+
+    return table_flags(EngineConfig, ENGINE_SETTINGS)
+
+
 def add_engine_args(p: argparse.ArgumentParser, *, model: bool = True) -> None:
     """--model and the engine's flags (KV cache, batch limits, threads, device, dtype)."""
     if model:
         add_model_arg(p)
-    g = p.add_argument_group("engine")
-    g.add_argument("--kv-cache-mb", type=positive_int, default=512,
-                   help="KV cache pool size in MiB")
-    g.add_argument("--block-size", type=positive_int, default=16,
-                   help="tokens per KV cache block")
-    g.add_argument("--max-num-seqs", type=positive_int, default=64,
-                   help="most sequences scheduled in one engine step")
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
-                   help="most tokens (prefill + decode) in one engine step")
-    g.add_argument("--max-prefill-chunk", type=positive_int, default=512,
-                   help="most prompt tokens of one sequence prefilled per step (chunked "
-                   "prefill)")
-    g.add_argument("--threads", type=positive_int, default=None,
-                   help="torch intra-op threads (default: the CPUs this process may run on)")
-    g.add_argument("--device", default="cpu", help="torch device of the engine")
-    g.add_argument("--dtype", default="float32", choices=DTYPES,
-                   help="weights: float32 (exact); bfloat16/float16 (needs native bf16 on "
-                   "CPU); int8 (per-channel int8 weights, per-token int8 activations)")
+    add_flags(p, engine_flags())
 
 
-ENGINE_FLAGS = ("kv_cache_mb", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                "max_prefill_chunk", "threads", "device", "dtype")
+ENGINE_FLAGS = tuple(s.flag.removeprefix("--").replace("-", "_") if s.flag else name
+                     for name, s in ENGINE_SETTINGS.items())
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine flags of ``args`` as a command line (for workers a cluster starts);
-    unset ones (None) are left out so the worker's own default applies."""
-    argv: list[str] = []
-    for name in ENGINE_FLAGS:
-        value = getattr(args, name)
-        if value is not None:
-            argv += [f"--{name.replace('_', '-')}", str(value)]
-    return argv
+    """The engine flags of ``args`` that differ from their defaults, as a command line (for
+    workers a cluster starts: unset ones keep the worker's own default, the same one)."""
+    return to_argv(engine_flags(), args)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> Any:
     """The EngineConfig the engine flags in ``args`` describe."""
     from pdserve.engine.config import EngineConfig
 
-    threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                               else None)
-    return EngineConfig(
-        block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_prefill_chunk=args.max_prefill_chunk, num_threads=threads, device=args.device,
-        dtype=args.dtype)
+    given = {path[-1]: value for path, value in values(engine_flags(), args).items()}
+    if given.get("num_threads") is None:
+        given["num_threads"] = (len(os.sched_getaffinity(0))
+                                if hasattr(os, "sched_getaffinity") else None)
+    return EngineConfig(**given)
 
 
 class _DeprecatedKeyList(argparse.Action):
@@ -397,39 +404,33 @@ def check_log_level(level: str) -> int:
         raise ValueError(str(exc)) from None
 
 
+def admission_flags() -> list[Any]:
+    """The admission flags (`router.config.ADMISSION_SETTINGS`), as `pdserve.settings.Flag`s
+    relative to `router.admission.AdmissionConfig`."""
+    from pdserve.settings import flags
+    from router.config import RouterConfig
+
+    return [dataclasses.replace(f, path=f.path[1:]) for f in flags(RouterConfig)
+            if f.path[0] == "admission"]
+
+
 def add_admission_args(p: argparse.ArgumentParser) -> None:
-    """The router's admission control (`router.admission`)."""
-    p.add_argument("--max-in-flight", type=positive_int, default=256,
-                   help="requests the router holds at once (admitted, not finished); more get "
-                   "HTTP 429 / RESOURCE_EXHAUSTED (batch first: it may fill 75%%, standard 90%%)")
-    p.add_argument("--ttft-deadline", action="append", default=[], metavar="CLASS=SECONDS",
-                   help="first-token deadline of a latency class, repeatable (defaults: "
-                   "interactive=10 standard=30 batch=120); a request predicted to miss it "
-                   "is refused early")
-    p.add_argument("--deadline-factor", type=positive_float, default=4.0, metavar="FACTOR",
-                   help="an admitted request with no first token by FACTOR x its class's "
-                   "deadline ends with a retryable 503 + Retry-After (1: the deadline itself, "
-                   "so a request is answered in time or refused; more lets late answers finish)")
-    p.add_argument("--no-admission", action="store_true",
-                   help="admit everything (no in-flight cap, no early refusal)")
+    """The router's admission flags alone (`pdserve router` has them among all its own)."""
+    from pdserve.settings import add_flags
+
+    add_flags(p, admission_flags())
 
 
 def admission_argv(args: argparse.Namespace) -> list[str]:
-    """The admission flags of `args`, to pass on to a router process."""
-    argv = ["--max-in-flight", str(args.max_in_flight)]
-    argv += [a for spec in args.ttft_deadline for a in ("--ttft-deadline", spec)]
-    argv += ["--deadline-factor", str(args.deadline_factor)]
-    return argv + (["--no-admission"] if args.no_admission else [])
+    """The admission flags of `args` that differ from their defaults, as a command line."""
+    from pdserve.settings import to_argv
+
+    return to_argv(admission_flags(), args)
 
 
 def admission_config_from_args(args: argparse.Namespace) -> Any:
     """An AdmissionConfig; argparse.ArgumentTypeError for a bad --ttft-deadline."""
-    from router.admission import AdmissionConfig, parse_deadlines
+    from pdserve.settings import values
+    from router.admission import AdmissionConfig
 
-    try:
-        deadlines = parse_deadlines(args.ttft_deadline)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"--ttft-deadline: {exc}") from None
-    return AdmissionConfig(enabled=not args.no_admission, max_in_flight=args.max_in_flight,
-                           ttft_deadlines_s=deadlines,
-                           first_token_deadline_factor=args.deadline_factor)
+    return AdmissionConfig(**{path[-1]: v for path, v in values(admission_flags(), args).items()})

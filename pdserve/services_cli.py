@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.cli_args import (
-    add_admission_args,
     add_api_key_args,
     add_cluster_secret_arg,
     add_engine_args,
@@ -24,8 +23,6 @@ from pdserve.cli_args import (
     add_log_level_arg,
     add_model_arg,
     add_tls_args,
-    admission_argv,
-    admission_config_from_args,
     api_key_policies,
     api_keys,
     cluster_secret,
@@ -46,6 +43,7 @@ from pdserve.cluster import (
     redact_url,
     stream_completion,
 )
+from pdserve.settings import add_flags, flags, from_args, to_argv
 
 __all__ = ["LocalCluster", "parse_cpus", "register"]
 
@@ -169,41 +167,65 @@ def _served_name(args: argparse.Namespace) -> str | None:
     return args.served_model_name or served_name_default(args.model)
 
 
-def _worker_settings(args: argparse.Namespace, role: str) -> dict[str, Any]:
-    """The WorkerConfig fields every worker takes from its flags (`_worker_parser`)."""
-    return dict(worker_id=args.worker_id or _worker_id(role), redis_url=_redis_url(args),
-                model=args.model, engine=engine_config_from_args(args), host=args.host,
-                port=args.port, advertise_host=_advertise_host(args),
-                metrics_port=args.metrics_port, namespace=args.namespace,
-                served_model_name=_served_name(args), drain_timeout_s=args.drain_timeout,
-                cluster_secret=cluster_secret(args), max_requests=args.max_requests,
-                max_message_bytes=args.max_message_bytes,
-                max_concurrent_rpcs=args.max_concurrent_rpcs,
-                tls=tls_config(args))
+def _worker_config(cls: type, args: argparse.Namespace, role: str, **given: Any) -> Any:
+    """The worker's one config: its flags (the `setting()` fields of `cls`) and the rest."""
+    try:
+        return from_args(
+            cls, args, worker_id=args.worker_id or _worker_id(role), redis_url=_redis_url(args),
+            model=args.model, engine=engine_config_from_args(args), host=args.host,
+            advertise_host=_advertise_host(args), namespace=args.namespace,
+            served_model_name=_served_name(args), cluster_secret=cluster_secret(args),
+            tls=tls_config(args), **given)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise _config_error(args, exc) from None
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
-    from decode_svc.main import DecodeConfig, run_decode
+    from decode_svc.config import DecodeConfig
+    from decode_svc.main import run_decode
 
     secret = cluster_secret(args)
     warn = _fail_closed(args, "decode_worker", missing_credentials(secret=secret))
+    cfg = _worker_config(DecodeConfig, args, "decode", ucx_host=_advertise_host(args))
     _ucx_on_loopback(args)
     _place_process(args)
-    cfg = DecodeConfig(**_worker_settings(args, "decode"), ucx_host=_advertise_host(args))
     return _run_until_signal(lambda stop: run_decode(cfg, stop), args.log_level,
                              cfg.drain_timeout_s + _STOP_SLACK_S, warn)
 
 
 def _cmd_prefill(args: argparse.Namespace) -> int:
-    from prefill_svc.main import PrefillConfig, run_prefill
+    from prefill_svc.config import PrefillConfig
+    from prefill_svc.main import run_prefill
 
     secret = cluster_secret(args)
     warn = _fail_closed(args, "prefill_worker", missing_credentials(secret=secret))
+    cfg = _worker_config(PrefillConfig, args, "prefill")
     _ucx_on_loopback(args)
     _place_process(args)
-    cfg = PrefillConfig(**_worker_settings(args, "prefill"))
     return _run_until_signal(lambda stop: run_prefill(cfg, stop), args.log_level,
                              cfg.drain_timeout_s + _STOP_SLACK_S, warn)
+
+
+def _config_error(args: argparse.Namespace, exc: Exception) -> SystemExit:
+    """A config that its own checks refuse (a combination no single flag's type catches):
+    a usage error, exit code 2."""
+    command = " ".join(filter(None, (args.command, getattr(args, "cluster_command", None))))
+    print(f"pdserve {command}: error: {exc}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def _router_config(args: argparse.Namespace, keys: frozenset[str], secret: Any) -> Any:
+    """The router process's one config: its flags (`router.config`) and the rest."""
+    from router.config import RouterProcessConfig
+
+    try:
+        return from_args(
+            RouterProcessConfig, args, redis_url=_redis_url(args), model=args.model,
+            namespace=args.namespace, host=args.host, api_keys=keys,
+            key_policies=api_key_policies(args), served_model_name=_served_name(args),
+            cluster_secret=secret, tls=tls_config(args))
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise _config_error(args, exc) from None
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
@@ -216,25 +238,9 @@ def _cmd_router(args: argparse.Namespace) -> int:
         exposed()
         warn_no_api_keys(keys, "router")
 
-    from router.main import RouterProcessConfig, run_router
-    from router.policy import RouterPolicy
-    from router.router import RouterConfig
+    from router.main import run_router
 
-    cfg = RouterProcessConfig(
-        redis_url=_redis_url(args), model=args.model, namespace=args.namespace, host=args.host,
-        grpc_port=args.port, http_port=args.http_port,
-        api_keys=keys, key_policies=api_key_policies(args),
-        served_model_name=_served_name(args),
-        cluster_secret=secret,
-        drain_timeout_s=args.drain_timeout,
-        metrics_require_auth=args.metrics_require_auth,
-        max_request_bytes=args.max_request_bytes,
-        tls=tls_config(args),
-        router=RouterConfig(policy=RouterPolicy(
-            remote_min_uncached_tokens=args.remote_threshold,
-            max_prefill_backlog_tokens=args.max_prefill_backlog, placement=args.placement),
-            admission=admission_config_from_args(args),
-            directory_max_staleness_s=args.max_directory_staleness))
+    cfg = _router_config(args, keys, secret)
     return _run_until_signal(lambda stop: run_router(cfg, stop), args.log_level,
                              cfg.drain_timeout_s + _STOP_SLACK_S, warn)
 
@@ -247,10 +253,11 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
                                args.insecure)
     if problem:
         raise SystemExit(f"pdserve cluster up: {problem}")
-    router_args = ["--remote-threshold", str(args.remote_threshold),
-                   "--placement", args.placement]
-    router_args += admission_argv(args)
-    router_args += ["--max-directory-staleness", str(args.max_directory_staleness)]
+    try:  # checked here, before anything starts, as the router will check it
+        from_args(_routing_config(), args)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise _config_error(args, exc) from None
+    router_args = to_argv(flags(_routing_config()), args)  # those not at their defaults
     served = _served_name(args)
     worker_args = engine_argv(args)
     if served:
@@ -414,9 +421,6 @@ def _worker_parser(add: Adder, sub: Any, role: str, fn: Callable[..., int]) -> N
     _served_name_arg(p, "in metric labels")
     p.add_argument("--worker-id", default=None,
                    help="name in the registry (default: <role>-<hostname>-<pid>)")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="Prometheus /metrics HTTP port (0: any free port, -1: off)")
     p.add_argument("--cpus", type=parse_cpus, default=None,
                    help="run on these CPUs only, e.g. 0-3 (default: all allowed)")
     p.add_argument("--nice", type=int, default=0,
@@ -425,37 +429,32 @@ def _worker_parser(add: Adder, sub: Any, role: str, fn: Callable[..., int]) -> N
                    help="host the router and other workers use to reach this worker "
                    "(default: --host, or this machine's address when --host is 0.0.0.0; "
                    "env PDSERVE_ADVERTISE_HOST)")
-    p.add_argument("--drain-timeout", type=float, default=60.0,
-                   help="seconds a stopping worker lets in-flight work finish (keep the "
-                   "orchestrator's stop grace period above it)")
-    p.add_argument("--max-requests", type=positive_int, default=256,
-                   help="requests this worker holds at most (queued, running, awaiting KV); "
-                   "more are refused with UNAVAILABLE and the router goes elsewhere")
-    p.add_argument("--max-message-bytes", type=positive_int, default=None,
-                   help="largest gRPC request message, else RESOURCE_EXHAUSTED (default: what "
-                   "a request for the model's whole context can hold: 10 bytes a token + "
-                   "1 MiB 64 KiB; keep it above the router's --max-request-bytes)")
-    p.add_argument("--max-concurrent-rpcs", type=positive_int, default=None,
-                   help="gRPC calls in progress at once, all callers together, else "
-                   "RESOURCE_EXHAUSTED (default: 2 x --max-requests + 64)")
     add_tls_args(p)
+    add_flags(p, flags(_worker_config_class(role)))
     p.set_defaults(func=fn)
 
 
+def _worker_config_class(role: str) -> type:
+    if role == "decode":
+        from decode_svc.config import DecodeConfig
+
+        return DecodeConfig
+    from prefill_svc.config import PrefillConfig
+
+    return PrefillConfig
+
+
+def _routing_config() -> type:
+    from router.config import RouterConfig
+
+    return RouterConfig
+
+
 def _router_flags(p: argparse.ArgumentParser) -> None:
-    """Flags `pdserve router` and `pdserve cluster up` share."""
+    """Flags `pdserve router` and `pdserve cluster up` share: API keys, the served name and
+    every `router.config.RouterConfig` setting (placement, timeouts, liveness, admission)."""
     add_api_key_args(p)
-    add_admission_args(p)
     _served_name_arg(p, "clients send and /v1/models lists")
-    p.add_argument("--max-directory-staleness", type=float, default=30.0,
-                   help="seconds the router keeps routing on its last known workers while "
-                   "Redis is unreachable (then /health says not ready)")
-    p.add_argument("--remote-threshold", type=int, default=256,
-                   help="uncached prompt tokens from which prefill goes to the prefill pool "
-                   "(--placement threshold)")
-    p.add_argument("--placement", choices=("threshold", "cost"), default="threshold",
-                   help="local vs remote prefill: a fixed threshold on uncached tokens, or "
-                   "the predicted TTFT and decode stall from the workers' measured rates")
 
 
 def register(sub: Any, add: Adder) -> None:
@@ -466,19 +465,11 @@ def register(sub: Any, add: Adder) -> None:
     r = add(sub, "router", "run the router (gRPC) and the OpenAI HTTP gateway")
     _common(r)
     add_model_arg(r)
-    r.add_argument("--port", type=int, default=50051, help="gRPC port")
-    r.add_argument("--http-port", type=int, default=8000, help="HTTP gateway port")
     _router_flags(r)
-    r.add_argument("--metrics-require-auth", action="store_true",
-                   help="ask for an API key on /metrics too (default: open to scrapers)")
-    r.add_argument("--max-prefill-backlog", type=int, default=16384,
-                   help="prefill pool backlog (queued tokens) above which prefill stays local")
-    r.add_argument("--max-request-bytes", type=int, default=1 << 20,
-                   help="largest HTTP request body (else 413) and gRPC request message (else "
-                   "RESOURCE_EXHAUSTED)")
-    r.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds a stopping router lets in-flight requests finish")
     add_tls_args(r, client_auth=True, server_name=True)
+    from router.config import RouterProcessConfig
+
+    add_flags(r, flags(RouterProcessConfig))  # the process's and RouterConfig's
     r.set_defaults(func=_cmd_router)
 
     c = add(sub, "cluster", "local cluster on 127.0.0.1")
@@ -511,6 +502,7 @@ def register(sub: Any, add: Adder) -> None:
     add_log_level_arg(g)  # type: ignore[arg-type]
     add_cluster_secret_arg(g)  # type: ignore[arg-type]
     _router_flags(up)
+    add_flags(up, flags(_routing_config()))  # passed on to the router
     add_engine_args(up)  # passed on to every worker
     up.set_defaults(func=_cmd_cluster)
 

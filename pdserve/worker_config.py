@@ -1,15 +1,17 @@
-"""Settings every worker process has, whatever its role."""
+"""Settings every worker process has, whatever its role. Fields made with `setting()` are the
+workers' flags (pdserve.settings): name, default, help and range live here once."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import grpc
-
 from pdserve.engine.config import EngineConfig
+from pdserve.settings import check, setting
 
 if TYPE_CHECKING:
+    import grpc
+
     from pdserve.rpc.auth import ClusterSecret
     from pdserve.rpc.tls import TLSConfig
 
@@ -22,27 +24,47 @@ class WorkerConfig:
     served_model_name: str | None = None  # metric label; None: the model directory's name
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
-    port: int = 0
+    port: int = setting(0, "gRPC port (0: any free port)", ge=0, le=65535)
     advertise_host: str = ""  # how other processes reach us; "": `host`
-    metrics_port: int = 0  # Prometheus text on http://host:metrics_port; 0: any, -1: off
+    metrics_port: int = setting(0, "Prometheus /metrics HTTP port (0: any free port, -1: off)",
+                                ge=-1, le=65535)
     namespace: str = "default"
-    lease_ttl_s: float = 3.0
-    heartbeat_s: float = 1.0
-    drain_timeout_s: float = 60.0
+    lease_ttl_s: float = setting(3.0, "seconds the worker stays listed in the registry after "
+                                 "its last heartbeat (routers drop it then)", flag="--lease-ttl",
+                                 gt=0)
+    heartbeat_s: float = setting(1.0, "seconds between heartbeats (lease renewal and load "
+                                 "record); less than --lease-ttl", gt=0)
+    drain_timeout_s: float = setting(60.0, "seconds a stopping worker lets in-flight work "
+                                     "finish (keep the orchestrator's stop grace period above "
+                                     "it)", ge=0)
     # Requests the worker holds at most (queued, running, awaiting KV); more are refused with
     # UNAVAILABLE so the router goes elsewhere: a worker's memory stays bounded.
-    max_requests: int = 256
+    max_requests: int = setting(256, "requests this worker holds at most (queued, running, "
+                                "awaiting KV); more are refused with UNAVAILABLE and the router "
+                                "goes elsewhere", ge=1)
     # Bounds on the gRPC server, whoever calls (docs/RELIABILITY.md, Security). The largest
     # request message; None: `default_max_message_bytes` of the model's context length.
-    max_message_bytes: int | None = None
+    max_message_bytes: int | None = setting(
+        None, "largest gRPC request message, else RESOURCE_EXHAUSTED (default: what a request "
+        "for the model's whole context can hold: 10 bytes a token + 1 MiB 64 KiB; keep it "
+        "above the router's --max-request-bytes)", kind=int, ge=1)
     # Calls in progress at once, every caller and method together (more: RESOURCE_EXHAUSTED);
     # None: `default_max_concurrent_rpcs(max_requests)`.
-    max_concurrent_rpcs: int | None = None
+    max_concurrent_rpcs: int | None = setting(
+        None, "gRPC calls in progress at once, all callers together, else RESOURCE_EXHAUSTED "
+        "(default: 2 x --max-requests + 64)", kind=int, ge=1)
     # Authenticates gRPC callers and KV writes (pdserve.rpc.auth); None: open, with a warning.
     cluster_secret: ClusterSecret | None = None
     # TLS on the gRPC and metrics listeners, a client certificate from its CA required
     # (pdserve.rpc.tls); None: plaintext.
     tls: TLSConfig | None = None
+
+    def __post_init__(self) -> None:
+        check(self)
+        if self.heartbeat_s >= self.lease_ttl_s:
+            raise ValueError(f"--heartbeat ({self.heartbeat_s:g} s) must be less than "
+                             f"--lease-ttl ({self.lease_ttl_s:g} s), or the lease lapses "
+                             "between heartbeats")
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """The gRPC port's credentials: mTLS with `tls`, else None (plaintext)."""

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from dataclasses import dataclass
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -25,19 +24,13 @@ from pdserve.engine.model_store import resolve_model
 from pdserve.rpc import auth, transport
 from pdserve.runtime import metrics_server, start_server
 from pdserve.types import KVTransferError
-from pdserve.worker_config import WorkerConfig
 from prefill_svc import servicer
+from prefill_svc.config import PrefillConfig
 from prefill_svc.metrics import PrefillMetrics
 from prefill_svc.worker import PrefillWorker
 
 log = structlog.get_logger(__name__)
 SERVICE = "pdserve.v1.PrefillWorker"
-
-
-@dataclass(frozen=True)
-class PrefillConfig(WorkerConfig):
-    max_inflight: int = 4
-    transfer_timeout_s: float = 30.0
 
 
 async def _warm_peers(directory: WorkerDirectory, sender: KVSender) -> None:
@@ -72,7 +65,7 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
                                 model_id=engine.layout.model_id) as decoders):
         epoch = await registry.next_epoch(config.worker_id)
         worker = PrefillWorker(aengine, sender, worker_id=config.worker_id,
-                               max_inflight=config.max_inflight,
+                               max_inflight=config.max_concurrent_prefills,
                                transfer_timeout_s=config.transfer_timeout_s,
                                max_requests=config.max_requests, metrics=metrics)
         with metrics_server(labelled_registry(metrics.registry,

@@ -1,13 +1,12 @@
 """Router process: the Router, its gRPC API and the OpenAI-compatible HTTP gateway, all in
-one event loop (no extra network hop on the token path)."""
+one event loop (no extra network hop on the token path). Its config, `RouterProcessConfig`,
+is in router.config."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import structlog
 
@@ -18,42 +17,14 @@ from pdserve.engine.model_store import model_id, resolve_model
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.rpc import auth, transport
 from pdserve.runtime import start_server
-from pdserve.tenants import KeyPolicy, Tenants
+from pdserve.tenants import Tenants
 from router import servicer
 from router.clients import WorkerChannels
-from router.router import Router, RouterConfig
-
-if TYPE_CHECKING:
-    from pdserve.rpc.auth import ClusterSecret
-    from pdserve.rpc.tls import TLSConfig
+from router.config import RouterProcessConfig
+from router.router import Router
 
 log = structlog.get_logger(__name__)
 SERVICE = "pdserve.v1.Router"
-
-
-@dataclass(frozen=True)
-class RouterProcessConfig:
-    redis_url: str
-    model: str | None = None
-    served_model_name: str | None = None  # None: the model directory's name
-    namespace: str = "default"
-    host: str = "127.0.0.1"
-    grpc_port: int = 0
-    http_port: int | None = None  # None: no HTTP gateway
-    api_keys: frozenset[str] = frozenset()  # REST and the client gRPC API; empty: open
-    # Tenant keys' policies (a keys file, pdserve.tenants); keys in `api_keys` without one
-    # are operator keys (admin, no quota, any class).
-    key_policies: Mapping[str, KeyPolicy] = field(default_factory=dict)
-    cluster_secret: ClusterSecret | None = None  # sent to the workers; None: none, warned
-    metrics_require_auth: bool = False  # /metrics open to scrapers unless set
-    # The largest request either API takes: an HTTP body (else 413) or a gRPC message (else
-    # RESOURCE_EXHAUSTED), so a prompt too big for one is too big for the other.
-    max_request_bytes: int = 1 << 20
-    router: RouterConfig = field(default_factory=RouterConfig)
-    drain_timeout_s: float = 30.0
-    # TLS on both APIs (client certificates as tls.client_auth says) and mTLS to the
-    # workers; None: plaintext everywhere.
-    tls: TLSConfig | None = None
 
 
 @dataclass
@@ -128,3 +99,6 @@ async def run_router(config: RouterProcessConfig, stop: asyncio.Event,
         remaining = deadline - asyncio.get_running_loop().time()
         await server.stop(grace=max(0.5, remaining))
     log.info("router_stopped")
+
+
+__all__ = ["RouterAddresses", "RouterProcessConfig", "run_router"]

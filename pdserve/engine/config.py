@@ -128,7 +128,7 @@ class EngineConfig:
     """Engine knobs. KV memory is `kv_cache_bytes` unless `num_kv_blocks` pins the count."""
 
     block_size: int = 16
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int = 512 << 20  # `--kv-cache-mb`'s default (512) on every command
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget (decodes + prefill chunks)
