@@ -6,6 +6,7 @@ prompt plus max_tokens within this engine's context); client mistakes are INVALI
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -13,7 +14,7 @@ import grpc
 from decode_svc.worker import DecodeWorker
 from pdserve.rpc import convert
 from pdserve.runtime import logs_request_id
-from pdserve.types import GenerateRequest, check_request_id
+from pdserve.types import GenerateRequest, KVDestination, check_request_id
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 
@@ -22,7 +23,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         self.worker = worker
 
     def _request(self, msg: decode_pb2.DecodeGenerateRequest | decode_pb2.AllocateRequest
-                 ) -> GenerateRequest:
+                 | decode_pb2.AllocateAndGenerateRequest) -> GenerateRequest:
         return convert.request_from_proto(msg.input, self.worker.engine.max_model_len)
 
     @logs_request_id
@@ -32,6 +33,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         async for ev in self.worker.generate(req):
             yield convert.token_event_to_chunk(ev)
 
+    @logs_request_id
+    async def AllocateAndGenerate(self, request: decode_pb2.AllocateAndGenerateRequest,
+                                  context: grpc.aio.ServicerContext
+                                  ) -> AsyncIterator[decode_pb2.AllocateAndGenerateResponse]:
+        req = self._request(request)
+        lease = request.lease_ms / 1000 if request.lease_ms else None  # capped by the worker
+        timeout = request.transfer_timeout_ms / 1000 if request.transfer_timeout_ms else 30.0
+        # aclosing: a caller that leaves (cancelled at a yield) fences and frees the blocks now.
+        async with contextlib.aclosing(self.worker.allocate_and_generate(
+                req, lease_s=lease, timeout_s=timeout)) as items:
+            async for item in items:
+                if isinstance(item, KVDestination):
+                    yield decode_pb2.AllocateAndGenerateResponse(
+                        allocation=convert.destination_to_allocate_response(item))
+                else:
+                    yield decode_pb2.AllocateAndGenerateResponse(
+                        token=convert.token_event_to_chunk(item))
+
+    # Deprecated (decode.proto): served one more release for routers that still call them.
     @logs_request_id
     async def AllocateRemote(self, request: decode_pb2.AllocateRequest,
                              context: grpc.aio.ServicerContext) -> decode_pb2.AllocateResponse:

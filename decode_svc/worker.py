@@ -237,6 +237,26 @@ class DecodeWorker:
                 # Cancelled, timed out or failed before admission: fence, then free.
                 self._release_soon(request_id, "remote generation ended early")
 
+    async def allocate_and_generate(self, req: GenerateRequest, *, lease_s: float | None = None,
+                                    timeout_s: float = 30.0
+                                    ) -> AsyncGenerator[KVDestination | TokenEvent, None]:
+        """A remote prefill in one stream: first the allocation (`allocate_remote`: where the
+        prefill worker writes, to be handed on), then the request's events (`generate_remote`:
+        from the KV's arrival on, at most `timeout_s` after the allocation). However the
+        consumer leaves, the allocation is fenced and freed unless the request was admitted
+        (then closing the stream aborts it, as for `generate`)."""
+        slot = await self.allocate_remote(req, lease_s)
+        try:
+            yield slot
+        except BaseException:  # closed or cancelled before the claim: nothing else frees it
+            self._release_soon(req.request_id, "remote stream closed before its KV wait")
+            raise
+        # generate_remote claims the allocation on its first step, i.e. right away.
+        async with contextlib.aclosing(_agen(self.generate_remote(
+                req.request_id, slot.transfer_id, timeout_s=timeout_s))) as events:
+            async for ev in events:
+                yield ev
+
     def _finished(self, kind: str, outcome: str, last: TokenEvent | None) -> None:
         """Count a request that ended and log one line about it (never its text); the
         request id comes from the RPC's log context."""

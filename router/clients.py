@@ -14,7 +14,7 @@ TimeoutError past a deadline, ...). Nothing outside this module and the servicer
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
@@ -103,15 +103,6 @@ class DecodeClient(_Client):
             metadata=self._md()))
         return int(resp.num_cached_tokens)
 
-    async def allocate(self, req: GenerateRequest, *, lease_s: float,
-                       timeout_s: float) -> KVDestination:
-        """Reserve blocks for `req`'s KV; CapacityError when the worker cannot now."""
-        resp = await _unary(self._stub.AllocateRemote(
-            decode_pb2.AllocateRequest(input=convert.input_to_proto(req),
-                                       lease_ms=int(lease_s * 1000)),
-            timeout=timeout_s, metadata=self._md(req.request_id)))
-        return convert.destination_from_allocate_response(req.request_id, resp)
-
     def generate(self, req: GenerateRequest, *, first_token_timeout_s: float,
                  token_timeout_s: float) -> AsyncIterator[TokenEvent]:
         """Prefill locally and decode; closing the iterator cancels the call."""
@@ -119,16 +110,22 @@ class DecodeClient(_Client):
             input=convert.input_to_proto(req)), metadata=self._md(req.request_id))
         return _events(call, first_token_timeout_s, token_timeout_s)
 
-    def generate_remote(self, slot: KVDestination, *, transfer_timeout_s: float,
-                        token_timeout_s: float) -> AsyncIterator[TokenEvent]:
-        """Decode an allocated request once its KV lands (first token from the transfer's
-        notice); closing the iterator cancels the call."""
-        call = self._stub.GenerateRemote(
-            decode_pb2.RemoteGenerateRequest(
-                request_id=slot.request_id, transfer_id=slot.transfer_id,
+    def generate_remote(self, req: GenerateRequest, *, lease_s: float,
+                        allocate_timeout_s: float, transfer_timeout_s: float,
+                        token_timeout_s: float) -> RemoteStream:
+        """Open the worker's AllocateAndGenerate stream for `req`, whose KV a prefill worker
+        will write: `allocation()` is where (within `allocate_timeout_s`; the blocks wait
+        `lease_s` for a writer), then `events()` decodes from the KV's arrival on (within
+        `transfer_timeout_s` of the allocation). `close()` cancels the call: the worker then
+        fences the transfer and frees the blocks."""
+        call = self._stub.AllocateAndGenerate(
+            decode_pb2.AllocateAndGenerateRequest(
+                input=convert.input_to_proto(req), lease_ms=int(lease_s * 1000),
                 transfer_timeout_ms=int(transfer_timeout_s * 1000)),
-            metadata=self._md(slot.request_id))
-        return _events(call, transfer_timeout_s, token_timeout_s)
+            metadata=self._md(req.request_id))
+        return RemoteStream(call, req.request_id, allocate_timeout_s=allocate_timeout_s,
+                            transfer_timeout_s=transfer_timeout_s,
+                            token_timeout_s=token_timeout_s)
 
     async def abort(self, request_id: str, *, timeout_s: float = 5.0) -> bool:
         """Cancel a request in any state; returns once its blocks are fenced and freed.
@@ -184,23 +181,30 @@ async def _unary(call: Awaitable[T]) -> T:
         raise error_from_rpc(exc) from exc
 
 
+def _chunk(msg: object) -> decode_pb2.TokenChunk:
+    # grpc's stubs type read() as `object` (their EOF alias): past EOF it is a message.
+    return cast(decode_pb2.TokenChunk, msg)
+
+
+def _remote_chunk(msg: object) -> decode_pb2.TokenChunk:
+    """The token of an AllocateAndGenerate message after the first."""
+    resp = cast(decode_pb2.AllocateAndGenerateResponse, msg)
+    if resp.WhichOneof("kind") != "token":
+        raise CapacityError("decode stream sent an allocation where a token was due",
+                            code="worker_unavailable")
+    return resp.token
+
+
 async def _events(call: grpc.aio.UnaryStreamCall, first_timeout_s: float,
-                  token_timeout_s: float) -> AsyncIterator[TokenEvent]:
+                  token_timeout_s: float,
+                  chunk_of: Callable[[object], decode_pb2.TokenChunk] = _chunk
+                  ) -> AsyncIterator[TokenEvent]:
     """TokenEvents of a decode stream, up to the final one; every wait bounded; the call is
     cancelled however the consumer leaves."""
     try:
         timeout = first_timeout_s
         while True:
-            try:
-                chunk = await asyncio.wait_for(call.read(), timeout)
-            except TimeoutError as exc:
-                raise WorkerTimeoutError(
-                    f"decode worker sent nothing for {timeout:.0f}s") from exc
-            if chunk is grpc.aio.EOF:
-                raise CapacityError("decode stream ended without a final token",
-                                    code="worker_unavailable")
-            # grpc's stubs type read() as `object` (their EOF alias): past EOF it is a chunk.
-            ev = convert.token_event_from_chunk(cast(decode_pb2.TokenChunk, chunk))
+            ev = convert.token_event_from_chunk(chunk_of(await _read(call, timeout)))
             yield ev
             if ev.finished:
                 return
@@ -209,6 +213,60 @@ async def _events(call: grpc.aio.UnaryStreamCall, first_timeout_s: float,
         raise error_from_rpc(exc) from exc
     finally:
         call.cancel()
+
+
+async def _read(call: grpc.aio.UnaryStreamCall, timeout_s: float) -> object:
+    """A decode stream's next message within `timeout_s` (else WorkerTimeoutError); a stream
+    that ends here, before its final token, is CapacityError (the worker went away)."""
+    try:
+        msg = await asyncio.wait_for(call.read(), timeout_s)
+    except TimeoutError as exc:
+        raise WorkerTimeoutError(f"decode worker sent nothing for {timeout_s:.0f}s") from exc
+    if msg is grpc.aio.EOF:
+        raise CapacityError("decode stream ended without a final token",
+                            code="worker_unavailable")
+    return msg
+
+
+class RemoteStream:
+    """One request's AllocateAndGenerate stream (`DecodeClient.generate_remote`): its first
+    message is the allocation, every later one a token. Read `allocation()` once, then
+    `events()`; `close()` (idempotent) cancels the call however far it got."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, request_id: str, *,
+                 allocate_timeout_s: float, transfer_timeout_s: float,
+                 token_timeout_s: float) -> None:
+        self.request_id = request_id
+        self._call = call
+        self._allocate_timeout_s = allocate_timeout_s
+        self._transfer_timeout_s = transfer_timeout_s
+        self._token_timeout_s = token_timeout_s
+
+    async def allocation(self) -> KVDestination:
+        """Where the prefill worker writes the KV. CapacityError when the worker cannot
+        reserve the blocks now (or does not serve this RPC: an older version), and
+        WorkerTimeoutError past the allocation's own timeout."""
+        try:
+            msg = cast(decode_pb2.AllocateAndGenerateResponse,
+                       await _read(self._call, self._allocate_timeout_s))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise CapacityError("decode worker does not serve AllocateAndGenerate",
+                                    code="remote_unsupported") from exc
+            raise error_from_rpc(exc) from exc
+        if msg.WhichOneof("kind") != "allocation":
+            raise CapacityError("decode stream did not start with its allocation",
+                                code="worker_unavailable")
+        return convert.destination_from_allocate_response(self.request_id, msg.allocation)
+
+    def events(self) -> AsyncIterator[TokenEvent]:
+        """The request's events, from the first token (within the transfer timeout of the
+        allocation) on; leaving them cancels the call."""
+        return _events(self._call, self._transfer_timeout_s, self._token_timeout_s,
+                       _remote_chunk)
+
+    def close(self) -> None:
+        self._call.cancel()
 
 
 class WorkerChannels:
@@ -258,4 +316,5 @@ class WorkerChannels:
             await asyncio.wait(self._closing, timeout=5)
 
 
-__all__ = ["DecodeClient", "DecodeStats", "PrefillClient", "PrefillStats", "WorkerChannels"]
+__all__ = ["DecodeClient", "DecodeStats", "PrefillClient", "PrefillStats", "RemoteStream",
+           "WorkerChannels"]

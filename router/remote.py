@@ -1,5 +1,6 @@
-"""A remote prefill, seen from the router: allocate on the decode worker, prefill on the
-prefill worker, stream from the KV's arrival on. Any failure before the first token is
+"""A remote prefill, seen from the router: one stream on the decode worker (its first message
+is the allocation, then the tokens from the KV's arrival on) and one Prefill call to the
+prefill worker with that allocation. Any failure before the first token is
 `RemotePrefillFailed`, which the router answers by prefilling locally."""
 
 from __future__ import annotations
@@ -42,18 +43,25 @@ async def remote_prefill(req: GenerateRequest, decode: DecodeClient, prefill: Pr
                     budget_s or cfg.prefill_timeout_s + cfg.transfer_timeout_s)
     decode_lost = liveness.lost_future(decode.worker_id)
     prefill_lost = liveness.lost_future(prefill.worker_id)
+    # One stream on the decode worker: its first message is the allocation, then it decodes
+    # from the moment the KV lands, the first token taken from the transfer's completion
+    # notice (no extra hop through us).
+    remote = decode.generate_remote(req, lease_s=prefill_timeout_s,
+                                    allocate_timeout_s=cfg.allocate_timeout_s,
+                                    transfer_timeout_s=kv_wait_s,
+                                    token_timeout_s=cfg.token_timeout_s)
     try:
-        slot = await decode.allocate(req, lease_s=prefill_timeout_s,
-                                     timeout_s=cfg.allocate_timeout_s)
+        slot = await remote.allocation()
     except CapacityError as exc:
+        remote.close()
         raise RemotePrefillFailed(f"decode allocation failed: {exc}",
                                   code="allocate_failed") from exc
+    except BaseException:
+        remote.close()  # the worker frees whatever it had reserved
+        raise
     if timed:
         clock.allocated()
-    # Open the decode stream first: it starts decoding the moment the KV lands, taking the
-    # first token from the transfer's completion notice (no extra hop through us).
-    stream = decode.generate_remote(slot, transfer_timeout_s=kv_wait_s,
-                                    token_timeout_s=cfg.token_timeout_s)
+    stream = remote.events()
     first_task: asyncio.Task[TokenEvent] = asyncio.create_task(anext(stream))  # type: ignore[arg-type]
     prefill_task = asyncio.create_task(prefill.prefill(req, slot, timeout_s=prefill_timeout_s))
     try:
@@ -101,6 +109,7 @@ async def remote_prefill(req: GenerateRequest, decode: DecodeClient, prefill: Pr
             with contextlib.suppress(BaseException):
                 await first_task  # the stream must not be running when we close it
         await stream.aclose()  # type: ignore[attr-defined]
+        remote.close()
 
 
 async def _prefill_report(task: asyncio.Task[PrefillReport], clock: StageClock,

@@ -117,7 +117,7 @@ async def test_router_grpc_takes_the_rest_api_keys(cluster: LocalCluster) -> Non
 
 
 async def test_remote_prefill_works_with_the_secret(cluster: LocalCluster) -> None:
-    """Router -> decode AllocateRemote/GenerateRemote, router -> prefill Prefill, and the
+    """Router -> decode AllocateAndGenerate, router -> prefill Prefill, and the
     signed KV write prefill -> decode all pass with the cluster's credential."""
     async with RouterClient(cluster.grpc_address, api_key=API_KEY) as client:
         done = await client.complete(text=PROMPT, sampling=Sampling(max_tokens=8))

@@ -170,16 +170,17 @@ async def test_message_over_the_limit_is_refused_before_any_handler(
         logit_bias={2**31 - 1 - i: -100.0 for i in range(MAX_LOGIT_BIAS)})
     room = (1 << 20) - sampling.ByteSize()
     sampling.stop.extend(["s" * (room // MAX_STOP_STRINGS - 8)] * MAX_STOP_STRINGS)
-    largest = decode_pb2.AllocateRequest(input=common_pb2.GenerateInput(
+    largest = decode_pb2.AllocateAndGenerateRequest(input=common_pb2.GenerateInput(
         request_id="r" * 256, prompt_token_ids=[2**31 - 1] * max_model_len, sampling=sampling,
-        latency_class=common_pb2.LATENCY_CLASS_BATCH), lease_ms=2**32 - 1)
+        latency_class=common_pb2.LATENCY_CLASS_BATCH), lease_ms=2**32 - 1,
+        transfer_timeout_ms=2**32 - 1)
     assert largest.ByteSize() <= limit, (largest.ByteSize(), limit)
 
     async with gu.insecure_channel(address) as ch:
         stub = decode_pb2_grpc.DecodeWorkerStub(ch)
         # It passes the size check (and is then refused for its out-of-vocabulary ids).
-        assert await _code(stub.AllocateRemote(largest, timeout=60, metadata=CREDENTIAL)) \
-            == Code.INVALID_ARGUMENT
+        assert await _code(stub.AllocateAndGenerate(largest, timeout=60, metadata=CREDENTIAL)
+                           .read()) == Code.INVALID_ARGUMENT
         # 5-byte varints: a CachedPrefix message of exactly `limit` bytes, and one over.
         fits = decode_pb2.CachedPrefixRequest(token_ids=[2**31 - 1] * ((limit - 8) // 5))
         assert await _code(stub.CachedPrefix(fits, timeout=60, metadata=CREDENTIAL)) == Code.OK

@@ -258,17 +258,94 @@ def test_workers_refuse_it_too_and_never_log_it(cluster: Cluster,
 # ---------------------------------------------------------------------- 4: pinned KV blocks
 
 
+ALLOCATE_AND_GENERATE = "/pdserve.v1.DecodeWorker/AllocateAndGenerate"
+
+
+def _status(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str | None]:
+    trailers = dict(exc.trailing_metadata() or ())  # type: ignore[attr-defined]
+    return exc.code(), trailers.get(ERROR_CODE_KEY)  # type: ignore[attr-defined]
+
+
+def _free_blocks(decode: Any) -> int:
+    return int(decode.Stats(common_pb2.StatsRequest(), timeout=10).num_free_blocks)
+
+
+def _chat_runs(rch: grpc.Channel) -> None:
+    chat = router_pb2.GenerateRequest(
+        chat=router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(
+            role="user", content="Name three colors.")]),
+        sampling=common_pb2.SamplingParams(max_tokens=8))
+    last = list(router_stub(rch).Generate(chat, timeout=120))[-1]
+    assert last.finish_reason in (common_pb2.FINISH_REASON_STOP,
+                                  common_pb2.FINISH_REASON_LENGTH)
+
+
 def test_callers_cannot_pin_kv_blocks(cluster: Cluster, tokenizer: Any) -> None:
-    """Allocations asking for a 49-day lease: refused past half the pool, a chat still runs
-    meanwhile, and the blocks come back when the worker's lease cap (not the caller's) ends."""
+    """AllocateAndGenerate streams asking for a 49-day lease and KV wait: refused past half
+    the pool, a chat still runs meanwhile, and the blocks come back when the worker's lease
+    cap (not the caller's) ends; each such stream ends ABORTED (kv_timeout). A stream the
+    caller closes after its allocation gives its blocks back."""
     with grpc.insecure_channel(cluster.decode) as ch, \
             grpc.insecure_channel(cluster.router) as rch:
         decode = decode_pb2_grpc.DecodeWorkerStub(ch)
         total = decode.Stats(common_pb2.StatsRequest(), timeout=10).num_total_blocks
+        pinned: list[Any] = []
+        refusal: grpc.RpcError | None = None
+        try:
+            for i in range(total):  # one block each: enough to pin the whole pool if allowed
+                stream = decode.AllocateAndGenerate(decode_pb2.AllocateAndGenerateRequest(
+                    input=common_pb2.GenerateInput(
+                        request_id=f"pin-{i}", prompt_token_ids=[200 + i] * 16,
+                        sampling=common_pb2.SamplingParams(max_tokens=1)),
+                    lease_ms=HUGE_MS, transfer_timeout_ms=HUGE_MS), timeout=KV_WAIT_CAP_S * 20)
+                try:
+                    first = next(stream)
+                except grpc.RpcError as exc:
+                    refusal = exc
+                    break
+                assert first.WhichOneof("kind") == "allocation" and first.allocation.block_ids
+                pinned.append(stream)
+            assert refusal is not None
+            assert _status(refusal) == (Code.UNAVAILABLE, "kv_pending_limit")
+            stats = decode.Stats(common_pb2.StatsRequest(), timeout=10)
+            assert stats.num_awaiting_transfer == len(pinned) == i and i <= total // 2
+            assert stats.num_free_blocks >= total - total // 2
+            _chat_runs(rch)
+            for stream in pinned:  # the capped lease ran out: no writer, no blocks
+                with pytest.raises(grpc.RpcError) as ended:
+                    next(stream)
+                assert _status(ended.value) == (Code.ABORTED, "kv_timeout"), ended.value
+        finally:
+            for stream in pinned:
+                stream.cancel()
+        wait_for(lambda: _free_blocks(decode) == total, "the capped leases never ran out")
+
+        # Closed by the caller right after its allocation: the worker fences the transfer and
+        # frees the blocks (at once: tests/test_decode_remote.py, with a long lease).
+        for i in range(3):
+            stream = decode.AllocateAndGenerate(decode_pb2.AllocateAndGenerateRequest(
+                input=common_pb2.GenerateInput(
+                    request_id=f"closed-{i}", prompt_token_ids=[300 + i] * 40,
+                    sampling=common_pb2.SamplingParams(max_tokens=1)),
+                lease_ms=HUGE_MS, transfer_timeout_ms=HUGE_MS), timeout=60)
+            assert next(stream).WhichOneof("kind") == "allocation"
+            assert _free_blocks(decode) < total
+            stream.cancel()
+            wait_for(lambda: _free_blocks(decode) == total, "a closed stream kept its blocks")
+
+
+def test_deprecated_allocate_remote_cannot_pin_kv_blocks(cluster: Cluster) -> None:
+    """The deprecated AllocateRemote/GenerateRemote pair (served one more release, no longer
+    used by the router) is bounded the same way: allocations past half the pool are refused,
+    unclaimed ones end with the worker's lease cap, a claimed one waits for its KV at most the
+    worker's cap."""
+    with grpc.insecure_channel(cluster.decode) as ch:
+        decode = decode_pb2_grpc.DecodeWorkerStub(ch)
+        total = decode.Stats(common_pb2.StatsRequest(), timeout=10).num_total_blocks
         refusal = None
-        for i in range(total):  # one block each: enough to pin the whole pool if allowed
+        for i in range(total):
             request = decode_pb2.AllocateRequest(input=common_pb2.GenerateInput(
-                request_id=f"pin-{i}", prompt_token_ids=[200 + i] * 16,
+                request_id=f"old-pin-{i}", prompt_token_ids=[200 + i] * 16,
                 sampling=common_pb2.SamplingParams(max_tokens=1)), lease_ms=HUGE_MS)
             refusal = call(ch, "/pdserve.v1.DecodeWorker/AllocateRemote", request,
                            stream=False, timeout=10)
@@ -276,21 +353,10 @@ def test_callers_cannot_pin_kv_blocks(cluster: Cluster, tokenizer: Any) -> None:
                 break
         assert refusal is not None
         assert (refusal.code, refusal.error_code) == (Code.UNAVAILABLE, "kv_pending_limit")
-        stats = decode.Stats(common_pb2.StatsRequest(), timeout=10)
-        assert stats.num_awaiting_transfer == i and i <= total // 2
-        assert stats.num_free_blocks >= total - total // 2
+        assert decode.Stats(common_pb2.StatsRequest(), timeout=10).num_awaiting_transfer == i
+        assert i <= total // 2
+        wait_for(lambda: _free_blocks(decode) == total, "the capped leases never ran out")
 
-        chat = router_pb2.GenerateRequest(
-            chat=router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(
-                role="user", content="Name three colors.")]),
-            sampling=common_pb2.SamplingParams(max_tokens=8))
-        last = list(router_stub(rch).Generate(chat, timeout=120))[-1]
-        assert last.finish_reason in (common_pb2.FINISH_REASON_STOP,
-                                      common_pb2.FINISH_REASON_LENGTH)
-        wait_for(lambda: decode.Stats(common_pb2.StatsRequest(), timeout=10)
-                 .num_free_blocks == total, "the capped leases never ran out")
-
-        # A claimed allocation waits for its KV at most the worker's cap, not the caller's.
         alloc = decode.AllocateRemote(decode_pb2.AllocateRequest(input=common_pb2.GenerateInput(
             request_id="wait-0", prompt_token_ids=[7] * 20,
             sampling=common_pb2.SamplingParams(max_tokens=1))), timeout=10)
@@ -298,15 +364,16 @@ def test_callers_cannot_pin_kv_blocks(cluster: Cluster, tokenizer: Any) -> None:
             request_id="wait-0", transfer_id=alloc.transfer_id, transfer_timeout_ms=HUGE_MS),
             stream=True, timeout=KV_WAIT_CAP_S * 20)
         assert (r.code, r.error_code) == (Code.ABORTED, "kv_timeout"), r
-        wait_for(lambda: decode.Stats(common_pb2.StatsRequest(), timeout=10)
-                 .num_free_blocks == total, "an allocation that timed out kept its blocks")
+        wait_for(lambda: _free_blocks(decode) == total,
+                 "an allocation that timed out kept its blocks")
 
 
 def test_remote_path_rpcs_and_prompt_copies(cluster: Cluster) -> None:
-    """One remote prefill costs 3 RPCs (AllocateRemote, GenerateRemote, Prefill), 2 of them
-    carrying the prompt, whatever the number of decode workers: the router knows their prefix
-    caches from their KV events and asks none of them (docs/ARCHITECTURE.md, "RPCs per remote
-    request"). One decode worker here; 2 and 4 in the next test."""
+    """One remote prefill costs 2 RPCs (the decode worker's AllocateAndGenerate stream,
+    whose first message is the allocation, and Prefill), both carrying the prompt, whatever
+    the number of decode workers: the router knows their prefix caches from their KV events
+    and asks none of them (docs/ARCHITECTURE.md, "RPCs per remote request"). One decode
+    worker here; 2 and 4 in the next test."""
     _assert_remote_rpcs(cluster)
 
 
@@ -330,7 +397,7 @@ def _assert_remote_rpcs(cluster: Cluster) -> None:
         last = list(router_stub(ch).Generate(router_pb2.GenerateRequest(
             token_ids=router_pb2.TokenIds(ids=ids),
             sampling=common_pb2.SamplingParams(max_tokens=2)), timeout=120))[-1]
-    remote = {"AllocateRemote": 1, "GenerateRemote": 1, "Prefill": 1}
+    remote = {"AllocateAndGenerate": 1, "Prefill": 1}
     if last.route == common_pb2.PREFILL_ROUTE_FALLBACK:
         # This worker waits at most KV_WAIT_CAP_S for the KV; on a busy machine the prefill
         # can take longer. The fallback adds an Abort and a local Generate (one more copy).
@@ -338,7 +405,7 @@ def _assert_remote_rpcs(cluster: Cluster) -> None:
         assert cluster.rpcs.prompt_copies == 3
     else:
         assert last.route == common_pb2.PREFILL_ROUTE_REMOTE, last
-        assert dict(cluster.rpcs.calls) == remote
+        assert dict(cluster.rpcs.calls) == remote  # the issue's bound is <= 3
         assert cluster.rpcs.prompt_copies == 2
 
 
@@ -411,6 +478,12 @@ RPCS = [
         _CLIENT | {Code.UNAVAILABLE}, 15,
         lambda rid, *_: decode_pb2.DecodeGenerateRequest(input=common_pb2.GenerateInput(
             request_id=rid, prompt_token_ids=[1, 2, 3, 4], sampling=_sampling()))),
+    Rpc("decode", "DecodeWorker/AllocateAndGenerate", decode_pb2.AllocateAndGenerateRequest,
+        True, _CLIENT | {Code.UNAVAILABLE, Code.ABORTED, Code.CANCELLED}, 15,
+        # Taken at its first message (the allocation), then closed: that frees the blocks.
+        lambda rid, *_: decode_pb2.AllocateAndGenerateRequest(input=common_pb2.GenerateInput(
+            request_id=rid, prompt_token_ids=list(range(1, 21)), sampling=_sampling()),
+            lease_ms=1000, transfer_timeout_ms=100)),
     Rpc("decode", "DecodeWorker/AllocateRemote", decode_pb2.AllocateRequest, False,
         _CLIENT | {Code.UNAVAILABLE}, 15,
         lambda rid, *_: decode_pb2.AllocateRequest(input=common_pb2.GenerateInput(

@@ -328,7 +328,7 @@ async def test_a_decode_worker_never_admits_altered_kv_and_frees_its_blocks(
     from decode_svc.worker import DecodeWorker
     from pdserve.engine.async_engine import AsyncEngine
     from pdserve.handover import FirstToken
-    from pdserve.types import GenerateRequest, SamplingParams
+    from pdserve.types import GenerateRequest, KVDestination, SamplingParams
 
     async with AsyncEngine(make_engine()) as engine, \
             KVReceiver(engine.kv_pool, engine.layout, DESC_ID, auth=receiver_auth(),
@@ -336,7 +336,9 @@ async def test_a_decode_worker_never_admits_altered_kv_and_frees_its_blocks(
         layout = engine.layout
         worker = DecodeWorker(engine, rx, worker_id="decode-a")
         req = GenerateRequest("altered-1", tuple(prompt_ids[0]), SamplingParams(max_tokens=4))
-        slot = await worker.allocate_remote(req)
+        stream = worker.allocate_and_generate(req)  # the path the router's stream takes
+        slot = await anext(stream)
+        assert isinstance(slot, KVDestination)
         dst = list(slot.block_ids[slot.num_cached_tokens // layout.block_size:])
         assert engine.last_stats.free_blocks < engine.last_stats.total_blocks
         src = torch.randn(layout.shape, generator=torch.Generator().manual_seed(3))
@@ -349,10 +351,10 @@ async def test_a_decode_worker_never_admits_altered_kv_and_frees_its_blocks(
                 await tx.send(DESC_ID, src, list(range(len(dst))), dst, slot.transfer_id, 10,
                               notice=FirstToken(5).to_notice())
         assert sent.value.code == Code.INTEGRITY
-        with pytest.raises(KVTransferError) as stream:
-            async for _ in worker.generate_remote(req.request_id, slot.transfer_id):
+        with pytest.raises(KVTransferError) as failed:
+            async for _ in stream:
                 pytest.fail("a token came from KV that failed its digest")
-        assert stream.value.code == Code.INTEGRITY
+        assert failed.value.code == Code.INTEGRITY
         assert await worker.drained(10)
         for _ in range(200):  # the engine thread publishes its stats after the abort
             if engine.last_stats.free_blocks == engine.last_stats.total_blocks:

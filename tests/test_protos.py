@@ -164,8 +164,9 @@ def test_stubs_define_the_services() -> None:
     assert methods(router_pb2, "Router") == {"Generate", "Abort"}
     assert methods(decode_pb2, "DecodeWorker") == {
         "Generate",
-        "AllocateRemote",
-        "GenerateRemote",
+        "AllocateAndGenerate",
+        "AllocateRemote",  # deprecated: served one more release, not used by the router
+        "GenerateRemote",  # deprecated with AllocateRemote
         "Abort",
         "CachedPrefix",
         "Stats",

@@ -1,0 +1,164 @@
+"""DecodeWorker.allocate_and_generate, the decode side of a remote prefill in one stream
+(issue 19 item 4): the allocation first, then the tokens once the KV lands. A real engine and
+KVReceiver (UCX on loopback), no gRPC: the stream's guarantees hold in the worker itself.
+
+- a prefill engine's KV sent with the first token in the notice: the stream's tokens are those
+  of a local prefill on the same worker;
+- the consumer leaving after the allocation (before the KV wait), or during the KV wait, gets
+  the transfer fenced and the blocks freed at once, not when the lease ends;
+- no writer within the lease: ``kv_timeout``, blocks freed; refusals (``kv_pending_limit``)
+  come before any allocation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+from decode_svc.worker import DecodeWorker
+from kvxfer import Code, KVReceiver, KVSender
+from pdserve.control import KVDescriptor, make_descriptor_id
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.handover import FirstToken
+from pdserve.types import (
+    CapacityError,
+    GenerateRequest,
+    KVDestination,
+    KVTransferError,
+    SamplingParams,
+    TokenEvent,
+)
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # real engine + UCX: seconds
+
+DESC_ID = make_descriptor_id("decode-a", 5)
+
+
+def greedy(n: int = 6) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+@pytest.fixture
+async def decode(make_engine: Any) -> AsyncIterator[DecodeWorker]:
+    async with AsyncEngine(make_engine(kv_cache_bytes=64 << 20)) as engine, \
+            KVReceiver(engine.kv_pool, engine.layout, DESC_ID, fence_grace_s=0.1) as rx:
+        worker = DecodeWorker(engine, rx, worker_id="decode-a", max_alloc_lease_s=60.0,
+                              max_pending_kv_fraction=0.25)
+        try:
+            yield worker
+        finally:
+            await worker.close()
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll: the engine thread publishes its stats after an abort, on its own schedule."""
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    assert condition()
+
+
+def _all_free(worker: DecodeWorker) -> bool:
+    s = worker.engine.last_stats
+    return (not worker._pending and worker.num_requests == 0 and worker.pending_kv_blocks == 0
+            and s.free_blocks == s.total_blocks)
+
+
+async def _local(worker: DecodeWorker, req: GenerateRequest) -> list[int]:
+    return [ev.token_id async for ev in worker.generate(req) if ev.token_id is not None]
+
+
+async def test_remote_stream_matches_local_prefill(make_engine: Any,
+                                                   decode: DecodeWorker,
+                                                   prompt_ids: list[list[int]]) -> None:
+    prompt = tuple(prompt_ids[1])
+    want = await _local(decode, GenerateRequest("local", prompt, greedy()))
+    req = GenerateRequest("remote", prompt, greedy())
+    rx = decode.receiver
+
+    async def resolve(descriptor_id: str) -> KVDescriptor | None:
+        return KVDescriptor(DESC_ID, "decode-a", 5, rx.address, decode.engine.layout)
+
+    async with AsyncEngine(make_engine(kv_cache_bytes=64 << 20)) as prefill, \
+            KVSender(decode.engine.layout, resolve) as tx:
+        stream = decode.allocate_and_generate(req)
+        slot = await anext(stream)
+        assert isinstance(slot, KVDestination) and slot.transfer_id and slot.layout
+        skip = slot.num_cached_tokens // decode.block_size  # what "local" left cached
+        done = await prefill.prefill(req)
+        try:
+            assert done.first.token_id is not None
+            await tx.send(DESC_ID, prefill.kv_pool, done.block_ids[skip:],
+                          slot.block_ids[skip:], slot.transfer_id, 10,
+                          notice=FirstToken(done.first.token_id, done.first.logprob).to_notice())
+        finally:
+            await prefill.release(req.request_id)
+        events: list[TokenEvent] = []
+        async for item in stream:
+            assert isinstance(item, TokenEvent)
+            events.append(item)
+    assert [ev.token_id for ev in events if ev.token_id is not None] == want
+    assert events[-1].finished
+    await _until(lambda: _all_free(decode))
+
+
+@pytest.mark.parametrize("leave", ["after_allocation", "while_waiting"])
+async def test_leaving_the_stream_frees_the_blocks_at_once(decode: DecodeWorker,
+                                                           prompt_ids: list[list[int]],
+                                                           leave: str) -> None:
+    """Closed long before the lease (60 s here) or the KV wait ends: fenced and freed now."""
+    req = GenerateRequest(f"leave-{leave}", tuple(prompt_ids[0]), greedy())
+    stream = decode.allocate_and_generate(req, lease_s=60.0, timeout_s=60.0)
+    slot = await anext(stream)
+    assert isinstance(slot, KVDestination)
+    assert decode.engine.last_stats.free_blocks < decode.engine.last_stats.total_blocks or \
+        decode.pending_kv_blocks > 0
+    if leave == "while_waiting":
+        waiting = asyncio.create_task(anext(stream))  # type: ignore[arg-type]
+        await _until(lambda: decode._pending[req.request_id].claimed)
+        assert decode.num_requests == 1 and decode.active_streams == 1
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+    await stream.aclose()
+    await _until(lambda: _all_free(decode), timeout_s=20.0)
+    assert slot.transfer_id not in decode.receiver._transfers  # fenced: nothing may land
+
+
+async def test_no_writer_within_the_lease_is_kv_timeout(decode: DecodeWorker,
+                                                        prompt_ids: list[list[int]]) -> None:
+    req = GenerateRequest("no-writer", tuple(prompt_ids[0]), greedy())
+    stream = decode.allocate_and_generate(req, lease_s=0.3, timeout_s=30.0)
+    assert isinstance(await anext(stream), KVDestination)
+    with pytest.raises(KVTransferError) as failed:
+        async with asyncio.timeout(5):
+            async for _ in stream:
+                pytest.fail("a token without KV")
+    assert failed.value.code == Code.TIMEOUT
+    await _until(lambda: _all_free(decode))
+
+
+async def test_refused_before_any_allocation(decode: DecodeWorker) -> None:
+    """Past the worker's bound on blocks waiting for KV, the stream fails before its first
+    item (the router then prefills locally), and what the others hold is untouched."""
+    held: list[Any] = []
+    with pytest.raises(CapacityError) as refused:
+        for i in range(decode.engine.layout.num_blocks + 1):  # one block each
+            prompt = tuple(range(1000 + 8 * i, 1008 + 8 * i))
+            stream = decode.allocate_and_generate(GenerateRequest(f"pin-{i}", prompt, greedy()),
+                                                  lease_s=60.0)
+            held.append(stream)
+            await anext(stream)
+    assert refused.value.code == "kv_pending_limit"
+    assert decode.pending_kv_blocks == decode.max_pending_kv_blocks == len(held) - 1
+    for stream in held:
+        await stream.aclose()
+    await _until(lambda: _all_free(decode))
