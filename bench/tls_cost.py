@@ -11,8 +11,8 @@ machine falls on both alike. Each round, on each cluster:
 - `grpc_c1`: `--requests` greedy streams one after another through the router's gRPC API
   (pdserve.client, one channel kept open), prompts of `--prompt-tokens` random ids (a
   different prompt each request, so no prefix cache hit; above the remote threshold: router
-  -> decode AllocateRemote + GenerateRemote, router -> prefill Prefill, all three on mTLS
-  channels), `--tokens` output tokens with ignore_eos;
+  -> decode AllocateAndGenerate, router -> prefill Prefill, both on mTLS channels),
+  `--tokens` output tokens with ignore_eos;
 - `grpc_c4`: 4 such streams at once;
 - `rest_c1`: the same as `grpc_c1` over the OpenAI `/v1/completions` SSE stream (HTTPS, one
   connection kept alive);

@@ -24,7 +24,7 @@ class DecodeConfig(WorkerConfig):
     max_kv_wait_s: float = setting(
         120.0, "most seconds a claimed reservation waits for its KV", gt=0, group=KV_LEASES)
     max_pending_kv_fraction: float = setting(
-        0.5, "fraction of the KV pool that may wait for transfers (beyond: AllocateRemote is "
+        0.5, "fraction of the KV pool that may wait for transfers (beyond: an allocation is "
         "UNAVAILABLE and the router prefills locally)", gt=0, le=1, group=KV_LEASES)
 
     def __post_init__(self) -> None:

@@ -36,8 +36,9 @@ class DecodeMetrics:
             "pdserve_decode_remote_admissions", "Remotely prefilled requests admitted into "
             "the running batch.", registry=r)
         self.kv_wait = Histogram(
-            "pdserve_decode_kv_wait_seconds", "From GenerateRemote until the request's KV "
-            "landed (outcome=landed) or the wait ended otherwise (failed, cancelled).",
+            "pdserve_decode_kv_wait_seconds", "From the remote stream's claim of its "
+            "allocation until the request's KV landed (outcome=landed) or the wait ended "
+            "otherwise (failed, cancelled).",
             ["outcome"], buckets=_KV_WAIT_BUCKETS, registry=r)
         self.fenced_transfers = Counter(
             "pdserve_decode_fenced_transfers", "Remote allocations released before admission "

@@ -430,16 +430,17 @@ class KVLayout:
 
 @dataclass(frozen=True)
 class KVDestination:
-    """Where a prompt's KV goes: blocks a decode worker reserved for it (its AllocateRemote
-    answer) that a prefill worker writes into (Prefill's `destination`). The one type on
-    every side of the handover; pdserve.rpc.convert maps it to and from the protos."""
+    """Where a prompt's KV goes: blocks a decode worker reserved for it (the first message of
+    its AllocateAndGenerate stream) that a prefill worker writes into (Prefill's
+    `destination`). The one type on every side of the handover; pdserve.rpc.convert maps it
+    to and from the protos."""
 
     request_id: str
     block_ids: tuple[int, ...]  # the prompt's blocks, in order (cached ones first)
     num_cached_tokens: int  # already filled on the decode worker: not sent again
     descriptor_id: str  # the decode worker's registered KV pool
     transfer_id: str  # names this transfer in the sender's completion notice
-    layout: KVLayout | None = None  # the decode worker's pool (AllocateRemote tells it)
+    layout: KVLayout | None = None  # the decode worker's pool (its allocation tells it)
 
 
 @dataclass(frozen=True)

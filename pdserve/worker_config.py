@@ -96,7 +96,7 @@ def default_max_message_bytes(max_model_len: int) -> int:
 
 
 def default_max_concurrent_rpcs(max_requests: int) -> int:
-    """Calls a worker serves at once when not told: two per request it may hold (its
-    AllocateRemote or Abort beside its stream) and 64 for Stats and health probes, so a
+    """Calls a worker serves at once when not told: two per request it may hold (an
+    Abort beside its stream) and 64 for Stats and health probes, so a
     worker's own limit (`max_requests`, UNAVAILABLE) always comes first."""
     return 2 * max_requests + 64

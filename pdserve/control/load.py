@@ -28,7 +28,7 @@ class WorkerLoad:
     # Decode workers.
     waiting: float = 0.0  # queued for a batch slot or a local prefill
     awaiting_kv: float = 0.0  # allocated, KV not landed yet
-    streams: float = 0.0  # open Generate/GenerateRemote streams
+    streams: float = 0.0  # open Generate/AllocateAndGenerate streams
     # Prefill workers.
     queued: float = 0.0  # prompts waiting for a forward pass
     queued_tokens: float = 0.0  # their tokens: the router's backlog measure
