@@ -1,8 +1,9 @@
 """`python -m pdserve.gateway`: the colocated baseline, one engine behind the REST gateway.
 
 Flags and environment variables are read here only; the flags are spelled as in `pdserve
-router` (`pdserve.cli_args`). Keys: `--api-key`, repeatable, else the comma-separated
-PDSERVE_API_KEY (or PDSERVE_API_KEYS).
+router` (`pdserve.cli_args`): `--http-port` and `--max-request-bytes` (the older `--port`,
+`--max-body-bytes` and `--request-timeout-s` still work, hidden from --help). Keys:
+`--api-key`, repeatable, else the comma-separated PDSERVE_API_KEY (or PDSERVE_API_KEYS).
 """
 
 from __future__ import annotations
@@ -24,10 +25,19 @@ from pdserve.cli_args import (
     exposure_problem,
     is_loopback,
     missing_credentials,
+    positive_float,
+    positive_int,
     served_name_default,
     tls_config,
     version,
 )
+
+
+def _gateway_defaults() -> Any:
+    """GatewayConfig's defaults: the flags' defaults are its fields'."""
+    from pdserve.gateway.config import GatewayConfig
+
+    return GatewayConfig()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,19 +49,31 @@ def _parser() -> argparse.ArgumentParser:
                    help="address to bind; off loopback, refused without API keys unless "
                    "--insecure")
     add_insecure_arg(p)
-    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--http-port", dest="port", type=int, default=8000,
+                   help="HTTP port (as `pdserve router --http-port`)")
+    p.add_argument("--port", dest="port", type=int, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the older spelling
     p.add_argument("--served-model-name", default=None,
                    help="model id clients must send (default: the Hugging Face id for a "
                    "cached hub model, else the model directory's name)")
     add_api_key_args(p)
     p.add_argument("--metrics-require-auth", action="store_true",
                    help="ask for an API key on /metrics too (default: open to scrapers)")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
-                   help="largest request body (else 413)")
-    p.add_argument("--default-max-tokens", type=int, default=256,
+    defaults = _gateway_defaults()
+    p.add_argument("--max-request-bytes", dest="max_body_bytes", type=positive_int,
+                   default=defaults.max_body_bytes, metavar="BYTES",
+                   help="largest request body, else 413 (as `pdserve router "
+                   "--max-request-bytes`)")
+    p.add_argument("--max-body-bytes", dest="max_body_bytes", type=positive_int,
+                   default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # the older spelling
+    p.add_argument("--default-max-tokens", type=positive_int,
+                   default=defaults.default_max_tokens, metavar="N",
                    help="max_tokens of a request that names none")
-    p.add_argument("--request-timeout-s", type=float, default=600.0,
+    p.add_argument("--request-timeout", dest="request_timeout_s", type=positive_float,
+                   default=defaults.request_timeout_s, metavar="SECONDS",
                    help="bound on one whole generation, arrival to last token")
+    p.add_argument("--request-timeout-s", dest="request_timeout_s", type=positive_float,
+                   default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # the older spelling
     add_log_level_arg(p)
     add_tls_args(p, client_auth=True)
     return p
