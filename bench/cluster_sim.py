@@ -308,7 +308,8 @@ def compare(workers: Sequence[int], policies: Sequence[Policy], workloads: Seque
                     rows.append(row)
                     print(f"{workload:6} N={n:<4} load={load:<5g} {policy:13} "
                           f"att={row['attainment']:.2f} goodput={row['goodput_rps']:.2f}/s "
-                          f"hit={row['prefix_hit_rate']:.2f} ({row['wall_s']} s)",
+                          f"hit={row['prefix_hit_rate']:.2f} "
+                          f"prefill-hit={row['prefill_hit_rate']:.2f} ({row['wall_s']} s)",
                           file=sys.stderr, flush=True)
     return rows
 
@@ -317,7 +318,8 @@ def summary_row(sim: SimResult) -> dict[str, Any]:
     s = sim.summary
     return {"policy": sim.config.policy, "attainment": round(s.overall.attainment.both, 3),
             "goodput_rps": round(sim.goodput_rps, 3),
-            "prefix_hit_rate": round(sim.prefix_hit_rate, 3), "routes": sim.routes,
+            "prefix_hit_rate": round(sim.prefix_hit_rate, 3),
+            "prefill_hit_rate": round(sim.prefill_hit_rate, 3), "routes": sim.routes,
             "errors": s.overall.num_errors, "metrics": metrics_of(s),
             "attainment_by_class": {c: round(g.attainment.both, 3)
                                     for c, g in s.by_class.items()}}

@@ -1,28 +1,39 @@
-"""Local vs remote prefill by predicted cost, from what the workers are measured to do.
+"""Placement by predicted cost: which decode worker, and local or remote prefill (on which
+prefill worker), from what the workers are measured to do.
 
-For a request whose prompt has `uncached` tokens not in decode worker w's cache:
+For a prompt of L tokens, decode worker w holding c_w of them in its prefix cache and prefill
+worker p holding c_p in its own (both from the router's KV index, router.kv_index):
 
-- local on w:   TTFT = (w's prompt tokens still to prefill + uncached) / w's prefill rate
+- local on w:   TTFT = (w's prompt tokens still to prefill + (L - c_w)) / w's prefill rate
                        + one decode step;
                 and every stream running on w waits for those chunks: a stall of
-                (uncached - absorbed) / rate seconds each, where a decode step absorbs up to
+                ((L - c_w) - absorbed) / rate seconds each, where a decode step absorbs up to
                 `absorbed_tokens` prompt tokens at little cost (it is bound by reading the
                 weights, not by arithmetic).
-- remote via p: TTFT = (p's queued + unfinished prompt tokens + uncached) / p's prefill rate
-                       + uncached x p's transfer seconds per token + a fixed hand-off
+- remote via p, decode on w:
+                TTFT = (p's queued + unfinished prompt tokens + (L - c_p)) / p's prefill rate
+                       + (L - c_w) x p's transfer seconds per token + a fixed hand-off
                        + one decode step on w; no stall on w.
+                p computes what *its* cache lacks; only the blocks w lacks cross the wire.
+- either way, the stream then decodes on w: its TPOT is w's measured decode step, grown by
+  `decode_row_fraction` of it for each stream more than w ran when it measured (the ones
+  this router placed there since count: `streams`).
 
 Rates come from the workers' load records (pdserve.engine.step_rates: moving averages of
 their own steps and transfers), refreshed by heartbeats; what this router sent since the last
-heartbeat is added on top (`inflight_tokens`), so a burst does not all pick the worker that
-looked idle a second ago. Until a worker has measured anything, conservative priors stand in
-(a slow prefill), so early decisions do not over-promise.
+heartbeat is added on top (`inflight_tokens`, `streams`: router.ledger), so a burst does not
+all pick the worker that looked idle a second ago. Until a worker has measured anything,
+conservative priors stand in (a slow prefill), so early decisions do not over-promise.
 
-The choice: the route whose predicted TTFT meets the latency class's target, and of those the
-one with the least cost = TTFT + stall_weight x (stall summed over w's running streams); if
-neither meets it, the faster. A local prefill longer than `max_local_prefill_s` is taken only
+The choice, over every candidate (local on each w; remote on each w via its best p): those
+whose predicted TTFT meets the latency class's target, and of those the one with the least
+cost = TTFT + stall_weight x (stall summed over w's running streams) + tpot_weight x TPOT; if
+none meets it, the fastest. A local prefill longer than `max_local_prefill_s` is taken only
 when remote would miss the target: it would hold up whoever arrives at w in the meantime (the
-model cannot see arrivals; bench.goodput run 2 showed it). Plain arithmetic, no I/O.
+model cannot see arrivals; bench.goodput run 2 showed it). A worker holding more of the
+prompt has less to prefill, so the prediction itself rewards cache affinity. Plain
+arithmetic, no I/O: these functions are the scalar reference; router.placement evaluates the
+same formulas over arrays (held equal by tests/test_router_cost.py).
 """
 
 from __future__ import annotations
@@ -46,12 +57,24 @@ class CostModel:
     # Longest local prefill (seconds of compute) the model prefers to a remote one that meets
     # the target: about an interactive TTFT target, since it blocks the next arrivals.
     max_local_prefill_s: float = 1.0
+    # Each stream more in a decode batch lengthens its step by this fraction of the step
+    # measured (a decode step mostly reads the weights once: rows are cheap; this CPU's
+    # profile, bench.engine_profile: ~6 % a row at 8 rows).
+    decode_row_fraction: float = 0.06
+    # Seconds of TTFT one second of the request's predicted TPOT is worth (roughly the tokens
+    # it will stream): what spreads decode streams over the workers.
+    tpot_weight: float = 2.0
 
     def prefill_rate(self, load: WorkerLoad) -> float:
         return load.prefill_tokens_per_s or self.prior_prefill_tokens_per_s
 
     def decode_step(self, load: WorkerLoad) -> float:
         return load.decode_step_s or self.prior_decode_step_s
+
+    def tpot(self, load: WorkerLoad, streams: float) -> float:
+        """A new stream's time per token on a worker that will run `streams` others."""
+        return self.decode_step(load) * (
+            1.0 + self.decode_row_fraction * max(0.0, streams + 1.0 - load.running))
 
 
 @dataclass(frozen=True)
@@ -60,9 +83,10 @@ class Estimate:
     ttft_s: float
     stall_s: float  # summed over the decode worker's running streams
     compute_s: float = 0.0  # the prefill's own compute where it runs
+    tpot_s: float = 0.0  # the new stream's, on its decode worker
 
     def cost(self, model: CostModel) -> float:
-        return self.ttft_s + model.stall_weight * self.stall_s
+        return self.ttft_s + model.stall_weight * self.stall_s + model.tpot_weight * self.tpot_s
 
 
 def prefill_capacity(loads: Iterable[WorkerLoad], model: CostModel) -> float:
@@ -72,23 +96,31 @@ def prefill_capacity(loads: Iterable[WorkerLoad], model: CostModel) -> float:
 
 
 def local_estimate(decode: WorkerLoad, uncached: int, model: CostModel, *,
-                   inflight_tokens: float = 0.0) -> Estimate:
+                   inflight_tokens: float = 0.0, streams: float | None = None) -> Estimate:
+    """`uncached`: prompt tokens w lacks; `streams`: what runs on w now (default: its last
+    heartbeat's count; the router passes the larger of that and what it placed there)."""
+    n = decode.running if streams is None else streams
     rate = model.prefill_rate(decode)
     pending = max(decode.waiting_prompt_tokens or 0.0, inflight_tokens)
     stall = max(0, uncached - model.absorbed_tokens) / rate
     return Estimate(Route.LOCAL, (pending + uncached) / rate + model.decode_step(decode),
-                    stall * decode.running, uncached / rate)
+                    stall * n, uncached / rate, model.tpot(decode, n))
 
 
 def remote_estimate(prefill: WorkerLoad, decode: WorkerLoad, uncached: int, model: CostModel,
-                    *, inflight_tokens: float = 0.0) -> Estimate:
+                    *, inflight_tokens: float = 0.0, prefill_uncached: int | None = None,
+                    streams: float | None = None) -> Estimate:
+    """`uncached`: prompt tokens the decode worker lacks (transferred); `prefill_uncached`:
+    the ones the prefill worker lacks (computed; default: the same)."""
+    n = decode.running if streams is None else streams
+    computed = uncached if prefill_uncached is None else prefill_uncached
     rate = model.prefill_rate(prefill)
     pending = max(prefill.queued_tokens + (prefill.waiting_prompt_tokens or 0.0),
                   inflight_tokens)
     transfer = uncached * (prefill.kv_transfer_s_per_token or model.prior_transfer_s_per_token)
-    ttft = ((pending + uncached) / rate + transfer + model.remote_overhead_s
+    ttft = ((pending + computed) / rate + transfer + model.remote_overhead_s
             + model.decode_step(decode))
-    return Estimate(Route.REMOTE, ttft, 0.0)
+    return Estimate(Route.REMOTE, ttft, 0.0, computed / rate, model.tpot(decode, n))
 
 
 def decide_by_cost(local: Estimate, remote: Estimate | None, uncached: int, target_s: float,

@@ -2,8 +2,15 @@
 prompt is prefilled there or on the prefill pool. No I/O: the router, the router-scale
 benchmark (bench/router_scale.py) and tests call this same code.
 
-Cache affinity comes from the router's KV index (router.kv_index), built from the workers'
-KV events, so placing a request asks no worker anything.
+Cache affinity comes from the router's KV index (router.kv_index), built from the decode and
+prefill workers' KV events, so placing a request asks no worker anything: one walk over the
+prompt's hashes tells how much of it every worker of either role holds.
+
+Two policies (`RouterPolicy.placement`): *threshold* picks the decode worker by a weighted
+load + affinity score (`best_of`) and goes remote when enough of the prompt is uncached there;
+*cost* predicts the TTFT of every candidate, local on each decode worker or remote on each
+(prefill, decode) pair, from the workers' measured rates and the tokens each one lacks
+(router.cost), and takes the cheapest that meets the class's target (`best_by_cost`).
 
 The router places every request, so this is its hot path (bench/router_scale.py measures
 it): the prompt is hashed only as far as some worker holds it (in C where built), and the
@@ -14,18 +21,19 @@ candidate list changes) with exactly the arithmetic and tie-breaking of
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
 import numpy as np
 import numpy.typing as npt
 
+from pdserve.control.load import WorkerLoad
 from pdserve.control.workers import WorkerInfo
 from pdserve.types import LatencyClass
-from router.cost import CostModel, decide_by_cost, local_estimate, remote_estimate
+from router.cost import CostModel
 from router.kv_index import KVIndex
-from router.policy import Decision, RouterPolicy, decide_route
+from router.policy import Decision, Route, RouterPolicy, decide_route
 
 _NONE: Mapping[str, float] = {}
 Floats = npt.NDArray[np.float64]
@@ -49,14 +57,18 @@ class _Columns:
     running: Floats
     waiting: Floats
     memory: Floats  # 0.5 * free / total blocks (0 without a pool): best_decode's memory term
+    # The cost model's inputs as published (0: not measured; router.cost substitutes priors).
+    rate: Floats  # prefill tokens/s
+    step: Floats  # decode step seconds
+    prompt_waiting: Floats  # prompt tokens the engine has still to prefill
+    queued_tokens: Floats  # prompt tokens queued before the engine (prefill workers)
+    transfer: Floats  # KV transfer seconds per token (prefill workers)
     # Per block geometry (block size, model id) the index knows: the positions in it.
     groups: tuple[tuple[int, bytes, frozenset[int]], ...]
 
 
-class DecodeTable:
-    """The decode candidates as arrays, cached across requests. The router filters its
-    directory per request, but the WorkerInfo objects only change with a heartbeat (they are
-    immutable), so the columns are rebuilt only when the list holds other objects, or the
+class _Cached:
+    """One candidate list's columns, rebuilt only when the list holds other objects or the
     index learned another worker's block size."""
 
     def __init__(self) -> None:
@@ -65,17 +77,40 @@ class DecodeTable:
         self._index: KVIndex | None = None
         self._version = -1
 
-    def columns(self, decoders: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
-        key = tuple(map(id, decoders))
+    def get(self, workers: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
+        key = tuple(map(id, workers))
         cols = self._cols
         if (cols is None or key != self._key or index is not self._index
                 or index.geometry_version != self._version):
-            cols = self._cols = _build(decoders, index)
+            cols = self._cols = _build(workers, index)
             self._key, self._index, self._version = key, index, index.geometry_version
         return cols
 
 
+class DecodeTable:
+    """The candidates as arrays, cached across requests: decode workers, and prefill workers
+    for cost placement. The router filters its directory per request, but the WorkerInfo
+    objects only change with a heartbeat (they are immutable), so the columns are rebuilt
+    only when a list holds other objects, or the index learned another worker's block size."""
+
+    def __init__(self) -> None:
+        self._decode = _Cached()
+        self._prefill = _Cached()
+
+    def columns(self, decoders: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
+        return self._decode.get(decoders, index)
+
+    def prefill_columns(self, prefills: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
+        return self._prefill.get(prefills, index)
+
+
+def _column(workers: Sequence[WorkerInfo], value: Callable[[WorkerLoad], float | None]
+            ) -> Floats:
+    return np.array([value(w.load) or 0.0 for w in workers], dtype=np.float64)
+
+
 def _build(decoders: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
+    """Columns of any role's candidates (the prefill-only ones stay 0 on decode workers)."""
     ids = tuple(w.worker_id for w in decoders)
     free = np.array([w.load.free_blocks for w in decoders], dtype=np.float64)
     total = np.array([w.load.total_blocks for w in decoders], dtype=np.float64)
@@ -92,25 +127,38 @@ def _build(decoders: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
         running=np.array([w.load.running for w in decoders], dtype=np.float64),
         waiting=np.array([w.load.backlog for w in decoders], dtype=np.float64),
         memory=memory,
+        rate=_column(decoders, lambda load: load.prefill_tokens_per_s),
+        step=_column(decoders, lambda load: load.decode_step_s),
+        prompt_waiting=_column(decoders, lambda load: load.waiting_prompt_tokens),
+        queued_tokens=_column(decoders, lambda load: load.queued_tokens),
+        transfer=_column(decoders, lambda load: load.kv_transfer_s_per_token),
         groups=tuple((bs, extra, frozenset(m)) for (bs, extra), m in members.items()))
 
 
-def _cached(index: KVIndex, ids: Sequence[int], cols: _Columns) -> Floats:
-    """Prompt tokens each candidate holds: one walk per block geometry; a worker the index
-    has not synced holds nothing."""
-    cached = np.zeros(len(cols.ids))
-    for bs, extra, members in cols.groups:
-        for worker_id, depth in index.match_prompt(ids, bs, extra).items():
-            i = cols.pos.get(worker_id)
-            if i is not None and i in members:
-                cached[i] = depth * bs
-    return cached
+def _cached(index: KVIndex, ids: Sequence[int], *colsets: _Columns) -> list[Floats]:
+    """Prompt tokens each candidate of each list holds: one walk per block geometry, shared
+    by the lists (decode and prefill workers sit in one index); a worker the index has not
+    synced holds nothing."""
+    walks: dict[tuple[int, bytes], dict[str, int]] = {}
+    out = []
+    for cols in colsets:
+        cached = np.zeros(len(cols.ids))
+        for bs, extra, members in cols.groups:
+            found = walks.get((bs, extra))
+            if found is None:
+                found = walks[(bs, extra)] = index.match_prompt(ids, bs, extra)
+            for worker_id, depth in found.items():
+                i = cols.pos.get(worker_id)
+                if i is not None and i in members:
+                    cached[i] = depth * bs
+        out.append(cached)
+    return out
 
 
 def cached_tokens(index: KVIndex, ids: Sequence[int],
                   decoders: Sequence[WorkerInfo]) -> list[int]:
     """How many leading tokens of `ids` each decode worker holds."""
-    return [int(c) for c in _cached(index, ids, _build(decoders, index))]
+    return [int(c) for c in _cached(index, ids, _build(decoders, index))[0]]
 
 
 def best_of(cols: _Columns, cached: Floats, placed: Mapping[str, int], prompt_len: int,
@@ -148,6 +196,107 @@ def least_backlog(prefills: Sequence[WorkerInfo], inflight_tokens: Mapping[str, 
                                      w.load.running))
 
 
+@dataclass(frozen=True)
+class CostChoice:
+    """`best_by_cost`'s answer: positions in the candidate lists, and what was predicted."""
+
+    decode: int
+    prefill: int | None  # the best prefill worker for `decode` (None: no prefill worker)
+    route: Route
+    reason: str
+    ttft_s: float
+    cost: float
+    uncached_tokens: int  # prompt tokens prefilled where it is prefilled
+
+
+def _streams(cols: _Columns, placed: Mapping[str, int]) -> Floats:
+    if not placed:
+        return cols.running
+    return np.maximum(cols.running, np.fromiter(
+        map(placed.get, cols.ids, repeat(0)), dtype=np.float64, count=len(cols.ids)))
+
+
+def _inflight(cols: _Columns, inflight_tokens: Mapping[str, float]) -> Floats:
+    return np.fromiter(map(inflight_tokens.get, cols.ids, repeat(0.0)), dtype=np.float64,
+                       count=len(cols.ids))
+
+
+def _first_from(mask: npt.NDArray[np.bool_], tiebreak: int) -> int:
+    """The first True position at or after `tiebreak` (mod n), wrapping around."""
+    ties = np.flatnonzero(mask)
+    k = int(np.searchsorted(ties, tiebreak % len(mask)))
+    return int(ties[k if k < len(ties) else 0])
+
+
+def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Columns,
+                 pcached: Floats, placed: Mapping[str, int],
+                 inflight_tokens: Mapping[str, float], target_s: float, model: CostModel,
+                 tiebreak: int = 0) -> CostChoice:
+    """router.cost's formulas (`local_estimate`, `remote_estimate`, `decide_by_cost`'s rule)
+    over every candidate at once: local on each decode worker, remote on each (prefill,
+    decode) pair. Of those meeting `target_s`, the least cost; if none does, the least TTFT.
+    Equal values take turns like `best_of`: the first decode worker at or after `tiebreak`
+    (local before remote on one worker), and the first prefill worker from the same place."""
+    n, m = len(dcols.ids), len(pcols.ids)
+    length = float(prompt_len)
+    # Decode side, per w.
+    unc = np.maximum(0.0, length - dcached)
+    streams = _streams(dcols, placed)
+    rate = np.where(dcols.rate != 0, dcols.rate, model.prior_prefill_tokens_per_s)
+    step = np.where(dcols.step != 0, dcols.step, model.prior_decode_step_s)
+    pending = np.maximum(dcols.prompt_waiting, _inflight(dcols, inflight_tokens))
+    ttft_local = (pending + unc) / rate + step
+    stall = np.maximum(0.0, unc - model.absorbed_tokens) / rate * streams
+    compute_local = unc / rate
+    tpot = step * (1.0 + model.decode_row_fraction
+                   * np.maximum(0.0, streams + 1.0 - dcols.running))
+    cost_local = ttft_local + model.stall_weight * stall + model.tpot_weight * tpot
+    # Remote: a (prefill, decode) matrix; each w's best p by TTFT (its cost differs from the
+    # TTFT by w's TPOT term alone), equal ones from position `tiebreak` on.
+    if m:
+        lack = np.maximum(0.0, length - pcached)
+        prate = np.where(pcols.rate != 0, pcols.rate, model.prior_prefill_tokens_per_s)
+        ppending = np.maximum(pcols.queued_tokens + pcols.prompt_waiting,
+                              _inflight(pcols, inflight_tokens))
+        xfer = np.where(pcols.transfer != 0, pcols.transfer, model.prior_transfer_s_per_token)
+        ttft_pw = ((((ppending + lack) / prate)[:, None] + unc[None, :] * xfer[:, None])
+                   + model.remote_overhead_s) + step[None, :]
+        order = np.roll(np.arange(m), -(tiebreak % m))  # argmin takes the first minimum
+        best_p = order[np.argmin(ttft_pw[order], axis=0)]
+        ttft_remote = ttft_pw[best_p, np.arange(n)]
+        cost_remote = ttft_remote + model.tpot_weight * tpot
+        meets_remote = ttft_remote <= target_s
+        meets_local = (ttft_local <= target_s) & ~(
+            meets_remote & (compute_local > model.max_local_prefill_s))
+    else:
+        meets_local = ttft_local <= target_s
+        meets_remote = np.zeros(n, dtype=bool)
+        ttft_remote = cost_remote = np.full(n, np.inf)
+    inf = np.inf
+    if meets_local.any() or meets_remote.any():
+        local_v = np.where(meets_local, cost_local, inf)
+        remote_v = np.where(meets_remote, cost_remote, inf)
+        over = False
+    else:
+        local_v, remote_v, over = ttft_local, ttft_remote, True
+    best = min(float(local_v.min()), float(remote_v.min()))
+    w = _first_from((local_v == best) | (remote_v == best), tiebreak)
+    route = Route.LOCAL if local_v[w] == best else Route.REMOTE
+    p = int(best_p[w]) if m else None
+    if not m:
+        reason = "no_prefill_worker"
+    elif over:
+        reason = "cost_over_target"
+    else:
+        reason = f"cost_{route.value}"
+    if route is Route.LOCAL:
+        return CostChoice(w, p, route, reason, float(ttft_local[w]), float(cost_local[w]),
+                          int(unc[w]))
+    assert p is not None
+    return CostChoice(w, p, route, reason, float(ttft_remote[w]), float(cost_remote[w]),
+                      int(max(0.0, length - pcached[p])))
+
+
 def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerInfo],
           prefills: Sequence[WorkerInfo], index: KVIndex, placed: Mapping[str, int],
           policy: RouterPolicy, *, cost: CostModel | None = None, target_s: float = 30.0,
@@ -156,26 +305,25 @@ def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerIn
     """`decoders` must not be empty. `placed`: requests this router placed per decode worker
     and not finished; heartbeats lag a burst by up to a second, so those count as running
     too, or a burst would all go to the worker that looked idlest at the last heartbeat.
-    With `policy.placement == "cost"`, local vs remote (and the prefill worker) follow
-    router.cost against `target_s` (the latency class's TTFT target); `inflight_tokens`:
-    prompt tokens this router sent each worker to prefill that are not done yet; `tiebreak`:
-    where equal scores start (the router advances it per request); `table`: the caller's
-    DecodeTable, kept across calls (without one, the columns are built for this call)."""
-    cols = (table or DecodeTable()).columns(decoders, index)
-    cached = _cached(index, ids, cols)
+    With `policy.placement == "cost"`, the decode worker, local vs remote and the prefill
+    worker all follow router.cost against `target_s` (the latency class's TTFT target;
+    `best_by_cost`); `inflight_tokens`: prompt tokens this router sent each worker to
+    prefill that are not done yet; `tiebreak`: where equal scores start (the router advances
+    it per request); `table`: the caller's DecodeTable, kept across calls (without one, the
+    columns are built for this call). The decision's `uncached_tokens` are the prompt tokens
+    the worker that prefills must compute (what the router's ledger charges it)."""
+    table = table or DecodeTable()
+    cols = table.columns(decoders, index)
+    if policy.placement == "cost":
+        pcols = table.prefill_columns(prefills, index)
+        cached, pcached = _cached(index, ids, cols, pcols)
+        c = best_by_cost(len(ids), cols, cached, pcols, pcached, placed, inflight_tokens,
+                         target_s, cost or CostModel(), tiebreak)
+        return Placement(decoders[c.decode], None if c.prefill is None else prefills[c.prefill],
+                         Decision(c.route, c.reason, c.uncached_tokens), int(cached[c.decode]))
+    (cached,) = _cached(index, ids, cols)
     i = best_of(cols, cached, placed, len(ids), policy, tiebreak)
     decode, best_cached = decoders[i], int(cached[i])
-    if policy.placement == "cost":
-        model = cost or CostModel()
-        uncached = max(0, len(ids) - best_cached)
-        local = local_estimate(decode.load, uncached, model,
-                               inflight_tokens=inflight_tokens.get(decode.worker_id, 0.0))
-        remotes = [(remote_estimate(p.load, decode.load, uncached, model,
-                                    inflight_tokens=inflight_tokens.get(p.worker_id, 0.0)), p)
-                   for p in prefills]
-        remote, pick = min(remotes, key=lambda r: r[0].ttft_s) if remotes else (None, None)
-        decision, _ = decide_by_cost(local, remote, uncached, target_s, model)
-        return Placement(decode, pick, decision, best_cached)
     prefill = least_backlog(prefills, inflight_tokens, tiebreak)
     backlog = None if prefill is None else prefill.load.queued_tokens
     decision = decide_route(len(ids), best_cached, latency, backlog, policy)

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import collections
 import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.control.load import WorkerLoad
 from pdserve.control.workers import WorkerInfo
+from pdserve.engine.block_manager import block_hashes
+from pdserve.kv_events import KVEventBatch, KVOp
 from pdserve.types import LatencyClass
-from router.cost import CostModel, decide_by_cost, local_estimate, remote_estimate
+from router.cost import CostModel, Estimate, decide_by_cost, local_estimate, remote_estimate
 from router.kv_index import KVIndex
+from router.ledger import PlacementLedger
 from router.placement import place
 from router.policy import Route, RouterPolicy
 
@@ -85,3 +93,156 @@ def test_a_long_local_prefill_is_taken_only_when_remote_misses_the_target() -> N
     # Local would be faster (2 s vs 5 s) and stalls nobody now, but blocks the next arrivals.
     assert _route(idle, queued_pool, 2000, target_s=30.0) is Route.REMOTE
     assert _route(idle, queued_pool, 2000, target_s=3.0) is Route.LOCAL
+
+
+# ---------------------------------------------------------------------- choice by cost
+
+
+def _index(holds: dict[str, int], ids: list[int], bs: int = 16) -> KVIndex:
+    """An index where each worker holds the prompt's first `holds[w]` blocks."""
+    hashes = block_hashes(ids, bs, b"m")
+    idx = KVIndex()
+    for w, k in holds.items():
+        idx.apply(w, KVEventBatch(1, 1, bs, tuple((KVOp.STORED, x) for x in hashes[:k]),
+                                  snapshot=True))
+    return idx
+
+
+loads = st.builds(
+    WorkerLoad, running=st.integers(0, 12), queued_tokens=st.sampled_from([0, 0, 500, 4000]),
+    prefill_tokens_per_s=st.sampled_from([0.0, 300.0, 1000.0, 1500.0]),
+    decode_step_s=st.sampled_from([0.0, 0.03, 0.1]),
+    waiting_prompt_tokens=st.sampled_from([None, 0.0, 700.0]),
+    kv_transfer_s_per_token=st.sampled_from([None, 0.0, 1e-5, 1e-3]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(dloads=st.lists(loads, min_size=1, max_size=6), ploads=st.lists(loads, max_size=4),
+       dheld=st.lists(st.integers(0, 8), min_size=6, max_size=6),
+       pheld=st.lists(st.integers(0, 8), min_size=4, max_size=4),
+       placed=st.lists(st.integers(0, 4), min_size=6, max_size=6),
+       inflight=st.lists(st.sampled_from([0, 0, 300, 3000]), min_size=10, max_size=10),
+       length=st.integers(1, 140), target=st.sampled_from([0.3, 2.0, 30.0]),
+       tiebreak=st.integers(0, 50))
+def test_cost_placement_takes_the_cheapest_candidate(
+        dloads: list[WorkerLoad], ploads: list[WorkerLoad], dheld: list[int],
+        pheld: list[int], placed: list[int], inflight: list[int], length: int, target: float,
+        tiebreak: int) -> None:
+    """Over every candidate (local on each decode worker, remote on each (prefill, decode)
+    pair), priced by the scalar reference (`local_estimate`, `remote_estimate`, with the
+    tokens each worker lacks from the index and the router's in-flight accounting), place()
+    takes one of least cost among those meeting the target (the least TTFT if none does),
+    and reports its prediction's numbers."""
+    ids = list(range(1000, 1000 + length))
+    decoders = [_worker(f"d{i}", "decode", w) for i, w in enumerate(dloads)]
+    prefills = [_worker(f"p{i}", "prefill", w) for i, w in enumerate(ploads)]
+    index = _index({**{f"d{i}": dheld[i] for i in range(len(dloads))},
+                    **{f"p{i}": pheld[i] for i in range(len(ploads))}}, ids)
+    placed_by = {f"d{i}": placed[i] for i in range(len(dloads)) if placed[i]}
+    infl = {w.worker_id: float(inflight[i]) for i, w in enumerate([*decoders, *prefills])}
+    held = index.match_prompt(ids, 16, b"m")
+
+    def lacks(w: WorkerInfo) -> int:
+        return max(0, length - 16 * held.get(w.worker_id, 0))
+
+    cands: list[tuple[Estimate, str, str | None, int]] = []
+    for d in decoders:
+        n = max(d.load.running, placed_by.get(d.worker_id, 0))
+        local = local_estimate(d.load, lacks(d), MODEL, inflight_tokens=infl[d.worker_id],
+                               streams=n)
+        remotes = [remote_estimate(p.load, d.load, lacks(d), MODEL,
+                                   inflight_tokens=infl[p.worker_id],
+                                   prefill_uncached=lacks(p), streams=n) for p in prefills]
+        best_remote = min(remotes, key=lambda e: e.ttft_s) if remotes else None
+        ok_local = local.ttft_s <= target and not (
+            best_remote is not None and best_remote.ttft_s <= target
+            and local.compute_s > MODEL.max_local_prefill_s)
+        cands.append((local, d.worker_id, "ok" if ok_local else None, lacks(d)))
+        for p, e in zip(prefills, remotes, strict=True):
+            cands.append((e, d.worker_id, "ok" if e.ttft_s <= target else None, lacks(p)))
+    meeting = [c for c in cands if c[2] == "ok"]
+    objective = (lambda c: c[0].cost(MODEL)) if meeting else (lambda c: c[0].ttft_s)
+    best = min(map(objective, meeting or cands))
+
+    p = place(ids, LatencyClass.STANDARD, decoders, prefills, index, placed_by,
+              RouterPolicy(placement="cost"), cost=MODEL, target_s=target,
+              inflight_tokens=infl, tiebreak=tiebreak)
+    d = p.decode
+    assert p.cached_tokens == length - lacks(d)
+    n = max(d.load.running, placed_by.get(d.worker_id, 0))
+    if p.decision.route is Route.LOCAL:
+        got = local_estimate(d.load, lacks(d), MODEL, inflight_tokens=infl[d.worker_id],
+                             streams=n)
+        assert p.decision.uncached_tokens == lacks(d)
+    else:
+        assert p.prefill is not None
+        got = remote_estimate(p.prefill.load, d.load, lacks(d), MODEL,
+                              inflight_tokens=infl[p.prefill.worker_id],
+                              prefill_uncached=lacks(p.prefill), streams=n)
+        assert p.decision.uncached_tokens == lacks(p.prefill)
+    if meeting:
+        assert got.ttft_s <= target and p.decision.reason != "cost_over_target"
+    assert objective((got, "", None, 0)) == pytest.approx(best, rel=1e-9, abs=1e-12)
+    if not prefills:
+        assert p.decision.route is Route.LOCAL and p.decision.reason == "no_prefill_worker"
+
+
+def test_the_prefill_worker_is_priced_by_what_its_own_cache_lacks() -> None:
+    """Two equal prefill workers; the one holding the prompt's history computes 32 tokens
+    instead of 2,000, and gets the request, charged only those."""
+    ids = list(range(2000))
+    decoders = [_worker("d0", "decode", DECODE)]
+    prefills = [_worker("p0", "prefill", PREFILL), _worker("p1", "prefill", PREFILL)]
+    index = _index({"p1": 123}, ids)
+    for tiebreak in range(4):
+        p = place(ids, LatencyClass.STANDARD, decoders, prefills, index, {},
+                  RouterPolicy(placement="cost"), tiebreak=tiebreak)
+        assert p.decision.route is Route.REMOTE and p.prefill is not None
+        assert p.prefill.worker_id == "p1" and p.decision.uncached_tokens == 2000 - 123 * 16
+    # The transfer is still the decode worker's whole lack.
+    near = remote_estimate(PREFILL, DECODE, 2000, MODEL, prefill_uncached=32)
+    far = remote_estimate(PREFILL, DECODE, 2000, MODEL)
+    assert far.ttft_s - near.ttft_s == pytest.approx((2000 - 32) / 1500.0)
+
+
+def test_decode_choice_by_cost_keeps_cache_affinity() -> None:
+    """Equal decode workers and no prefill pool: the one holding the conversation's history
+    has the least to prefill, whatever the tie-break; with a prefill pool that lacks it, too
+    (a remote prefill would recompute it)."""
+    ids = list(range(1000))
+    idle = WorkerLoad(running=2, prefill_tokens_per_s=1000.0, decode_step_s=0.03)
+    decoders = [_worker(f"d{i}", "decode", idle) for i in range(4)]
+    index = _index({"d2": 60}, ids)
+    for prefills in ([], [_worker("p0", "prefill", PREFILL)]):
+        for tiebreak in range(4):
+            p = place(ids, LatencyClass.INTERACTIVE, decoders, prefills, index, {},
+                      RouterPolicy(placement="cost"), tiebreak=tiebreak, target_s=10.0)
+            assert p.decode.worker_id == "d2" and p.cached_tokens == 960
+            assert p.decision.route is Route.LOCAL and p.decision.uncached_tokens == 40
+
+
+def test_equal_candidates_take_turns_and_a_burst_does_not_herd() -> None:
+    """Idle equal workers: each request goes to the next decode worker from the tie-break
+    (the threshold path's rotation), and with the router's ledger charging what it placed, a
+    burst of 8 long prompts spreads over all 4 decode and both prefill workers."""
+    decoders = [_worker(f"d{i}", "decode", WorkerLoad(prefill_tokens_per_s=1000.0,
+                                                      decode_step_s=0.03)) for i in range(4)]
+    prefills = [_worker(f"p{i}", "prefill", PREFILL) for i in range(2)]
+    policy = RouterPolicy(placement="cost")
+    short = list(range(10))
+    assert [place(short, LatencyClass.STANDARD, decoders, prefills, KVIndex(), {}, policy,
+                  tiebreak=t).decode.worker_id for t in range(6)] == \
+        ["d0", "d1", "d2", "d3", "d0", "d1"]
+    ledger = PlacementLedger()
+    chosen = []
+    for i in range(8):
+        p = place(list(range(i * 5000, i * 5000 + 3000)), LatencyClass.STANDARD, decoders,
+                  prefills, KVIndex(), ledger.placed, policy,
+                  inflight_tokens=ledger.inflight_tokens, tiebreak=0)
+        ledger.place(f"r{i}", p.decode.worker_id)
+        where = p.prefill if p.decision.route is Route.REMOTE else p.decode
+        assert where is not None
+        ledger.charge(f"r{i}", where.worker_id, p.decision.uncached_tokens)
+        chosen.append((p.decode.worker_id, where.worker_id))
+    assert sorted(collections.Counter(d for d, _ in chosen).values()) == [2, 2, 2, 2]
+    assert {w for _, w in chosen} >= {"p0", "p1"}

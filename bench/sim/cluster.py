@@ -107,6 +107,9 @@ class SimResult:
     requests: tuple[RequestResult, ...]
     summary: RunSummary
     prefix_hit_rate: float  # prompt tokens served from the decode workers' caches
+    # Prompt tokens the worker that prefilled them had cached (the decode worker's for a
+    # local prefill, the prefill worker's for a remote one): 1 - the share recomputed.
+    prefill_hit_rate: float
     routes: dict[str, int]
     decisions: list[tuple[str, str, str]]  # per request (decode worker, route, reason)
     leaked_blocks: int  # blocks held by a request after the run (0: every block freed)
@@ -149,7 +152,7 @@ class Simulation(Clock):
                                     core=0 if c.sharing in ("own", "1p1d") else None,
                                     weight=NICE_5 if c.sharing == "cluster-up" else 1024.0,
                                     transfer_s_per_token=c.overheads.transfer_s_per_token,
-                                    **kw)
+                                    on_step=self._publish, **kw)
                          for i in range(c.n_prefill)]
         self.by_id: dict[str, SimWorker] = {w.worker_id: w
                                             for w in [*self.decoders, *self.prefills]}
@@ -157,10 +160,11 @@ class Simulation(Clock):
             worker_id=w.worker_id, role="decode" if isinstance(w, DecodeSim) else "prefill",
             grpc_address=f"127.0.0.1:{20000 + i}", model_id=MODEL_ID, epoch=1, started_at=0.0,
             load=w.load()) for i, w in enumerate(self.by_id.values())}
+        # One index for both roles, as the router keeps it: prefill workers publish too.
         self.index = KVIndex()
-        self._event_seq = {d.worker_id: 1 for d in self.decoders}
-        for d in self.decoders:
-            self.index.apply(d.worker_id, KVEventBatch(1, 1, c.block_size, (), snapshot=True))
+        self._event_seq = dict.fromkeys(self.by_id, 1)
+        for worker_id in self.by_id:
+            self.index.apply(worker_id, KVEventBatch(1, 1, c.block_size, (), snapshot=True))
         self.ledger = PlacementLedger()  # the router's in-flight accounting
         self.placed = self.ledger.placed
         self.inflight_tokens = self.ledger.inflight_tokens
@@ -194,7 +198,7 @@ class Simulation(Clock):
         self.infos[w.worker_id] = self.infos[w.worker_id].with_load(w.load())
         self.at(self.now + self.config.heartbeat_s, functools.partial(self._heartbeat, w))
 
-    def _publish(self, d: DecodeSim) -> None:
+    def _publish(self, d: SimWorker) -> None:
         ops = d.bm.drain_events()
         if not ops:
             return
@@ -283,7 +287,7 @@ class Simulation(Clock):
 
     def _result(self, requests: Sequence[SimRequest], slo: SLO) -> SimResult:
         results = []
-        hit = total = 0
+        hit = total = computed_hit = 0
         routes: collections.Counter[str] = collections.Counter()
         for i, r in enumerate(requests):
             p = self.progress.get(r.rid)
@@ -294,6 +298,9 @@ class Simulation(Clock):
                 continue
             routes[p.route] += 1
             hit += p.cached_tokens
+            prefill = self.by_id.get(p.prefill)
+            computed_hit += (prefill.cached_tokens.get(r.rid, 0) if p.route == "remote"
+                             and isinstance(prefill, PrefillSim) else p.cached_tokens)
             total += len(r.ids)
             times = p.token_times
             results.append(RequestResult(
@@ -304,7 +311,9 @@ class Simulation(Clock):
         end = max((p.finish_s or 0.0) for p in self.progress.values()) if self.progress else 0.0
         leaked = sum(d.bm.num_blocks - d.bm.num_free_blocks for d in self.by_id.values())
         return SimResult(self.config, tuple(results), summarize(results, slo, end),
-                         hit / total if total else 0.0, dict(routes), self.decisions, leaked)
+                         hit / total if total else 0.0,
+                         computed_hit / total if total else 0.0, dict(routes), self.decisions,
+                         leaked)
 
 
 def simulate(config: SimConfig, requests: Sequence[SimRequest], slo: SLO,

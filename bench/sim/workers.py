@@ -314,8 +314,10 @@ class PrefillSim(SimWorker):
     to the decode worker (`transfer_s_per_token` of the part the decode worker lacks)."""
 
     def __init__(self, *args: object, transfer_s_per_token: float, max_inflight: int = 4,
-                 **kwargs: object):
+                 on_step: Callable[[PrefillSim], None] | None = None, **kwargs: object):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.after_step = on_step  # its cache changed: KV events to publish
+        self.cached_tokens: dict[str, int] = {}  # request id -> prompt tokens its cache had
         self.transfer_s_per_token = transfer_s_per_token
         self.max_inflight = max_inflight
         self.active = 0
@@ -344,11 +346,14 @@ class PrefillSim(SimWorker):
         for seq in sampled:
             seq.append_token(0)
             self.sched.finish(seq, FinishReason.LENGTH)  # held: its blocks are kept
+            self.cached_tokens[seq.request_id] = seq.num_cached_tokens
             req, skip, decode = self._jobs.pop(seq.request_id)
             tokens = max(1, len(req.ids) - skip)
             seconds = tokens * self.transfer_s_per_token
             self.clock.at(self.clock.now + seconds,
                           functools.partial(self._sent, seq, req, decode, seconds, tokens))
+        if self.after_step is not None:
+            self.after_step(self)
 
     def _sent(self, seq: Seq, req: SimRequest, decode: DecodeSim, seconds: float,
               tokens: int) -> None:
