@@ -22,8 +22,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import platform
 import random
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -415,6 +418,25 @@ def side_by_side_table(res: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- command line
 
 
+def provenance() -> dict[str, Any]:
+    """The commit the record is made at, whether the simulator's or the router's placement
+    code differed from it, and how busy the machine was (the records name them)."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "--short", "HEAD"),
+            "dirty_paths": git("status", "--porcelain", "--", "bench/sim", "bench/cluster_sim.py",
+                               "router").splitlines(),
+            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "loadavg_start": os.getloadavg()}
+
+
 def calibrated(validation: dict[str, Any]) -> Overheads:
     """The first 1P1D calibration of a validate output: the software path of one worker
     pair, which the fleets of `compare` reuse (each worker on a machine of its own)."""
@@ -463,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cost = StepCost.load(args.profile) if args.profile else StepCost.load()
     record: dict[str, Any] = {"command": "python -m bench.cluster_sim " + " ".join(
-        sys.argv[1:] if argv is None else argv)}
+        sys.argv[1:] if argv is None else argv), **provenance()}
     if args.cmd == "validate":
         record.update(validate(args.real, cost, args.seed, args.streaming,
                                load_corun(args.corun) if args.corun else {}))
@@ -494,6 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(compare_table(rows))
         print()
         print(table)
+    record["loadavg_end"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     return 0
