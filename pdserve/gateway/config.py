@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from pdserve.gateway.schemas import PARSER_MAX_DEPTH
+from pdserve.gateway.body import PARSER_MAX_DEPTH
 from pdserve.tenants import KeyPolicy
 from pdserve.types import InvalidRequestError
 

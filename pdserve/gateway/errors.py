@@ -12,18 +12,19 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from pdserve.errors import ErrorKind, kind_of
+from pdserve.gateway.protocol import ErrorBody, ErrorResponse, ErrorType
 from pdserve.types import PdserveError
 
-INVALID_REQUEST = "invalid_request_error"
-SERVER_ERROR = "server_error"
-RATE_LIMIT = "rate_limit_error"
-PERMISSION = "permission_error"  # a valid key without the right (HTTP 403)
+INVALID_REQUEST: ErrorType = "invalid_request_error"
+SERVER_ERROR: ErrorType = "server_error"
+RATE_LIMIT: ErrorType = "rate_limit_error"
+PERMISSION: ErrorType = "permission_error"  # a valid key without the right (HTTP 403)
 
 MAX_MESSAGE_CHARS = 1024  # messages may quote client input (a field name, a value)
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, type: str = INVALID_REQUEST,
+    def __init__(self, status: int, message: str, *, type: ErrorType = INVALID_REQUEST,
                  code: str | None = None, param: str | None = None,
                  headers: dict[str, str] | None = None):
         if len(message) > MAX_MESSAGE_CHARS:
@@ -39,8 +40,8 @@ class APIError(Exception):
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return ErrorResponse(error=ErrorBody(message=self.message, type=self.type,
+                                             param=self.param, code=self.code)).body()
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status,
