@@ -161,7 +161,10 @@ def flags(cls: type, _path: tuple[str, ...] = ()) -> list[Flag]:
         n = f.metadata.get(NESTED)
         if n is None:
             continue
-        inner = type(_field_default(f))
+        # A class as the factory is the nested config's type: not made (its own nested
+        # defaults may import what a parser does not need).
+        factory = f.default_factory
+        inner = factory if isinstance(factory, type) else type(_field_default(f))
         if n.table:
             out += table_flags(inner, n.table, (*_path, f.name))
         else:
