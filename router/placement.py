@@ -22,7 +22,7 @@ candidate list changes) with exactly the arithmetic and tie-breaking of
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 
 import numpy as np
@@ -65,6 +65,27 @@ class _Columns:
     transfer: Floats  # KV transfer seconds per token (prefill workers)
     # Per block geometry (block size, model id) the index knows: the positions in it.
     groups: tuple[tuple[int, bytes, frozenset[int]], ...]
+    # Per cost model: the columns above with its priors in place (computed once per table).
+    priced: dict[CostModel, _Priced] = field(default_factory=dict, compare=False)
+
+    def prices(self, model: CostModel) -> _Priced:
+        got = self.priced.get(model)
+        if got is None:
+            got = self.priced[model] = _Priced(
+                rate=np.where(self.rate != 0, self.rate, model.prior_prefill_tokens_per_s),
+                step=np.where(self.step != 0, self.step, model.prior_decode_step_s),
+                transfer=np.where(self.transfer != 0, self.transfer,
+                                  model.prior_transfer_s_per_token),
+                queued=self.queued_tokens + self.prompt_waiting)
+        return got
+
+
+@dataclass(frozen=True)
+class _Priced:
+    rate: Floats
+    step: Floats
+    transfer: Floats
+    queued: Floats  # queued + waiting prompt tokens (a prefill worker's backlog)
 
 
 class _Cached:
@@ -242,9 +263,10 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
     # Decode side, per w.
     unc = np.maximum(0.0, length - dcached)
     streams = _streams(dcols, placed)
-    rate = np.where(dcols.rate != 0, dcols.rate, model.prior_prefill_tokens_per_s)
-    step = np.where(dcols.step != 0, dcols.step, model.prior_decode_step_s)
-    pending = np.maximum(dcols.prompt_waiting, _inflight(dcols, inflight_tokens))
+    dp = dcols.prices(model)
+    rate, step = dp.rate, dp.step
+    pending = dcols.prompt_waiting if not inflight_tokens else np.maximum(
+        dcols.prompt_waiting, _inflight(dcols, inflight_tokens))
     ttft_local = (pending + unc) / rate + step
     stall = np.maximum(0.0, unc - model.absorbed_tokens) / rate * streams
     compute_local = unc / rate
@@ -255,13 +277,12 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
     # TTFT by w's TPOT term alone), equal ones from position `tiebreak` on.
     if m:
         lack = np.maximum(0.0, length - pcached)
-        prate = np.where(pcols.rate != 0, pcols.rate, model.prior_prefill_tokens_per_s)
-        ppending = np.maximum(pcols.queued_tokens + pcols.prompt_waiting,
-                              _inflight(pcols, inflight_tokens))
-        xfer = np.where(pcols.transfer != 0, pcols.transfer, model.prior_transfer_s_per_token)
-        ttft_pw = ((((ppending + lack) / prate)[:, None] + unc[None, :] * xfer[:, None])
+        pp = pcols.prices(model)
+        ppending = pp.queued if not inflight_tokens else np.maximum(
+            pp.queued, _inflight(pcols, inflight_tokens))
+        ttft_pw = ((((ppending + lack) / pp.rate)[:, None] + unc[None, :] * pp.transfer[:, None])
                    + model.remote_overhead_s) + step[None, :]
-        order = np.roll(np.arange(m), -(tiebreak % m))  # argmin takes the first minimum
+        order = np.arange(tiebreak, tiebreak + m) % m  # argmin takes the first minimum
         best_p = order[np.argmin(ttft_pw[order], axis=0)]
         ttft_remote = ttft_pw[best_p, np.arange(n)]
         cost_remote = ttft_remote + model.tpot_weight * tpot
