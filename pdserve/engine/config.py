@@ -120,7 +120,7 @@ class ModelConfig:
             raise ModelLoadError(f"invalid config.json in {model_dir}: {exc}") from exc
 
 
-DTYPES = ("float32", "bfloat16", "float16", "int8")
+DTYPES = ("float32", "bfloat16", "float16", "int8", "q4_0", "q4_1", "q8_0")
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,8 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
     # How weights are stored and multiplied (engine.linear): float32 (exact), bfloat16 /
-    # float16 (activations and KV in that dtype too), int8 (float32 activations and KV).
+    # float16 (activations and KV in that dtype too), int8 or GGUF blocks q4_0/q4_1/q8_0 (float32
+    # activations and KV; the blocks are read from the model's GGUF where it has one).
     dtype: str = "float32"
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
@@ -159,4 +160,4 @@ class EngineConfig:
     @property
     def activation_dtype(self) -> str:
         """dtype of activations and of the KV cache."""
-        return "float32" if self.dtype == "int8" else self.dtype
+        return self.dtype if self.dtype in ("float32", "bfloat16", "float16") else "float32"

@@ -19,6 +19,15 @@ Formats (`pack_linear`, picked by `EngineConfig.dtype`):
   two results add up to ~14-bit activations, as accurate as weight-only int8 (measured: see
   bench/quality.py) for one extra row per token. fbgemm picks one activation range per call;
   a fixed [-1, 1] row pins it, so a token's result never depends on its batchmates.
+  Prefill-sized batches (more than `Int8DynamicLinear.SMALL_M` rows) skip all that: the int8
+  weights are expanded to float32 and go through the fp32 GEMM, so int8 prefill is never slower
+  than float32's (and exact weight-only int8 arithmetic).
+- ``q4_0`` / ``q4_1`` / ``q8_0``: GGUF's own 32-weight blocks (4.5-8.5 bits per weight), kept as
+  blocks and multiplied by the extension in kernels/quant_ops.cpp (AVX-512 or AVX2 picked from
+  the detected CPU flags); float32 activations. A weight carrying blocks read from the model's
+  GGUF (`attach_gguf_blocks`) is used as stored when they are of the requested type or Q8_0;
+  any other weight is quantized at load with gguf-py's quantizer. Large batches (prefill) are
+  expanded to float32 and use the fp32 GEMM.
 """
 
 from __future__ import annotations
@@ -29,7 +38,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8")
+QUANT_FORMATS = ("q4_0", "q4_1", "q8_0")
+WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", *QUANT_FORMATS)
 # fbgemm's dynamic activation grid with reduce_range (7 bits; safe from the AVX2 u8*s8 pair
 # saturation) over the pinned range [-1, 1]: scale 2/127, zero point 64, so a value v is
 # represented as round(v * 63.5) / 63.5 within [-64/63.5, 63/63.5]. Rows are scaled to
@@ -94,6 +104,10 @@ class OneDnnLinear(LinearKernel):
 class Int8DynamicLinear(LinearKernel):
     """fbgemm int8 x int8 GEMM: per-channel int8 weights, per-token int8 activations."""
 
+    # Batches larger than this (prefill chunks) expand the weights to float32 and use the fp32
+    # GEMM: compute-bound there, where fbgemm's two rows per token cost more than the expansion.
+    SMALL_M = 32
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         weight = weight.float()
         self.out_features, self.in_features = weight.shape
@@ -108,11 +122,17 @@ class Int8DynamicLinear(LinearKernel):
         self._anchor = torch.zeros(1, self.in_features)
         self._anchor[0, 0], self._anchor[0, -1] = -1.0, 1.0
         self._nbytes = self.out_features * self.in_features
+        # For prefill-sized batches: the same int8 weights, expanded to float32 per call.
+        self._qweight = qweight.int_repr()
+        self._scales = scales.float()
         from pdserve.engine.kernels import cpu_extension
 
         self._ext = cpu_extension()  # the row split and merge as two fused loops, if built
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.SMALL_M:
+            weight = self._qweight.float().mul_(self._scales[:, None])
+            return F.linear(x, weight, self.bias)
         if self._ext is not None and x.dtype == torch.float32 and x.stride(-1) == 1:
             rows, amax, lo_amax = self._ext.int8_rows(x, self._anchor, _STEPS, _SHRINK)
             y = torch.ops.quantized.linear_dynamic(rows, self.packed, True)
@@ -135,6 +155,82 @@ class Int8DynamicLinear(LinearKernel):
         return self._nbytes
 
 
+class QuantLinear(LinearKernel):
+    """GGUF block-quantized weights (see engine.kernels.quant) through the compiled kernels;
+    float32 activations in and out. Without the extension, the weights are expanded to
+    float32 once (correct, no faster than float32)."""
+
+    # Batches larger than this expand the blocks to float32 and use the fp32 GEMM (prefill).
+    SMALL_M = 16
+
+    def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int,
+                 bias: torch.Tensor | None):
+        from pdserve.engine.kernels import quant
+
+        self.qtype, self.in_features = qtype, in_features
+        self.blocks = blocks.contiguous()
+        self.out_features = blocks.shape[0]
+        self.bias = None if bias is None else bias.float().contiguous()
+        self._nbytes = self.blocks.numel()
+        self._code = quant.QTYPES[qtype]
+        self._isa = quant.ISAS[quant.default_isa()]
+        self._ext = quant.quant_extension()
+        self._dense: torch.Tensor | None = None
+        if self._ext is None:
+            self._dense = quant.dequantize_reference(self.blocks, qtype, in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights as float32 [out, in] (bitwise gguf-py's dequantization)."""
+        if self._dense is not None:
+            return self._dense
+        assert self._ext is not None
+        return self._ext.dequantize(self.blocks, self._code, self.in_features, self._isa)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._dense is not None or x.shape[0] > self.SMALL_M:
+            return F.linear(x, self.dequantize(), self.bias)
+        assert self._ext is not None
+        return self._ext.quant_linear(x, self.blocks, self._code, self._isa, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+_GGUF_ATTR = "_pdserve_gguf_blocks"
+
+
+def attach_gguf_blocks(weight: torch.Tensor, qtype: str, blocks: torch.Tensor) -> None:
+    """Mark a (float) weight with the GGUF blocks it was dequantized from, so `pack_linear`
+    for a quantized format uses the stored blocks instead of quantizing again."""
+    setattr(weight, _GGUF_ATTR, (qtype, blocks))
+
+
+def _quant_blocks(weight: torch.Tensor, weight_format: str) -> tuple[str, torch.Tensor]:
+    from pdserve.engine.kernels import quant
+
+    stored = getattr(weight, _GGUF_ATTR, None)
+    if stored is not None and stored[0] in (weight_format, "q8_0"):
+        return stored[0], stored[1]
+    return weight_format, quant.quantize_reference(weight, weight_format)
+
+
+def _pack_quant(weights: list[torch.Tensor], bias: torch.Tensor | None,
+                weight_format: str) -> LinearKernel:
+    if weights[0].device.type != "cpu":
+        raise ValueError(f"{weight_format} weights are a CPU format; use float16/bfloat16 on "
+                         f"{weights[0].device.type}")
+    parts = [_quant_blocks(w, weight_format) for w in weights]
+    qtypes = {q for q, _ in parts}
+    if len(qtypes) > 1:  # fused projections stored in different types: requantize them all
+        from pdserve.engine.kernels import quant
+
+        parts = [(weight_format, quant.quantize_reference(w, weight_format)) for w in weights]
+    qtype = parts[0][0]
+    blocks = parts[0][1] if len(parts) == 1 else torch.cat([b for _, b in parts])
+    return QuantLinear(blocks, qtype, weights[0].shape[1], bias)
+
+
 def _onednn_ok(dtype: torch.dtype) -> bool:
     return (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -147,11 +243,13 @@ def pack_linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None], 
     order), e.g. q/k/v or gate/up, so a layer issues one GEMM where it had several."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weight_format!r}; one of {WEIGHT_FORMATS}")
-    weight = weights[0] if len(weights) == 1 else torch.cat(weights)
     bias: torch.Tensor | None = None
     if any(b is not None for b in biases):
-        bias = torch.cat([b if b is not None else weight.new_zeros(w.shape[0])
-                          for w, b in zip(weights, biases, strict=True)])
+        bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0])
+                          for w, b in zip(weights, biases, strict=True)]).detach()
+    if weight_format in QUANT_FORMATS:
+        return _pack_quant(weights, bias, weight_format)
+    weight = weights[0] if len(weights) == 1 else torch.cat(weights)
     weight = weight.detach()
     bias = None if bias is None else bias.detach()
     if weight_format == "int8":

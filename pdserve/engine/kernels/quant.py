@@ -1,0 +1,120 @@
+"""GGUF block-quantized weights: the torch reference and the compiled kernels (quant_ops.cpp).
+
+Weights stay in the GGUF's own blocks of 32 (``Q4_0``: fp16 d + 16 bytes of nibbles, w = d*(q-8);
+``Q4_1``: fp16 d, fp16 m + nibbles, w = d*q + m; ``Q8_0``: fp16 d + 32 int8, w = d*q), one row
+of blocks per output feature, as a uint8 tensor ``[out_features, in_features / 32 * bytes]``.
+`dequantize_reference` is gguf-py's arithmetic in torch; the extension's ``dequantize`` gives
+bitwise the same floats and ``quant_linear`` multiplies without materializing them.
+
+The extension is built apart from cpu_ops.cpp (own source, cache key and flock), without
+-march=native: each vector path carries its own target attribute and `isa_for()` picks one
+from the CPU's detected flags (engine.cpu), so one build never assumes an ISA.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+from types import ModuleType
+
+import structlog
+import torch
+
+from pdserve.engine.cpu import CpuInfo, cpu_info
+from pdserve.engine.kernels import BUILD_WAIT_S, _build_root, _exclusive
+
+log = structlog.get_logger(__name__)
+_SOURCE = Path(__file__).with_name("quant_ops.cpp")
+DISABLE_ENV = "PDSERVE_DISABLE_QUANT_KERNELS"
+BLOCK = 32
+# Our codes (the C++ enum), the GGML type ids (gguf.GGMLQuantizationType) and bytes per block.
+QTYPES = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
+GGML_IDS = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+ISAS = {"generic": 0, "avx2": 1, "avx512": 2}
+
+
+def isa_for(info: CpuInfo) -> str:
+    """The widest vector path this CPU has (by its flags, never assumed)."""
+    if {"avx512f", "avx512bw", "avx2", "fma", "f16c"} <= info.flags:
+        return "avx512"
+    if {"avx2", "fma", "f16c"} <= info.flags:
+        return "avx2"
+    return "generic"
+
+
+def available_isas(info: CpuInfo) -> list[str]:
+    """Every path this CPU can run, narrowest first (tests run them all)."""
+    order = list(ISAS)
+    return order[: order.index(isa_for(info)) + 1]
+
+
+def _halves(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16).float()
+
+
+def dequantize_reference(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
+    """[out, in] float32, gguf-py's dequantize in torch (d * q, then + m; no FMA)."""
+    rows = blocks.shape[0]
+    nb = in_features // BLOCK
+    b = blocks.view(rows, nb, BLOCK_BYTES[qtype])
+    d = _halves(b[..., 0:2])  # [rows, nb, 1]
+    if qtype == "q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).float()
+        return (d * q).reshape(rows, in_features)
+    qs = b[..., 4:] if qtype == "q4_1" else b[..., 2:]
+    q = torch.cat((qs & 15, qs >> 4), dim=-1)
+    if qtype == "q4_1":
+        return (d * q.float() + _halves(b[..., 2:4])).reshape(rows, in_features)
+    return (d * (q.to(torch.int8) - 8).float()).reshape(rows, in_features)
+
+
+def quantize_reference(weight: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Float [out, in] -> blocks, with gguf-py's quantizer (what llama.cpp's convert writes)."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType
+
+    out_features, in_features = weight.shape
+    if in_features % BLOCK:
+        raise ValueError(f"{qtype} needs in_features divisible by {BLOCK}, got {in_features}")
+    data = gguf.quants.quantize(weight.detach().float().cpu().numpy(),
+                                GGMLQuantizationType(GGML_IDS[qtype]))
+    return torch.from_numpy(data.copy()).view(torch.uint8).reshape(out_features, -1)
+
+
+@functools.cache
+def _build() -> ModuleType | None:
+    from torch.utils import cpp_extension
+
+    key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()
+                         + str(_SOURCE.resolve()).encode() + str(torch.__file__).encode()
+                         ).hexdigest()[:16]
+    name = f"pdserve_quant_ops_{key}"
+    build_dir = _build_root() / name
+    log.info("quant_kernels_loading", name=name,
+             note="compiled once per machine (under a minute), then cached")
+    try:
+        with _exclusive(build_dir.with_suffix(".flock"), BUILD_WAIT_S):
+            stale = build_dir / "lock"  # a killed build's baton (we hold the only flock)
+            if stale.exists():
+                stale.unlink(missing_ok=True)
+            build_dir.mkdir(parents=True, exist_ok=True)
+            return cpp_extension.load(
+                name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
+                extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no ninja, unusual platform: stay correct
+        log.warning("quant_kernels_unavailable", error=str(exc)[:500],
+                    fallback="weights dequantized to float32 at load")
+        return None
+
+
+def quant_extension() -> ModuleType | None:
+    """The compiled quantized kernels, or None where they cannot be built (or are disabled)."""
+    return None if os.environ.get(DISABLE_ENV) else _build()
+
+
+def default_isa() -> str:
+    return isa_for(cpu_info())

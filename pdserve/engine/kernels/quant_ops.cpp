@@ -1,0 +1,294 @@
+// Weight-only GGUF block-quantized linear layers: y = x @ W.T with W kept in the GGUF's own
+// blocks (Q4_0, Q4_1, Q8_0; 32 weights per block, one fp16 scale, Q4_1 also an fp16 min), so a
+// decode step reads 4.5-8.5 bits per weight instead of 32.
+//
+// Each output row is dequantized block by block into a small per-thread buffer (in L1) with
+// exactly the arithmetic of gguf-py's dequantize (d * q [+ m], no FMA: built with
+// -ffp-contract=off), then dotted with every activation row. The vector ISA is chosen at run
+// time by the caller (from /proc/cpuinfo, see engine/cpu.py): each path is compiled with its
+// own target attribute, so one build serves any x86-64 and nothing is assumed.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define PDS_X86 1
+#endif
+
+namespace {
+
+enum QType : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+enum Isa : int64_t { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+constexpr int64_t kBlock = 32;
+
+int64_t block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ8_0: return 34;
+  }
+  TORCH_CHECK(false, "unknown quant type ", qtype);
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// ------------------------------------------------------------------ generic (any CPU)
+
+void dequant_row_generic(const uint8_t* row, int64_t nb, int64_t qtype, float* out) {
+  const int64_t bb = block_bytes(qtype);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * bb;
+    float* o = out + b * kBlock;
+    const float d = half_at(blk);
+    if (qtype == kQ4_0) {
+      const uint8_t* qs = blk + 2;
+      for (int j = 0; j < 16; ++j) {
+        o[j] = d * static_cast<float>(static_cast<int>(qs[j] & 15) - 8);
+        o[j + 16] = d * static_cast<float>(static_cast<int>(qs[j] >> 4) - 8);
+      }
+    } else if (qtype == kQ4_1) {
+      const float m = half_at(blk + 2);
+      const uint8_t* qs = blk + 4;
+      for (int j = 0; j < 16; ++j) {
+        o[j] = d * static_cast<float>(qs[j] & 15) + m;
+        o[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+      }
+    } else {
+      const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
+      for (int j = 0; j < 32; ++j) o[j] = d * static_cast<float>(qs[j]);
+    }
+  }
+}
+
+float dot_generic(const float* w, const float* x, int64_t k) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t i = 0; i < k; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += w[i + l] * x[i + l];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+#ifdef PDS_X86
+// ------------------------------------------------------------------ AVX2 + FMA + F16C
+
+__attribute__((target("avx2,fma,f16c"))) void dequant_row_avx2(const uint8_t* row, int64_t nb,
+                                                                int64_t qtype, float* out) {
+  const int64_t bb = block_bytes(qtype);
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * bb;
+    float* o = out + b * kBlock;
+    const __m256 vd = _mm256_set1_ps(half_at(blk));
+    if (qtype == kQ8_0) {
+      const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
+      for (int j = 0; j < 32; j += 8) {
+        __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + j));
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8))));
+      }
+      continue;
+    }
+    const uint8_t* qs = blk + (qtype == kQ4_1 ? 4 : 2);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    __m128i lo = _mm_and_si128(q, low4);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
+    if (qtype == kQ4_0) {
+      lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+      hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+    }
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int p = 0; p < 4; ++p) {
+      __m256 qf = qtype == kQ4_1 ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p]))
+                                 : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[p]));
+      __m256 w = _mm256_mul_ps(vd, qf);
+      if (qtype == kQ4_1) w = _mm256_add_ps(w, _mm256_set1_ps(half_at(blk + 2)));
+      _mm256_storeu_ps(o + 8 * p, w);
+    }
+  }
+}
+
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* w, const float* x, int64_t k) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+  }
+  __m256 a = _mm256_add_ps(a0, a1);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// ------------------------------------------------------------------ AVX-512 (F + BW)
+
+__attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void dequant_row_avx512(
+    const uint8_t* row, int64_t nb, int64_t qtype, float* out) {
+  const int64_t bb = block_bytes(qtype);
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * bb;
+    float* o = out + b * kBlock;
+    const __m512 vd = _mm512_set1_ps(half_at(blk));
+    if (qtype == kQ8_0) {
+      const __m128i* qs = reinterpret_cast<const __m128i*>(blk + 2);
+      _mm512_storeu_ps(o, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(
+                                                _mm512_cvtepi8_epi32(_mm_loadu_si128(qs)))));
+      _mm512_storeu_ps(o + 16, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                     _mm_loadu_si128(qs + 1)))));
+      continue;
+    }
+    const uint8_t* qs = blk + (qtype == kQ4_1 ? 4 : 2);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i lo = _mm_and_si128(q, low4);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
+    __m512 wl, wh;
+    if (qtype == kQ4_1) {
+      const __m512 vm = _mm512_set1_ps(half_at(blk + 2));
+      wl = _mm512_add_ps(_mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo))), vm);
+      wh = _mm512_add_ps(_mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi))), vm);
+    } else {
+      const __m512i eight = _mm512_set1_epi32(8);
+      wl = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(
+                                 _mm512_sub_epi32(_mm512_cvtepu8_epi32(lo), eight)));
+      wh = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(
+                                 _mm512_sub_epi32(_mm512_cvtepu8_epi32(hi), eight)));
+    }
+    _mm512_storeu_ps(o, wl);
+    _mm512_storeu_ps(o + 16, wh);
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx2,fma"))) float dot_avx512(const float* w,
+                                                                      const float* x,
+                                                                      int64_t k) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 32) {
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
+// M=1, Q4_1, fused: no buffer round trip. sum_j (d q_j + m) x_j = d * sum_j q_j x_j + m * sum_j x_j,
+// with the per-block sums of x precomputed once per call (xsum). Same weights, other rounding.
+__attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) float gemv_q4_1_avx512(
+    const uint8_t* row, int64_t nb, const float* x, const float* xsum) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  __m512 acc = _mm512_setzero_ps();
+  float macc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 20;
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+    const __m512 ql = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low4)));
+    const __m512 qh =
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low4)));
+    const __m512 t = _mm512_fmadd_ps(qh, _mm512_loadu_ps(x + b * kBlock + 16),
+                                     _mm512_mul_ps(ql, _mm512_loadu_ps(x + b * kBlock)));
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(half_at(blk)), t, acc);
+    macc += half_at(blk + 2) * xsum[b];
+  }
+  return _mm512_reduce_add_ps(acc) + macc;
+}
+#endif
+
+void dequant_row(const uint8_t* row, int64_t nb, int64_t qtype, float* out, int64_t isa) {
+#ifdef PDS_X86
+  if (isa == kAvx512) return dequant_row_avx512(row, nb, qtype, out);
+  if (isa == kAvx2) return dequant_row_avx2(row, nb, qtype, out);
+#endif
+  dequant_row_generic(row, nb, qtype, out);
+}
+
+float dot(const float* w, const float* x, int64_t k, int64_t isa) {
+#ifdef PDS_X86
+  if (isa == kAvx512) return dot_avx512(w, x, k);
+  if (isa == kAvx2) return dot_avx2(w, x, k);
+#endif
+  return dot_generic(w, x, k);
+}
+
+void check_blocks(const torch::Tensor& blocks, int64_t qtype, int64_t k) {
+  TORCH_CHECK(blocks.dtype() == torch::kUInt8 && blocks.dim() == 2 && blocks.is_contiguous(),
+              "blocks must be a contiguous uint8 [out_features, bytes] tensor");
+  TORCH_CHECK(k % kBlock == 0, "in_features must be a multiple of 32");
+  TORCH_CHECK(blocks.size(1) == k / kBlock * block_bytes(qtype),
+              "blocks hold ", blocks.size(1), " bytes per row, expected ",
+              k / kBlock * block_bytes(qtype));
+}
+
+// Rows of work per parallel task: enough that a task amortizes its buffer.
+constexpr int64_t kGrain = 16;
+
+}  // namespace
+
+// [N, K] float32: the weights exactly as gguf-py's dequantize gives them.
+torch::Tensor dequantize(const torch::Tensor& blocks, int64_t qtype, int64_t k, int64_t isa) {
+  check_blocks(blocks, qtype, k);
+  const int64_t n = blocks.size(0), nb = k / kBlock, bpr = blocks.size(1);
+  auto out = torch::empty({n, k}, torch::kFloat32);
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) dequant_row(src + r * bpr, nb, qtype, dst + r * k, isa);
+  });
+  return out;
+}
+
+// y[M, N] = x[M, K] @ W.T (+ bias), W in blocks. Meant for small M (decode); the caller sends
+// large M through `dequantize` and a float GEMM.
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t qtype,
+                           int64_t isa, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
+  const auto xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1);
+  check_blocks(blocks, qtype, k);
+  const int64_t n = blocks.size(0), nb = k / kBlock, bpr = blocks.size(1);
+  auto y = torch::empty({m, n}, torch::kFloat32);
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const float* bp = nullptr;
+  torch::Tensor bc;
+  if (bias.has_value()) {
+    bc = bias->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(bc.numel() == n, "bias must have out_features elements");
+    bp = bc.data_ptr<float>();
+  }
+#ifdef PDS_X86
+  if (m == 1 && qtype == kQ4_1 && isa == kAvx512) {
+    std::vector<float> xsum(nb);
+    for (int64_t b = 0; b < nb; ++b) {
+      float s = 0.f;
+      for (int64_t j = 0; j < kBlock; ++j) s += xp[b * kBlock + j];
+      xsum[b] = s;
+    }
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        yp[r] = gemv_q4_1_avx512(src + r * bpr, nb, xp, xsum.data()) + (bp ? bp[r] : 0.f);
+    });
+    return y;
+  }
+#endif
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(k);
+    for (int64_t r = begin; r < end; ++r) {
+      dequant_row(src + r * bpr, nb, qtype, w.data(), isa);
+      const float b = bp ? bp[r] : 0.f;
+      for (int64_t i = 0; i < m; ++i) yp[i * n + r] = dot(w.data(), xp + i * k, k, isa) + b;
+    }
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("dequantize", &dequantize, "GGUF blocks -> float32 weights");
+  mod.def("quant_linear", &quant_linear, "x @ W.T (+ bias) with W in GGUF blocks");
+}

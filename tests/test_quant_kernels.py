@@ -1,0 +1,117 @@
+"""GGUF block-quantized kernels (engine/kernels/quant_ops.cpp) against the torch reference.
+
+Every vector path this CPU can run (generic, AVX2, AVX-512: picked from its detected flags) must
+dequantize bitwise like gguf-py and multiply within float tolerance of the reference
+dequantization's fp32 GEMM; the GGUF's own tensors must be exactly what the float32 checkpoint
+was converted from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.engine.cpu import cpu_info
+from pdserve.engine.kernels import quant
+from pdserve.engine.linear import QuantLinear, attach_gguf_blocks, pack_linear
+
+FORMATS = ("q4_0", "q4_1", "q8_0")
+ISAS = quant.available_isas(cpu_info())
+
+
+@pytest.fixture(scope="module")
+def ext():  # type: ignore[no-untyped-def]
+    module = quant.quant_extension()
+    if module is None:
+        pytest.skip("quantized kernels could not be built here")
+    return module
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_reference_dequantize_is_gguf_py(qtype: str) -> None:
+    import gguf.quants
+    from gguf import GGMLQuantizationType
+
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(1))
+    blocks = quant.quantize_reference(w, qtype)
+    assert blocks.shape == (40, 96 // 32 * quant.BLOCK_BYTES[qtype])
+    theirs = gguf.quants.dequantize(blocks.numpy(), GGMLQuantizationType(quant.GGML_IDS[qtype]))
+    assert torch.equal(quant.dequantize_reference(blocks, qtype, 96), torch.from_numpy(theirs))
+    assert np.abs(theirs - w.numpy()).max() < (0.02 if qtype == "q8_0" else 0.5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_kernels_match_reference(ext, qtype: str, isa: str) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(2)
+    n, k = 67, 320  # odd row count: parallel chunks with remainders
+    w = torch.randn(n, k, generator=g)
+    blocks = quant.quantize_reference(w, qtype)
+    ref = quant.dequantize_reference(blocks, qtype, k)
+    code, isa_code = quant.QTYPES[qtype], quant.ISAS[isa]
+    assert torch.equal(ext.dequantize(blocks, code, k, isa_code), ref)
+    bias = torch.randn(n, generator=g)
+    for m in (1, 2, 5, 16):
+        x = torch.randn(m, k, generator=g)
+        want = torch.nn.functional.linear(x.double(), ref.double(), bias.double())
+        got = ext.quant_linear(x, blocks, code, isa_code, bias)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+        got = ext.quant_linear(x, blocks, code, isa_code, None)
+        torch.testing.assert_close(got.double(), want - bias.double(), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_quant_linear_small_and_large_batches(qtype: str) -> None:
+    """Decode batches through the kernel, prefill batches through the fp32 GEMM: both equal the
+    reference; fused projections concatenate their rows."""
+    g = torch.Generator().manual_seed(3)
+    w1, w2 = torch.randn(64, 128, generator=g), torch.randn(32, 128, generator=g)
+    kernel = pack_linear([w1, w2], [None, None], weight_format=qtype)
+    assert isinstance(kernel, QuantLinear) and kernel.out_features == 96
+    ref = torch.cat([quant.dequantize_reference(quant.quantize_reference(w, qtype), qtype, 128)
+                     for w in (w1, w2)])
+    assert torch.equal(kernel.dequantize(), ref)
+    for m in (1, 7, QuantLinear.SMALL_M + 1, 100):
+        x = torch.randn(m, 128, generator=g)
+        torch.testing.assert_close(kernel(x), x @ ref.T, rtol=1e-5, atol=1e-4)
+
+
+def test_attached_gguf_blocks_are_used_as_stored() -> None:
+    w = torch.randn(16, 64)
+    stored = quant.quantize_reference(w, "q8_0")
+    attach_gguf_blocks(w, "q8_0", stored)
+    kernel = pack_linear([w], [None], weight_format="q4_1")  # Q8_0 is kept: more precise
+    assert isinstance(kernel, QuantLinear) and kernel.qtype == "q8_0"
+    assert torch.equal(kernel.blocks, stored)
+
+
+def test_int8_prefill_batches_take_the_float_gemm() -> None:
+    from pdserve.engine.linear import Int8DynamicLinear
+
+    w = torch.randn(48, 64)
+    kernel = pack_linear([w], [None], weight_format="int8")
+    assert isinstance(kernel, Int8DynamicLinear)
+    x = torch.randn(Int8DynamicLinear.SMALL_M + 8, 64)
+    deq = kernel._qweight.float() * kernel._scales[:, None]
+    torch.testing.assert_close(kernel(x), x @ deq.T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernel(x[:2]), x[:2] @ deq.T, rtol=0.02, atol=0.05)
+
+
+@pytest.mark.slow
+def test_gguf_blocks_are_the_checkpoint(model_dir: Path) -> None:
+    """The default model's GGUF blocks, rows restored to Hugging Face order, dequantize bitwise
+    to the float32 checkpoint the engine loads (so q4_1 multiplies exactly those weights)."""
+    from safetensors.torch import load_file
+
+    from pdserve.engine import model_store
+
+    found = model_store.gguf_blocks(model_store.model_gguf(model_dir), 9, 3)
+    state = load_file(str(model_dir / "model.safetensors"))
+    assert {q for q, _ in found.values()} == {"q4_1", "q8_0"}
+    assert len(found) == 30 * 7 + 1
+    for name, (qtype, blocks) in found.items():
+        w = state[name]
+        assert torch.equal(quant.dequantize_reference(blocks, qtype, w.shape[1]), w), name
