@@ -62,6 +62,12 @@ class PoolBytes:
     def is_cuda(self) -> bool:
         return self._bytes.is_cuda
 
+    def flat(self) -> Any:
+        """The whole pool as one host byte array (host pools only)."""
+        if self._bytes.is_cuda:
+            raise ValueError("a CUDA pool has no host byte view")
+        return self._bytes.numpy()
+
     def run(self, start: int, count: int) -> Any:
         """Buffer aliasing blocks ``[start, start + count)``."""
         if start < 0 or count < 1 or start + count > self.layout.num_blocks:

@@ -37,20 +37,29 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import enum
 import functools
 import time
-from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Self, cast
+from typing import Any, Self
 
 import structlog
 import torch
 
 from kvxfer import listen
+from kvxfer import shm as staging
 from kvxfer.auth import MAC_FIELD, KVAuth
-from kvxfer.pool import DIGEST_HEX_CHARS, INLINE_DIGEST_BYTES, PoolBytes, check_blocks, digest
+from kvxfer.inbound import (
+    Connection,
+    Expectation,
+    Notice,
+    State,
+    Transfer,
+    check_request,
+    fence,
+    wait_recvs,
+)
+from kvxfer.pool import DIGEST_HEX_CHARS, PoolBytes, check_blocks
 from kvxfer.protocol import (
     CTRL_TAG,
     SEQ_LIMIT,
@@ -62,16 +71,13 @@ from kvxfer.protocol import (
     error,
     new_header,
     recv_payload,
-    reply_tag,
-    send_frame,
 )
-from kvxfer.runs import expand_runs
+from kvxfer.rings import StagingRings
 from pdserve.ratelog import RateLimitedLog
 from pdserve.types import KVLayout, KVTransferError
 
 log = structlog.get_logger(__name__)
 
-_ABORT_PERIOD_NS = 1_000_000_000  # bound on ucxx's blocking endpoint close
 _FINISHED_MEMORY = 4096  # finished transfer ids remembered, for clearer late-writer errors
 _FRAME_BASE_BYTES = 64 << 10  # a request's fixed part (ids, layout, notice) fits in this ...
 _FRAME_BYTES_PER_BLOCK = 32 + DIGEST_HEX_CHARS + 3  # ... plus a run and its digest per block
@@ -81,90 +87,8 @@ _REFUSED_LINGER_S = 0.5  # a refused peer's reject gets this long to be read bef
 _NONCE_MEMORY = 1 << 17  # signed frames remembered (within the clock skew) to refuse replays
 
 
-class _State(enum.Enum):
-    PENDING = "pending"
-    ACTIVE = "active"
-    DONE = "done"
-    FAILED = "failed"
-
-
-Notice = dict[str, Any]
-
-
-class Expectation:
-    """Awaitable for one expected transfer: once every byte landed it returns the writer's
-    notice (a small JSON object sent along with the blocks, or None), else it raises
-    KVTransferError. Either way, no byte lands in the blocks after it finished. Awaiting it
-    again gives the same outcome; cancelling the awaiting task does not cancel the transfer
-    (use `KVReceiver.cancel`).
-    """
-
-    def __init__(
-        self, transfer_id: str, dst_block_ids: tuple[int, ...], fut: asyncio.Future[Notice | None]
-    ):
-        self.transfer_id = transfer_id
-        self.dst_block_ids = dst_block_ids
-        self._future = fut
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def __await__(self) -> Generator[Any, None, Notice | None]:
-        return asyncio.shield(self._future).__await__()
-
-
 class _Idle(Exception):
     """A connection sent nothing for longer than it may idle."""
-
-
-@dataclass(eq=False)
-class _Connection:
-    ep: Any  # ucxx Endpoint
-    peer: str
-    warn: Callable[..., Any]  # rate-limited: a peer that never reads replies could flood
-    authenticated: bool = False
-    checking: bool = False  # a validly signed frame's sender is being looked up
-    active: int = 0  # transfers running over it: it is not idle while one is
-
-    def abort(self, reason: str, *, fencing: bool = False) -> None:
-        if not self.ep.closed:
-            (log.warning if fencing else log.debug)(
-                "kv_endpoint_aborted", peer=self.peer, reason=reason
-            )
-        with contextlib.suppress(UCXError):
-            self.ep.abort(period=_ABORT_PERIOD_NS)
-
-    async def reply(self, seq: int, message: dict[str, Any], timeout_s: float) -> bool:
-        """Best effort: False if the peer is gone or too slow to take a small frame."""
-        if self.ep.closed:
-            return False
-        try:
-            await send_frame(self.ep, reply_tag(seq), message, timeout_s)
-            return True
-        except (UCXError, TimeoutError) as exc:
-            if self.ep.closed:  # we dropped it meanwhile (evicted, fenced, closing)
-                log.debug("kv_reply_dropped", peer=self.peer, op=message["op"])
-            else:
-                self.warn(peer=self.peer, op=message["op"], error=repr(exc))
-            return False
-
-
-@dataclass(eq=False)
-class _Transfer:
-    transfer_id: str
-    dst_block_ids: tuple[int, ...]
-    deadline: float  # loop.time()
-    future: asyncio.Future[Notice | None]
-    notice: Notice | None = None
-    runs: list[tuple[int, int]] = field(default_factory=list)
-    digests: list[str] | None = None  # one per run, from the signed request
-    timer: asyncio.TimerHandle | None = None
-    state: _State = _State.PENDING
-    recvs: list[asyncio.Task[Any]] = field(default_factory=list)
-    stop: asyncio.Event = field(default_factory=asyncio.Event)  # cancel() while ACTIVE
-    stop_reason: KVTransferError | None = None
-    fenced: asyncio.Event = field(default_factory=asyncio.Event)
-    fence_ok: bool = True
 
 
 class KVReceiver:
@@ -174,7 +98,10 @@ class KVReceiver:
     address another one are rejected. `host` is the address advertised in `address`; the UCX
     listener binds `bind_host` (default: `host`; "0.0.0.0" for every interface; see
     `kvxfer.listen`). With `auth`, only signed writes from authorized senders are served
-    (`kvxfer.auth`). Use as ``async with KVReceiver(...) as rx:``.
+    (`kvxfer.auth`). With `shm` (the default), a writer on the same host may move its bytes
+    through a staging ring of `shm_slots` x `shm_slot_bytes` (`kvxfer.shm`; at most
+    `max_shm_rings` at once, host-memory pools only). Use as ``async with KVReceiver(...) as
+    rx:``.
     """
 
     def __init__(
@@ -194,8 +121,14 @@ class KVReceiver:
         max_unauthenticated: int = 32,
         idle_timeout_s: float = 300.0,
         log_interval_s: float = 30.0,
+        shm: bool = True,
+        shm_slots: int = staging.DEFAULT_SLOTS,
+        shm_slot_bytes: int = staging.DEFAULT_SLOT_BYTES,
+        max_shm_rings: int = 32,
     ) -> None:
         self._pool = PoolBytes(pool, layout)
+        self._rings = StagingRings(shm_slots, shm_slot_bytes, max_shm_rings) \
+            if shm and not self._pool.is_cuda and max_shm_rings > 0 else None
         self.layout = layout
         self.descriptor_id = descriptor_id
         self._host = host
@@ -217,10 +150,10 @@ class KVReceiver:
         self._listener: Any = None
         self._bound_port: int | None = None
         self._closing = False
-        self._transfers: dict[str, _Transfer] = {}
+        self._transfers: dict[str, Transfer] = {}
         self._finished: collections.OrderedDict[str, str] = collections.OrderedDict()
-        self._conns: set[_Connection] = set()
-        self._unauthenticated: dict[_Connection, None] = {}  # oldest first
+        self._conns: set[Connection] = set()
+        self._unauthenticated: dict[Connection, None] = {}  # oldest first
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ------------------------------------------------------------------ lifecycle
@@ -265,6 +198,8 @@ class KVReceiver:
             if self._listener is None or not self._listener.active_clients:
                 break
             await asyncio.sleep(0.01)
+        if self._rings is not None:
+            self._rings.close()  # every transfer is fenced: no copy runs any more
         if self._listener is not None:
             self._listener.close()  # after the handlers returned, which ucxx expects
             self._listener = None  # ucxx unbinds the port once the last reference is gone
@@ -301,7 +236,7 @@ class KVReceiver:
         fut: asyncio.Future[Notice | None] = loop.create_future()
         # The decode service may cancel and never await: don't warn about unretrieved errors.
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        transfer = _Transfer(transfer_id, blocks, loop.time() + timeout_s, fut)
+        transfer = Transfer(transfer_id, blocks, loop.time() + timeout_s, fut)
         transfer.timer = loop.call_later(timeout_s, self._pending_expired, transfer)
         self._transfers[transfer_id] = transfer
         return Expectation(transfer_id, blocks, fut)
@@ -318,9 +253,9 @@ class KVReceiver:
         if transfer is None:
             return
         err = error(Code.CANCELLED, f"transfer {transfer_id!r} {reason}")
-        if transfer.state is _State.PENDING:
+        if transfer.state is State.PENDING:
             self._finish(transfer, err)
-        elif transfer.state is _State.ACTIVE and transfer.stop_reason is None:
+        elif transfer.state is State.ACTIVE and transfer.stop_reason is None:
             transfer.stop_reason = err
             transfer.stop.set()
         limit = self._fence_grace_s + self._fence_timeout_s + 1.0
@@ -341,7 +276,7 @@ class KVReceiver:
     async def _serve(self, ep: Any) -> None:
         """One connected sender: read requests until the endpoint goes away or idles too long
         (see the module docstring for what an unauthenticated connection may do)."""
-        conn = _Connection(ep, peer=f"ep-{ep.uid:#x}",
+        conn = Connection(ep, peer=f"ep-{ep.uid:#x}",
                            warn=functools.partial(self._warn, "kv_reply_failed", "reply"))
         if self._closing:
             conn.abort("receiver closed")
@@ -387,6 +322,9 @@ class KVReceiver:
                 elif op == "write":
                     if not await self._on_write(conn, seq, msg):
                         break
+                elif op in ("shm_open", "shm_attach"):
+                    if not await self._on_shm(conn, seq, msg):
+                        break
                 else:
                     reject = {
                         "op": "reject",
@@ -401,11 +339,13 @@ class KVReceiver:
             self._unauthenticated.pop(conn, None)
             self._tasks.discard(serving)
             conn.abort("connection closed")
+            if self._rings is not None:
+                self._rings.release(conn)
 
     def _warn(self, event: str, key: str, **fields: Any) -> None:
         self._peer_logs[event](key, **fields)
 
-    async def _next_frame(self, conn: _Connection) -> dict[str, Any]:
+    async def _next_frame(self, conn: Connection) -> dict[str, Any]:
         """The connection's next request. Its first byte must come within `frame_timeout_s`
         (`idle_timeout_s` once authenticated, unbounded while a transfer runs over it), the
         rest within `frame_timeout_s`. Raises _Idle, TimeoutError, ProtocolError, UCXError."""
@@ -433,7 +373,7 @@ class KVReceiver:
         async with asyncio.timeout(self._frame_timeout_s):
             return await recv_payload(conn.ep, CTRL_TAG, header, self._max_frame_bytes)
 
-    async def _authenticate(self, conn: _Connection, seq: int, msg: dict[str, Any]) -> bool:
+    async def _authenticate(self, conn: Connection, seq: int, msg: dict[str, Any]) -> bool:
         """Check a signed frame (with `auth`); True if the connection may go on. A refused
         one gets a ``reject`` and False: the caller disconnects it."""
         assert self._auth is not None
@@ -456,7 +396,7 @@ class KVReceiver:
             return False
         return await self._promote(conn, seq)
 
-    async def _promote(self, conn: _Connection, seq: int) -> bool:
+    async def _promote(self, conn: Connection, seq: int) -> bool:
         """Count `conn` as authenticated, if there is room: else reject and False."""
         if conn.authenticated:
             return True
@@ -487,13 +427,13 @@ class KVReceiver:
         self._nonces[key] = now + 2 * self._auth.max_skew_s
         return None
 
-    async def _on_write(self, conn: _Connection, seq: int, msg: dict[str, Any]) -> bool:
+    async def _on_write(self, conn: Connection, seq: int, msg: dict[str, Any]) -> bool:
         """Serve one write request; False if the connection must be dropped."""
         transfer_id = msg.get("transfer_id")
         if self._auth is not None and not await self._authenticate(conn, seq, msg):
             return False
         try:
-            transfer, runs = self._admit(msg)
+            transfer, runs = self._admit(conn, msg)
         except KVTransferError as err:
             self._warn("kv_write_rejected", err.code, peer=conn.peer,
                        transfer_id=str(transfer_id)[:80], code=err.code,
@@ -504,11 +444,11 @@ class KVReceiver:
         if not await self._promote(conn, seq):  # only without `auth`; the transfer stays
             return False  # expected, as after any refused write
         # Accepted: from here on the writer may move bytes into the blocks.
-        transfer.state = _State.ACTIVE
+        transfer.state = State.ACTIVE
         transfer.runs = runs
         if transfer.timer is not None:
             transfer.timer.cancel()
-        for index, (start, count) in enumerate(runs):
+        for index, (start, count) in enumerate([] if transfer.shm else runs):
             buf = self._pool.run(start, count)
             transfer.recvs.append(asyncio.create_task(conn.ep.recv(buf, tag=data_tag(seq, index))))
         conn.active += 1
@@ -517,7 +457,8 @@ class KVReceiver:
         task.add_done_callback(self._tasks.discard)
         return True
 
-    def _admit(self, msg: dict[str, Any]) -> tuple[_Transfer, list[tuple[int, int]]]:
+    def _admit(self, conn: Connection, msg: dict[str, Any]
+               ) -> tuple[Transfer, list[tuple[int, int]]]:
         """Validate a write request; raises KVTransferError (sent back as a reject).
 
         A request naming an expected transfer but the wrong blocks or layout also fails that
@@ -539,81 +480,31 @@ class KVReceiver:
             state = self._finished.get(transfer_id)
             detail = f"already {state}" if state else "not expected (never or no longer)"
             raise error(Code.UNKNOWN_TRANSFER, f"transfer {transfer_id!r} is {detail}")
-        if transfer.state is not _State.PENDING:
+        if transfer.state is not State.PENDING:
             raise error(Code.DUPLICATE_TRANSFER, f"transfer {transfer_id!r} already has a writer")
         try:
-            runs = self._check_request(msg, transfer)
+            runs = check_request(msg, transfer, self.layout,
+                                 digests_required=self._auth is not None,
+                                 shm_ok=conn.ring is not None)
         except KVTransferError as err:
             self._finish(transfer, err)
             raise
         return transfer, runs
 
-    def _check_request(self, msg: dict[str, Any], transfer: _Transfer) -> list[tuple[int, int]]:
-        try:
-            layout = KVLayout.from_wire(msg.get("layout"))
-        except ValueError as exc:
-            raise error(Code.PROTOCOL_ERROR, f"bad layout: {exc}") from None
-        if not layout.compatible_with(self.layout):
-            raise error(
-                Code.LAYOUT_MISMATCH,
-                f"sender layout {layout} is not compatible with receiver layout {self.layout}",
-            )
-        raw_runs = msg.get("runs")
-        if not isinstance(raw_runs, list) or not all(
-            isinstance(r, list)
-            and len(r) == 2
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
-            for r in raw_runs
-        ):
-            raise error(Code.PROTOCOL_ERROR, "runs must be a list of [start, count] integer pairs")
-        notice = msg.get("notice")
-        if notice is not None and not isinstance(notice, dict):
-            raise error(Code.PROTOCOL_ERROR, "notice must be a JSON object")
-        digests = msg.get("digests")
-        if digests is None and self._auth is not None:
-            raise error(Code.PROTOCOL_ERROR, "a signed write must carry its runs' digests")
-        if digests is not None and not (
-            isinstance(digests, list)
-            and len(digests) == len(raw_runs)
-            and all(isinstance(d, str) and len(d) == DIGEST_HEX_CHARS for d in digests)
-        ):
-            raise error(Code.PROTOCOL_ERROR,
-                        f"digests must be one {DIGEST_HEX_CHARS}-character hex string per run")
-        transfer.notice = notice
-        transfer.digests = digests
-        runs = [(start, count) for start, count in raw_runs]
-        if any(count < 1 for _, count in runs):
-            raise error(Code.PROTOCOL_ERROR, "every run must hold at least one block")
-        if sum(count for _, count in runs) != len(transfer.dst_block_ids):
-            # Checked before expanding the runs: a declared count is never materialized.
-            raise error(
-                Code.BLOCK_MISMATCH,
-                f"transfer {transfer.transfer_id!r} expects {len(transfer.dst_block_ids)} "
-                "blocks, the writer's runs hold another number",
-            )
-        blocks = expand_runs(runs)
-        try:
-            check_blocks(blocks, self.layout.num_blocks, "destination")
-        except ValueError as exc:
-            raise error(Code.BLOCK_OUT_OF_RANGE, str(exc)) from None
-        if sorted(blocks) != sorted(transfer.dst_block_ids):
-            raise error(
-                Code.BLOCK_MISMATCH,
-                f"transfer {transfer.transfer_id!r} expects blocks "
-                f"{sorted(transfer.dst_block_ids)}, the writer sent {sorted(blocks)}",
-            )
-        return runs
-
-    async def _run_transfer(self, conn: _Connection, seq: int, transfer: _Transfer) -> None:
+    async def _run_transfer(self, conn: Connection, seq: int, transfer: Transfer) -> None:
         accept = {"op": "accept"}
         err: KVTransferError | None
         try:
             if not await conn.reply(seq, accept, self._frame_timeout_s):
                 err = error(Code.PEER_GONE, f"writer of {transfer.transfer_id!r} went away")
+            elif transfer.shm and self._rings is not None:  # fenced when it returns
+                err = await self._rings.receive(
+                    conn, seq, transfer, self._pool,
+                    None if self._auth is None else self._auth.key)
             else:
-                err = await self._wait_recvs(transfer)
+                err = await wait_recvs(transfer, self._pool)
             if err is not None:
-                await self._fence(conn, transfer)
+                await fence(conn, transfer, self._fence_grace_s, self._fence_timeout_s)
             self._finish(transfer, err)
         finally:
             conn.active -= 1
@@ -625,86 +516,32 @@ class KVReceiver:
             reply["message"] = err.message
         await conn.reply(seq, reply, self._frame_timeout_s)
 
-    async def _wait_recvs(self, transfer: _Transfer) -> KVTransferError | None:
-        """Every run landed and (with digests) matched its digest: None; else why not. A run
-        is hashed as soon as it landed, in a thread, while the others still arrive."""
-        loop = asyncio.get_running_loop()
-        stop = asyncio.create_task(transfer.stop.wait())
-        run_of = {task: index for index, task in enumerate(transfer.recvs)}
-        pending: set[asyncio.Future[Any]] = set(transfer.recvs)
-        try:
-            while pending:
-                remaining = transfer.deadline - loop.time()
-                if remaining <= 0:
-                    return error(
-                        Code.TIMEOUT,
-                        f"transfer {transfer.transfer_id!r} did not complete in time",
-                    )
-                done, pending = await asyncio.wait(
-                    pending | {stop}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
-                )
-                if stop in done:
-                    assert transfer.stop_reason is not None
-                    return transfer.stop_reason
-                pending.discard(stop)
-                for task in done:
-                    if task not in run_of:  # a digest check
-                        mismatch = cast(KVTransferError | None, task.result())
-                        if mismatch is not None:
-                            return mismatch
-                    elif (exc := task.exception()) is not None:
-                        return error(
-                            Code.PEER_GONE,
-                            f"transfer {transfer.transfer_id!r}: receive failed: {exc!r}",
-                        )
-                    elif transfer.digests is not None:
-                        check = asyncio.ensure_future(self._verify(transfer, run_of[task]))
-                        check.add_done_callback(lambda f: f.cancelled() or f.exception())
-                        pending.add(check)
-            return None
-        finally:
-            stop.cancel()
-
-    async def _verify(self, transfer: _Transfer, index: int) -> KVTransferError | None:
-        assert transfer.digests is not None
-        start, count = transfer.runs[index]
-        buf = self._pool.run(start, count)
-        if count * self.layout.block_nbytes <= INLINE_DIGEST_BYTES:
-            got = digest(buf)  # cheaper than the hop to a thread
+    async def _on_shm(self, conn: Connection, seq: int, msg: dict[str, Any]) -> bool:
+        """``shm_open`` / ``shm_attach`` (kvxfer.shm); they authenticate the connection like a
+        ping. False if the connection must be dropped."""
+        if self._auth is not None:
+            if not await self._authenticate(conn, seq, msg):
+                return False
+        elif not await self._promote(conn, seq):
+            return False
+        if msg["op"] == "shm_open":
+            reply = self._rings.offer(conn, msg) if self._rings is not None \
+                else {"op": "shm_refused", "reason": "no same-host path here (off, or CUDA)"}
         else:
-            got = await asyncio.to_thread(digest, buf)
-        if got == transfer.digests[index]:
-            return None
-        return error(
-            Code.INTEGRITY,
-            f"transfer {transfer.transfer_id!r}: blocks {start}..{start + count - 1} do not "
-            "match the digest the writer signed (altered in flight)",
-        )
+            reply = self._rings.attach(conn, msg) if self._rings is not None \
+                else {"op": "shm_refused", "reason": "no offer"}
+        return await conn.reply(seq, reply, self._frame_timeout_s)
 
-    async def _fence(self, conn: _Connection, transfer: _Transfer) -> None:
-        pending = {t for t in transfer.recvs if not t.done()}
-        if pending:
-            _, pending = await asyncio.wait(pending, timeout=self._fence_grace_s)
-        if pending:
-            conn.abort(f"fencing transfer {transfer.transfer_id!r}", fencing=True)
-            _, pending = await asyncio.wait(pending, timeout=self._fence_timeout_s)
-        for task in transfer.recvs:
-            if task.done() and not task.cancelled():
-                task.exception()  # retrieved: failures here are expected after an abort
-        if pending:
-            transfer.fence_ok = False
-            log.error("kv_fence_failed", transfer_id=transfer.transfer_id, pending=len(pending))
-
-    def _pending_expired(self, transfer: _Transfer) -> None:
-        if transfer.state is _State.PENDING:
+    def _pending_expired(self, transfer: Transfer) -> None:
+        if transfer.state is State.PENDING:
             msg = f"transfer {transfer.transfer_id!r}: no writer arrived in time"
             self._finish(transfer, error(Code.TIMEOUT, msg))
 
-    def _finish(self, transfer: _Transfer, err: KVTransferError | None) -> None:
+    def _finish(self, transfer: Transfer, err: KVTransferError | None) -> None:
         """Record the outcome. Callers guarantee the fence already holds."""
-        if transfer.state in (_State.DONE, _State.FAILED):
+        if transfer.state in (State.DONE, State.FAILED):
             return
-        transfer.state = _State.DONE if err is None else _State.FAILED
+        transfer.state = State.DONE if err is None else State.FAILED
         if transfer.timer is not None:
             transfer.timer.cancel()
         self._transfers.pop(transfer.transfer_id, None)

@@ -1,13 +1,16 @@
-"""Prefill side of a KV transfer: write blocks of the local pool into a remote pool."""
+"""Prefill side of a KV transfer: write blocks of the local pool into a remote pool, over UCX
+or, with a receiver on the same host, through a shared-memory staging ring (kvxfer.shm)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import contextlib
+import functools
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
@@ -30,7 +33,9 @@ from kvxfer.protocol import (
     reply_tag,
     send_frame,
 )
+from kvxfer.rings import open_ring
 from kvxfer.runs import merge_pairs, split_runs
+from kvxfer.shm import SenderRing, chunks, host_id, send_chunks
 from pdserve.control.descriptors import KVDescriptor, split_address
 from pdserve.types import KVLayout, KVTransferError
 
@@ -58,6 +63,7 @@ class _Peer:
         self.ep = ep
         self.ctrl_lock = asyncio.Lock()  # a request frame is two tag messages: keep them paired
         self.answered = False  # the receiver replied on it at least once
+        self.ring: SenderRing | None = None  # a same-host staging ring (kvxfer.shm)
         self.last_used = time.monotonic()
         self._seq = 0
 
@@ -92,7 +98,9 @@ class KVSender:
     limit) is replaced by a new one. Descriptors come from `resolve_descriptor` and are cached
     until a receiver rejects one as stale. With `auth`, every write and ping is signed
     (`kvxfer.auth`); with `integrity` (the default) a write carries a digest of each run.
-    Use as ``async with KVSender(...) as tx:``.
+    With `shm` (the default) a receiver on the same host is written through a staging ring
+    (kvxfer.shm: at memory speed, no digests) when it offers one and both pools are in host
+    memory. Use as ``async with KVSender(...) as tx:``.
     """
 
     def __init__(
@@ -106,8 +114,11 @@ class KVSender:
         auth: KVAuth | None = None,
         integrity: bool = True,
         max_idle_s: float = 240.0,
+        shm: bool = True,
     ) -> None:
         self.layout = layout
+        self._host_id = host_id() if shm else None
+        self._copier: ThreadPoolExecutor | None = None
         self._auth = auth
         self._integrity = integrity or auth is not None  # a signing receiver requires it
         self._max_idle_s = max_idle_s
@@ -136,6 +147,8 @@ class KVSender:
         self._closed = True
         for peer in list(self._peers.values()):
             self._drop_peer(peer)
+        if self._copier is not None:
+            self._copier.shutdown(wait=False)  # every transfer waited for its copies
 
     def forget_descriptor(self, descriptor_id: str) -> None:
         self._descriptors.pop(descriptor_id, None)
@@ -231,10 +244,19 @@ class KVSender:
                 "runs": [[dst, count] for _, dst, count in runs],
                 "notice": notice,
             }
-            if self._integrity:
-                request["digests"] = await self._digests(src, runs)
+            digests: list[str] = []
+
+            async def finish(peer: _Peer, frame: dict[str, Any]) -> None:
+                """The path, once the endpoint is known: its ring, or UCX with digests."""
+                if peer.ring is not None and not src.is_cuda:
+                    frame["shm"] = True
+                elif self._integrity:
+                    digests[:] = digests or await self._digests(src, runs)
+                    frame["digests"] = digests
+
             try:
-                peer, seq, reply = await self._request(desc.ucx_address, request, remaining)
+                peer, seq, reply = await self._request(desc.ucx_address, request, remaining,
+                                                       finish)
             except _Unreachable:
                 self.forget_descriptor(descriptor_id)  # the worker may have moved
                 raise
@@ -250,9 +272,13 @@ class KVSender:
             if reply.get("op") != "accept":
                 raise self._protocol_failure(peer, f"expected accept, got {reply.get('op')!r}")
 
-            await self._send_run_data(peer, seq, src, runs, transfer_id, remaining())
             try:
-                reply = await recv_frame(peer.ep, reply_tag(seq), remaining())
+                if peer.ring is not None and not src.is_cuda:
+                    reply = await self._send_staged(peer, peer.ring, seq, src, runs,
+                                                    transfer_id, remaining)
+                else:
+                    await self._send_data(peer, seq, src, runs, transfer_id, remaining())
+                    reply = await recv_frame(peer.ep, reply_tag(seq), remaining())
             except (UCXError, ProtocolError) as exc:
                 self._drop_peer(peer)
                 raise error(
@@ -276,17 +302,22 @@ class KVSender:
     # ------------------------------------------------------------------ steps
 
     async def _request(self, address: str, request: Mapping[str, Any],
-                       remaining: Callable[[], float]) -> tuple[_Peer, int, dict[str, Any]]:
+                       remaining: Callable[[], float],
+                       finish: Callable[[_Peer, dict[str, Any]], Awaitable[None]] | None = None,
+                       ) -> tuple[_Peer, int, dict[str, Any]]:
         """Send `request` with a fresh seq (signed when authenticated) and take its reply:
         (peer, seq, reply). A reused endpoint that died before any reply is replaced and the
         request sent once more (the receiver failed whatever it took on the dead one). A
-        failure to connect raises `_Unreachable` (a KVTransferError)."""
+        failure to connect raises `_Unreachable` (a KVTransferError). `finish` completes the
+        request for the endpoint it goes on, before it is signed."""
         for attempt in range(2):
             try:
                 peer = await self._peer(address, remaining())
             except KVTransferError as exc:
                 raise _Unreachable(exc.message, code=exc.code) from exc
             frame = {**request, "seq": peer.next_seq()}
+            if finish is not None:
+                await finish(peer, frame)
             if self._auth is not None:
                 frame = self._auth.sign(frame)
             try:
@@ -306,18 +337,6 @@ class KVSender:
             return hash_runs()
         return await asyncio.to_thread(hash_runs)
 
-    async def _send_run_data(
-        self,
-        peer: _Peer,
-        seq: int,
-        src: PoolBytes,
-        runs: list[tuple[int, int, int]],
-        transfer_id: str,
-        timeout_s: float,
-    ) -> None:
-        """The bytes of every run (tests override this to alter them in flight)."""
-        await self._send_data(peer, seq, src, runs, transfer_id, timeout_s)
-
     async def _send_data(
         self,
         peer: _Peer,
@@ -327,7 +346,8 @@ class KVSender:
         transfer_id: str,
         timeout_s: float,
     ) -> None:
-        """Send every run; on any failure, fence: return only once UCX stopped reading."""
+        """Send every run over UCX; on any failure, fence: return only once UCX stopped
+        reading. (Tests override it to alter the bytes in flight.)"""
         sends = [
             asyncio.create_task(peer.ep.send(src.run(start, count), tag=data_tag(seq, index)))
             for index, (start, _, count) in enumerate(runs)
@@ -358,6 +378,27 @@ class KVSender:
                 f"transfer {transfer_id!r}: sending to {peer.address} failed: {failure!r}",
             ) from failure
         raise TimeoutError
+
+    async def _send_staged(self, peer: _Peer, ring: SenderRing, seq: int, src: PoolBytes,
+                           runs: list[tuple[int, int, int]], transfer_id: str,
+                           remaining: Callable[[], float]) -> dict[str, Any]:
+        """Stream the runs through the peer's staging ring; the receiver's last reply. Any
+        failure here drops the peer (its ring's credits are then unknown)."""
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="kv-shm-copy")
+        block = self.layout.block_nbytes
+        segments = chunks([(start * block, count * block) for start, _, count in runs],
+                          ring.ring.slot_bytes)
+        key = None if self._auth is None else self._auth.key
+        try:
+            reply = await send_chunks(peer.ep, seq, ring, src.flat(), segments, transfer_id,
+                                      key, self._copier, remaining)
+        except BaseException:
+            self._drop_peer(peer)
+            raise
+        if reply.get("op") == "broken":
+            raise self._protocol_failure(peer, str(reply.get("message")))
+        return reply
 
     async def _exchange(
         self, peer: _Peer, request: dict[str, Any], timeout_s: float, *, retry_ok: bool = False
@@ -442,11 +483,26 @@ class KVSender:
                     Code.CONNECT_FAILED, f"cannot connect to KV receiver {address}: {exc!r}"
                 ) from exc
             peer = _Peer(address, ep)
+            if self._host_id is not None:
+                try:
+                    peer.ring = await open_ring(functools.partial(self._control, peer, timeout_s),
+                                                self._host_id)
+                except BaseException:
+                    peer.abort()
+                    raise
             self._peers[address] = peer
-            log.info("kv_endpoint_opened", peer=address)
+            log.info("kv_endpoint_opened", peer=address, staging_ring=peer.ring is not None)
             return peer
         finally:
             lock.release()
+
+    async def _control(self, peer: _Peer, timeout_s: float, request: dict[str, Any]
+                       ) -> dict[str, Any]:
+        """One control request on `peer` (signed when authenticated) and its reply."""
+        frame = {**request, "seq": peer.next_seq()}
+        if self._auth is not None:
+            frame = self._auth.sign(frame)
+        return await self._exchange(peer, frame, timeout_s)
 
     def _drop_peer(self, peer: _Peer) -> None:
         if self._peers.get(peer.address) is peer:

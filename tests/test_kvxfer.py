@@ -111,9 +111,10 @@ def resolver(receiver: KVReceiver) -> Resolver:
     return res
 
 
-@pytest.fixture
-async def sender(resolver: Resolver) -> AsyncIterator[KVSender]:
-    async with KVSender(LAYOUT, resolver) as tx:
+@pytest.fixture(params=[True, False], ids=["shm", "ucx"])
+async def sender(resolver: Resolver, request: pytest.FixtureRequest) -> AsyncIterator[KVSender]:
+    """Both data paths: the same-host staging ring (kvxfer.shm) and UCX."""
+    async with KVSender(LAYOUT, resolver, shm=request.param) as tx:
         yield tx
 
 

@@ -236,11 +236,11 @@ async def test_authenticated_connections_idle_for_a_bounded_time() -> None:
             assert len(rx._conns) == 1
 
             class SlowSender(KVSender):
-                async def _send_run_data(self, *args: Any, **kwargs: Any) -> None:
+                async def _send_data(self, *args: Any, **kwargs: Any) -> None:
                     await asyncio.sleep(2.0)  # twice the idle limit between accept and data
-                    await super()._send_run_data(*args, **kwargs)
+                    await super()._send_data(*args, **kwargs)
 
-        async with SlowSender(LAYOUT, resolver(rx), auth=writer()) as slow:
+        async with SlowSender(LAYOUT, resolver(rx), auth=writer(), shm=False) as slow:
             await transfer(rx, slow, [4, 5], seed=7)
 
 
@@ -259,16 +259,20 @@ async def test_sender_replaces_an_endpoint_idle_longer_than_its_limit(rx: KVRece
 
 class TamperingSender(KVSender):
     """Signs the true digests, then sends the runs with one byte flipped: what an attacker on
-    the path (or a corrupting link) would deliver."""
+    the path (or a corrupting link) would deliver. Over UCX: the same-host staging ring
+    carries no digests (kvxfer.shm says why)."""
 
-    async def _send_run_data(self, peer: Any, seq: int, src: PoolBytes,
-                             runs: list[tuple[int, int, int]], transfer_id: str,
-                             timeout_s: float) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, shm=False, **kwargs)
+
+    async def _send_data(self, peer: Any, seq: int, src: PoolBytes,
+                         runs: list[tuple[int, int, int]], transfer_id: str,
+                         timeout_s: float) -> None:
         altered = src.tensor.clone()
         start = runs[-1][0]
         altered[start].view(-1).view(torch.uint8)[12345] ^= 0x40
-        await self._send_data(peer, seq, PoolBytes(altered, self.layout), runs, transfer_id,
-                              timeout_s)
+        await super()._send_data(peer, seq, PoolBytes(altered, self.layout), runs, transfer_id,
+                                 timeout_s)
 
 
 @pytest.mark.parametrize("signed", [True, False])
