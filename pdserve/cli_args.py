@@ -24,7 +24,7 @@ from typing import Any
 from pdserve.cluster import api_keys_from_env, split_keys
 from pdserve.settings import Flag, Setting, add_flags, table_flags, to_argv, values
 
-DTYPES = ("float32", "bfloat16", "float16", "int8")
+DTYPES = ("float32", "bfloat16", "float16", "int8", "q4_0", "q4_1", "q8_0")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_MODEL_ALIASES = ("default", "SmolLM2-135M-Instruct")
 
@@ -168,7 +168,8 @@ ENGINE_SETTINGS = {
                            "on)", flag="--threads", kind=int, ge=1, group="engine"),
     "device": Setting("torch device of the engine", group="engine"),
     "dtype": Setting("weights: float32 (exact); bfloat16/float16 (needs native bf16 on CPU); "
-                     "int8 (per-channel int8 weights, per-token int8 activations)",
+                     "int8 (per-channel int8 weights, per-token int8 activations); "
+                     "q4_1/q8_0/q4_0 (GGUF blocks, read from the model's own GGUF)",
                      choices=DTYPES, group="engine"),
 }
 
