@@ -12,7 +12,7 @@ import pytest
 
 import router.placement
 from bench.cluster_sim import GOODPUT_ROUTER, MIXED_SLO, trace_chat, trace_mixed
-from bench.sim.cluster import Overheads, SimConfig, SimResult, simulate
+from bench.sim.cluster import Overheads, SimConfig, SimResult, Simulation, simulate
 from bench.sim.workers import Host, SimRequest, SimWorker, StepCost
 from pdserve.types import LatencyClass
 
@@ -151,3 +151,18 @@ def test_a_request_that_cannot_finish_is_reported_not_hung() -> None:
     reqs = [SimRequest("big", 0.0, tuple(range(1200)), 4, LatencyClass.INTERACTIVE)]
     res = run("least-loaded", reqs=reqs, num_blocks=64, drain_limit_s=30.0)
     assert res.summary.overall.num_errors == 1
+
+
+def test_prefill_workers_publish_into_the_routers_index() -> None:
+    """The simulated prefill workers' caches reach the router's index as the real ones do,
+    and cost placement reuses them: remote turns of a conversation find their history on
+    the prefill worker."""
+    reqs = trace_chat(150, 8.0, 4, open_conversations=12)
+    cfg = SimConfig(n_decode=4, n_prefill=1, policy="cost", router=GOODPUT_ROUTER,
+                    overheads=OVERHEADS)
+    sim = Simulation(cfg, COST)
+    res = sim.run(reqs, MIXED_SLO)
+    [prefill] = sim.prefills
+    assert res.routes.get("remote", 0) > 0 and sim.index.held(prefill.worker_id)
+    assert any(prefill.cached_tokens.values())  # a remote prefill found a cached history
+    assert 0 < res.prefill_hit_rate <= 1
