@@ -108,6 +108,7 @@ MAX_STOP_STRINGS = 16
 MAX_PENALTY = 2.0  # presence/frequency, as OpenAI
 MAX_REPETITION_PENALTY = 100.0
 MAX_LOGIT_BIAS = 1024
+MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| per token, as OpenAI
 MAX_N = 16  # choices per request (n, best_of)
 MAX_JSON_SCHEMA_CHARS = 65536
 
@@ -261,8 +262,9 @@ class SamplingParams:
             t, b = pair
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise bad("logit_bias", f"logit_bias token ids must be integers >= 0, got {t!r}")
-            if not number(b) or not -100.0 <= b <= 100.0:
-                raise bad("logit_bias", f"logit_bias values must be in [-100, 100], got {b!r}")
+            if not number(b) or not -MAX_LOGIT_BIAS_VALUE <= b <= MAX_LOGIT_BIAS_VALUE:
+                raise bad("logit_bias", f"logit_bias values must be in [-{MAX_LOGIT_BIAS_VALUE:g}, "
+                          f"{MAX_LOGIT_BIAS_VALUE:g}], got {b!r}")
             pairs.append((t, float(b)))
         object.__setattr__(self, "logit_bias", tuple(pairs))
         if self.json_schema is not None and (

@@ -26,6 +26,7 @@ from pydantic_core import CoreSchema
 from pdserve.engine.tokenizer import CHAT_ROLES
 from pdserve.types import (
     MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
     MAX_LOGPROBS,
     MAX_N,
     MAX_PENALTY,
@@ -36,7 +37,6 @@ from pdserve.types import (
 )
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-LOGIT_BIAS_RANGE = 100.0  # what SamplingParams accepts per token, as OpenAI
 
 
 class Limits:
@@ -124,10 +124,9 @@ class _Common(_Strict):
         1.0, description="extension (vLLM): > 1 discourages tokens of the prompt and output; "
         "1 is off")
     logit_bias: Annotated[dict[str, Annotated[float, Limits(
-        minimum=-LOGIT_BIAS_RANGE, maximum=LOGIT_BIAS_RANGE)]], Limits(
+        minimum=-MAX_LOGIT_BIAS_VALUE, maximum=MAX_LOGIT_BIAS_VALUE)]], Limits(
         maxProperties=MAX_LOGIT_BIAS)] | None = Field(
-        None, description=f"token id (as a string) -> bias in [-{LOGIT_BIAS_RANGE:g}, "
-        f"{LOGIT_BIAS_RANGE:g}] added to its logit")
+        None, description="token id (as a string) -> bias added to its logit")
     min_p: Annotated[float, Limits(minimum=0, maximum=1)] = Field(
         0.0, description="extension: drop tokens below min_p times the top token's "
         "probability")
