@@ -1,0 +1,825 @@
+"""Router load harness: the real router process against many emulated decode workers.
+
+    python -m bench.router_harness [--workers 64 256] [--quick] \\
+        [--out docs/bench/router_harness.json]
+
+What runs (every piece is the project's own code and wire protocol; only the model is
+emulated):
+
+- a private **redis-server** (no persistence) on a free port;
+- the **router**, started with the command `pdserve cluster up` / `LocalCluster` gives it
+  (``python -m pdserve.cli router --port P --http-port H --namespace NS --host 127.0.0.1
+  --model M``, the cluster secret and an API key in its environment, Redis URL too), pinned
+  to ONE CPU with ``taskset -c``; its log level is its default (info: one JSON line per
+  routing decision, as deployed) unless --router-log-level says otherwise;
+- **N emulated decode workers** in one process (`bench.emulated_workers`): each the real
+  `DecodeWorker` + `decode_svc.servicer` on its own grpc.aio server and port, with its own
+  signed lease and heartbeat in Redis and its own `KVEventPublisher`, over an
+  `EmulatedEngine` (real scheduler and block manager, steps lasting what the measured
+  profile docs/bench/cluster_sim/engine_profile.json says, x --time-scale). Their prefix
+  caches start filled with a chat corpus so the router's index holds ~--index-blocks blocks;
+- the **load generator** (this process): grpc.aio clients of the router's public API
+  (`pdserve.v1.Router/Generate`, token ids in, return_timings set), pinned with the workers
+  and Redis to the other CPU(s).
+
+Workloads (client side; the corpus is `bench.emulated_workers.build_corpus`, the same one the
+workers warmed their caches with):
+- ``prefix``: multi-turn chat. 60% a new turn of a known conversation (its history, which
+  includes the tokens it got back, + 50-200 new user tokens), 30% a new conversation on one
+  of the 256 shared system prompts, 10% an unrelated prompt (200-2000 tokens); 8 output
+  tokens; standard class.
+- ``mixed``: 30% / 20% / 50% of the same kinds, unrelated prompts 100-4000 tokens
+  (log-uniform), 1-32 output tokens, classes 20% interactive / 60% standard / 20% batch.
+
+Phases per worker count and workload: a warm-up (not counted), then ``light`` (Poisson
+arrivals at --light-rate for --light-s: latency with little queueing) and ``saturate``
+(--concurrency closed loops for --saturate-s: the most the whole setup serves).
+
+Per phase: requests/s served; the router process's CPU time (/proc/PID/stat) per request,
+and so the full-path requests/s the router would do with its one core 100% busy; the
+router's own decision time (`route_ms` of `router.timings.StageClock`: from the start of
+`Router._generate` to a placement, i.e. `Router.place` = `router.placement.place` + the
+ledger, no I/O) and 1 / its mean = decisions/s of the placement code in the process; added
+latency = client-observed TTFT minus the worker's own time (from its Generate reaching the
+worker to its first token leaving the engine, same CLOCK_MONOTONIC), split into the inbound
+(client -> router -> worker) and outbound (worker -> router -> client) legs; the prefix-hit
+rate (prompt tokens the chosen worker's cache held when the request arrived) against the
+oracle (the most any worker's cache held at that moment, `CacheOracle`); KV events the
+router folded (its pdserve_router_kv_events_ops_total) per second. Every token of every
+request is checked against the emulated engine's deterministic tokens.
+
+Per worker count: the router's RSS before any worker and after its index holds the warm
+corpus (index memory, with the index's block count from its gauge), the rate at which the
+router absorbed the opening snapshots, and at the end the index checked: the router's
+distinct block count equals the workers' (the oracle's), and an index built here by the real
+`KVIndexFollower` from the same streams equals every worker's cache, block for block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import os
+import platform
+import random
+import re
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from array import array
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench.emulated_engine import VOCAB, emulated_token
+from bench.emulated_workers import MAX_MODEL_LEN, build_corpus
+from pdserve.cluster import (
+    API_KEY_ENV,
+    CLUSTER_SECRET_ENV,
+    REDIS_URL_ENV,
+    free_port,
+    wait_port,
+)
+from pdserve.deathsig import guarded
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET_DECISIONS_PER_S = 10_000.0
+TARGET_P50_MS = 0.5
+TARGET_P99_MS = 2.0
+TIMEOUT_S = 600.0
+_LATENCY = {"interactive": common_pb2.LATENCY_CLASS_INTERACTIVE,
+            "standard": common_pb2.LATENCY_CLASS_STANDARD,
+            "batch": common_pb2.LATENCY_CLASS_BATCH}
+
+
+@dataclass(frozen=True)
+class Config:
+    workers: tuple[int, ...] = (64, 256)
+    index_blocks: int = 1_000_000
+    time_scale: float = 0.02
+    workloads: tuple[str, ...] = ("prefix", "prefix1", "mixed")
+    warmup_s: float = 5.0
+    idle_s: float = 5.0
+    light_rate: float = 25.0
+    light_s: float = 15.0
+    concurrency: int = 48
+    saturate_s: float = 25.0
+    seed: int = 1
+    router_log_level: str = "info"
+    verify_index: bool = True
+    model: str = "default"
+    autogroup_nice: int | None = None
+
+
+QUICK = Config(workers=(4,), index_blocks=20_000, warmup_s=1.0, idle_s=1.0, light_rate=20.0,
+               light_s=2.0, concurrency=8, saturate_s=2.0)
+
+
+# ---------------------------------------------------------------------- processes
+
+
+def _cpus() -> tuple[list[int], list[int]]:
+    """(the router's CPU, everyone else's)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[:1], (cpus[1:] or cpus[:1])
+
+
+def _taskset(cpus: Sequence[int]) -> list[str]:
+    exe = shutil.which("taskset")
+    return [exe, "-c", ",".join(map(str, cpus))] if exe else []
+
+
+def _ping(port: int) -> bool:
+    import socket
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def start_redis(workdir: Path, cpus: Sequence[int]) -> tuple[subprocess.Popen[bytes], str]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed")
+    for _ in range(5):
+        port = free_port()
+        proc = subprocess.Popen(guarded([*_taskset(cpus), exe, "--port", str(port), "--bind",
+                                         "127.0.0.1", "--save", "", "--appendonly", "no"]),
+                                cwd=workdir, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and proc.poll() is None:
+            if _ping(port):
+                return proc, f"redis://127.0.0.1:{port}/0"
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait(timeout=5)
+    raise RuntimeError("could not start redis-server")
+
+
+def _stop(proc: subprocess.Popen[Any] | None, timeout_s: float = 20) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def cpu_busy(cpu: int) -> tuple[float, float]:
+    """(busy, total) jiffies of one CPU from /proc/stat."""
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith(f"cpu{cpu} "):
+            v = [int(x) for x in line.split()[1:]]
+            idle = v[3] + v[4]
+            return float(sum(v) - idle), float(sum(v))
+    return 0.0, 0.0
+
+
+_METRIC = re.compile(r"^(pdserve_router_[a-z_]+?)(?:_total)?(?:\{[^}]*\})? ([0-9.e+-]+)$")
+
+
+def router_metrics(http: str) -> dict[str, float]:
+    """The router's own Prometheus numbers (summed over labels)."""
+    with urllib.request.urlopen(f"{http}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _METRIC.match(line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+class Cluster:
+    """Redis + the router process + the emulated workers' process."""
+
+    def __init__(self, cfg: Config, workers: int, workdir: Path):
+        self.cfg, self.n, self.workdir = cfg, workers, workdir
+        self.router_cpus, self.other_cpus = _cpus()
+        self.namespace = f"harness{secrets.token_hex(4)}"
+        self.api_key = secrets.token_urlsafe(24)
+        self.secret = secrets.token_urlsafe(32)
+        self.redis: subprocess.Popen[bytes] | None = None
+        self.router: subprocess.Popen[bytes] | None = None
+        self.emu: subprocess.Popen[str] | None = None
+        self.info: dict[str, Any] = {}
+
+    def start_router(self) -> None:
+        from pdserve.engine.model_store import model_id, resolve_model
+
+        self.model_dir = resolve_model(self.cfg.model, progress=False)
+        self.model_id = model_id(self.model_dir)
+        self.redis, self.redis_url = start_redis(self.workdir, self.other_cpus)
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", REDIS_URL_ENV: self.redis_url,
+                    CLUSTER_SECRET_ENV: self.secret, API_KEY_ENV: self.api_key}
+        self.grpc_port, self.http_port = free_port(), free_port()
+        argv = [sys.executable, "-m", "pdserve.cli", "router", "--port", str(self.grpc_port),
+                "--http-port", str(self.http_port), "--namespace", self.namespace,
+                "--host", "127.0.0.1", "--model", str(self.model_dir), "--no-admission",
+                "--log-level", self.cfg.router_log_level]
+        self.router_log = open(self.workdir / f"router-{self.n}.log", "wb")
+        # A session of its own: with --autogroup-nice it gets the same priority as the
+        # harness's processes, but its own CPU share on its core.
+        self.router = subprocess.Popen(guarded([*_taskset(self.router_cpus), *argv]),
+                                       stdout=self.router_log, stderr=subprocess.STDOUT,
+                                       env=self.env, cwd=ROOT, start_new_session=True)
+        if self.cfg.autogroup_nice is not None:
+            Path(f"/proc/{self.router.pid}/autogroup").write_text(str(self.cfg.autogroup_nice))
+        wait_port(self.http_port, self.router, 120, "router")
+        self.http = f"http://127.0.0.1:{self.http_port}"
+        self.target = f"127.0.0.1:{self.grpc_port}"
+
+    def start_workers(self) -> dict[str, Any]:
+        argv = [sys.executable, "-m", "bench.emulated_workers", "--workers", str(self.n),
+                "--namespace", self.namespace, "--model-id", self.model_id,
+                "--index-blocks", str(self.cfg.index_blocks), "--time-scale",
+                str(self.cfg.time_scale), "--seed", str(self.cfg.seed)]
+        self.emu_log = open(self.workdir / f"workers-{self.n}.log", "wb")
+        self.emu = subprocess.Popen(guarded([*_taskset(self.other_cpus), *argv]),
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=self.emu_log, env=self.env, cwd=ROOT, text=True)
+        self.info = self._reply(TIMEOUT_S)
+        if not self.info.get("ready"):
+            raise RuntimeError(f"emulated workers did not start: {self.info}")
+        return self.info
+
+    def _reply(self, timeout_s: float) -> dict[str, Any]:
+        import select
+
+        assert self.emu is not None and self.emu.stdout is not None
+        ready, _, _ = select.select([self.emu.stdout], [], [], timeout_s)
+        if not ready:
+            raise RuntimeError("emulated workers did not answer")
+        line = self.emu.stdout.readline()
+        if not line:
+            raise RuntimeError(f"emulated workers exited ({self.emu.poll()}); see "
+                               f"{self.workdir}/workers-{self.n}.log")
+        return dict(json.loads(line))
+
+    def command(self, cmd: str, timeout_s: float = 120) -> dict[str, Any]:
+        assert self.emu is not None and self.emu.stdin is not None
+        self.emu.stdin.write(cmd + "\n")
+        self.emu.stdin.flush()
+        return self._reply(timeout_s)
+
+    def close(self) -> None:
+        if self.emu is not None and self.emu.poll() is None:
+            try:
+                assert self.emu.stdin is not None
+                self.emu.stdin.write("quit\n")
+                self.emu.stdin.flush()
+                self.emu.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        _stop(self.emu)
+        _stop(self.router)
+        _stop(self.redis)
+
+
+# ---------------------------------------------------------------------- the workloads
+
+
+@dataclass
+class Conversation:
+    system: int
+    history: array
+    busy: bool = False
+
+
+class Workload:
+    """Prompts of one workload over the warm corpus; conversations grow with the tokens
+    their requests got back."""
+
+    def __init__(self, kind: str, corpus: Any, seed: int):
+        self.kind = kind
+        self.rng = random.Random(seed)
+        self.systems: list[array] = corpus.systems
+        self.convs = [Conversation(-1, h) for _, h in corpus.conversations]
+
+    def _tokens(self, n: int) -> array:
+        r = self.rng.randrange
+        return array("i", [r(VOCAB) for _ in range(n)])
+
+    def next(self) -> tuple[list[int], int, str, Conversation | None]:
+        """(prompt, max_tokens, latency class, the conversation it continues or starts)."""
+        rng = self.rng
+        prefix = self.kind.startswith("prefix")
+        p_cont, p_new = (0.6, 0.3) if prefix else (0.3, 0.2)
+        if prefix:
+            max_tokens, klass = (1 if self.kind == "prefix1" else 8), "standard"
+        else:
+            max_tokens = rng.randint(1, 32)
+            x = rng.random()
+            klass = "interactive" if x < 0.2 else ("batch" if x > 0.8 else "standard")
+        u = rng.random()
+        if u < p_cont:
+            for _ in range(8):
+                conv = self.convs[rng.randrange(len(self.convs))]
+                if not conv.busy:
+                    break
+            else:
+                conv = None
+            if conv is not None:
+                prompt = conv.history + self._tokens(rng.randint(50, 200))
+                if len(prompt) + max_tokens < MAX_MODEL_LEN - 512:
+                    conv.busy = True
+                    return prompt.tolist(), max_tokens, klass, conv
+        if u < p_cont + p_new:
+            s = rng.randrange(len(self.systems))
+            prompt = self.systems[s] + self._tokens(rng.randint(50, 200))
+            conv = Conversation(s, prompt, busy=True)
+            self.convs.append(conv)
+            return prompt.tolist(), max_tokens, klass, conv
+        if prefix:
+            n = rng.randint(200, 2000)
+        else:
+            n = int(math.exp(rng.uniform(math.log(100), math.log(4000))))
+        return self._tokens(n).tolist(), max_tokens, klass, None
+
+
+# ---------------------------------------------------------------------- the client
+
+
+@dataclass
+class Sample:
+    label: str
+    prompt_tokens: int
+    t_send: float
+    t_first: float = 0.0
+    t_done: float = 0.0
+    tokens: int = 0
+    ok: bool = False
+    error: str = ""
+    route_ms: float | None = None
+    ttft_router_ms: float | None = None
+    cached_tokens: int = 0
+
+
+class Client:
+    def __init__(self, target: str, api_key: str):
+        self.channel = grpc.aio.insecure_channel(target, options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20)])
+        self.stub = router_pb2_grpc.RouterStub(self.channel)
+        self.md = (("authorization", f"Bearer {api_key}"),)
+        self.counter = 0
+        self.bad_tokens = 0
+
+    async def one(self, prompt: list[int], max_tokens: int, klass: str,
+                  conv: Conversation | None) -> Sample:
+        self.counter += 1
+        label = f"h{self.counter:08d}"
+        req = router_pb2.GenerateRequest(
+            request_id=label, token_ids=router_pb2.TokenIds(ids=prompt),
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            latency_class=_LATENCY[klass], return_timings=True)
+        s = Sample(label, len(prompt), time.monotonic())
+        got: list[int] = []
+        try:
+            async for resp in self.stub.Generate(req, metadata=self.md, timeout=120):
+                if not s.t_first and resp.token_ids:
+                    s.t_first = time.monotonic()
+                got.extend(resp.token_ids)
+                if resp.finish_reason:
+                    s.cached_tokens = resp.usage.cached_tokens
+                    if resp.HasField("timings"):
+                        s.route_ms = resp.timings.route_ms
+                        s.ttft_router_ms = resp.timings.first_token_ms
+                    if resp.error:
+                        s.error = resp.error
+            s.t_done = time.monotonic()
+            want = [emulated_token(len(prompt), prompt[-1], i) for i in range(max_tokens)]
+            s.tokens = len(got)
+            s.ok = got == want and not s.error
+            if got != want:
+                self.bad_tokens += 1
+                s.error = s.error or f"tokens differ: {len(got)} of {max_tokens}"
+        except grpc.aio.AioRpcError as exc:
+            s.error = f"{exc.code().name}: {exc.details()}"
+        finally:
+            if conv is not None:
+                if s.ok:
+                    conv.history = array("i", prompt) + array("i", got)
+                conv.busy = False
+        return s
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+async def run_phase(client: Client, load: Workload, *, seconds: float,
+                    rate: float | None = None, concurrency: int = 1,
+                    max_in_flight: int = 2000) -> tuple[list[Sample], float]:
+    """Open loop (Poisson at `rate`) or `concurrency` closed loops for `seconds`; returns
+    the samples and the wall time until the last one ended."""
+    samples: list[Sample] = []
+    t0 = time.monotonic()
+    end = t0 + seconds
+    if rate is None:
+        async def loop() -> None:
+            while time.monotonic() < end:
+                samples.append(await client.one(*load.next()))
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+    else:
+        tasks: set[asyncio.Task[Sample]] = set()
+        rng = random.Random(7)
+        t = t0
+        while True:
+            t += rng.expovariate(rate)
+            if t >= end:
+                break
+            delay = t - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if len(tasks) >= max_in_flight:
+                continue
+            task = asyncio.create_task(client.one(*load.next()))
+            tasks.add(task)
+            task.add_done_callback(lambda tk: (tasks.discard(tk), samples.append(tk.result())))
+        if tasks:
+            await asyncio.wait(tasks)
+    return samples, time.monotonic() - t0
+
+
+# ---------------------------------------------------------------------- statistics
+
+
+def pct(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def dist(values: Sequence[float]) -> dict[str, float | None]:
+    def r(x: float | None) -> float | None:
+        return None if x is None else round(x, 4)
+
+    return {"n": len(values), "p50": r(pct(values, 0.5)), "p90": r(pct(values, 0.9)),
+            "p99": r(pct(values, 0.99)), "mean": r(statistics.fmean(values)) if values else None,
+            "max": r(max(values)) if values else None}
+
+
+def summarize(samples: list[Sample], records: dict[str, list[Any]], wall_s: float,
+              router_cpu_s: float, router_core_busy: float,
+              metrics0: dict[str, float], metrics1: dict[str, float]) -> dict[str, Any]:
+    ok = [s for s in samples if s.ok]
+    errors: dict[str, int] = {}
+    for s in samples:
+        if not s.ok:
+            key = s.error.split(":")[0][:60]
+            errors[key] = errors.get(key, 0) + 1
+    added, inbound, outbound, worker_ms, ttft, router_side = [], [], [], [], [], []
+    prompt = cached = oracle = 0
+    for s in ok:
+        ttft.append((s.t_first - s.t_send) * 1e3)
+        rec = records.get(s.label)
+        if rec is None:
+            continue
+        # rec: request_id, worker, t_recv, t_first, prompt, cached, oracle, out, t_done
+        w_ms = (rec[3] - rec[2]) * 1e3
+        worker_ms.append(w_ms)
+        added.append((s.t_first - s.t_send) * 1e3 - w_ms)
+        inbound.append((rec[2] - s.t_send) * 1e3)
+        if s.ttft_router_ms is not None:
+            router_side.append(s.ttft_router_ms - w_ms)
+        outbound.append((s.t_first - rec[3]) * 1e3)
+        prompt += rec[4]
+        cached += rec[5]
+        oracle += rec[6]
+    route = [s.route_ms for s in ok if s.route_ms is not None]
+    n = len(ok)
+    d_ops = metrics1.get("pdserve_router_kv_events_ops", 0) - \
+        metrics0.get("pdserve_router_kv_events_ops", 0)
+    d_dec = metrics1.get("pdserve_router_decisions", 0) - \
+        metrics0.get("pdserve_router_decisions", 0)
+    route_mean = statistics.fmean(route) if route else None
+    return {
+        "requests": len(samples), "ok": n, "errors": errors,
+        "wall_s": round(wall_s, 2), "requests_per_s": round(n / wall_s, 1),
+        "router_decisions_counted": d_dec,
+        "router_cpu_s": round(router_cpu_s, 3),
+        "router_cpu_utilization": round(router_cpu_s / wall_s, 3),
+        "router_core_busy": round(router_core_busy, 3),
+        "router_cpu_ms_per_request": round(router_cpu_s / n * 1e3, 4) if n else None,
+        "full_path_requests_per_router_core_s": round(n / router_cpu_s, 1)
+        if router_cpu_s else None,
+        "route_ms": dist(route),
+        "decisions_per_s_from_route_ms": round(1e3 / route_mean, 1) if route_mean else None,
+        "added_latency_ms": dist(added), "inbound_ms": dist(inbound),
+        "outbound_ms": dist(outbound), "worker_time_ms": dist(worker_ms),
+        "router_side_added_ms": dist(router_side),
+        "client_ttft_ms": dist(ttft),
+        "matched_worker_records": len(added),
+        "prefix_hit_rate": round(cached / prompt, 4) if prompt else None,
+        "oracle_hit_rate": round(oracle / prompt, 4) if prompt else None,
+        "hit_rate_vs_oracle": round(cached / oracle, 4) if oracle else None,
+        "kv_ops_absorbed_per_s": round(d_ops / wall_s, 1),
+    }
+
+
+# ---------------------------------------------------------------------- one worker count
+
+
+async def _wait_index(cluster: Cluster, want: int, timeout_s: float
+                      ) -> tuple[float, dict[str, float], list[tuple[float, float]]]:
+    t0 = time.monotonic()
+    trace = []
+    while True:
+        m = await asyncio.to_thread(router_metrics, cluster.http)
+        blocks = m.get("pdserve_router_kv_index_blocks", 0)
+        trace.append((round(time.monotonic() - t0, 2), blocks))
+        if blocks >= want:
+            return time.monotonic() - t0, m, trace
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"router index holds {blocks} blocks after {timeout_s}s, "
+                               f"want {want}")
+        await asyncio.sleep(0.25)
+
+
+async def verify_index(cluster: Cluster, workdir: Path) -> dict[str, Any]:
+    """The router's distinct-block gauge against the workers, and an index built here by
+    the real follower from the same streams against every worker's cache."""
+    from pdserve.control.kv_events import KVEventStreams
+    from pdserve.control.registry import WorkerRegistry
+    from pdserve.control.signing import signer_for
+    from pdserve.rpc.auth import ClusterSecret
+    from router.kv_follow import KVIndexFollower
+    from router.kv_index import KVIndex
+
+    path = workdir / f"digest-{cluster.n}.json"
+    await asyncio.sleep(1.0)  # publishers batch every 20 ms; the router polls
+    await asyncio.to_thread(cluster.command, f"digest {path}")
+    digest: dict[str, list[str]] = json.loads(path.read_text())
+    distinct = len({h for hs in digest.values() for h in hs})
+    deadline = time.monotonic() + 30
+    while True:
+        m = await asyncio.to_thread(router_metrics, cluster.http)
+        router_blocks = int(m.get("pdserve_router_kv_index_blocks", -1))
+        if router_blocks == distinct or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    index = KVIndex()
+    secret = ClusterSecret(cluster.secret.encode())
+    async with WorkerRegistry.from_url(cluster.redis_url, namespace=cluster.namespace,
+                                       signer=signer_for(secret, cluster.namespace)) as reg:
+        follower = KVIndexFollower(KVEventStreams(reg), index, lambda: list(digest))
+        deadline = time.monotonic() + 60
+        while True:
+            await follower.poll()
+            same = all(index.synced(w) and {h.hex() for h in index.held(w)} == set(hs)
+                       for w, hs in digest.items())
+            if same or time.monotonic() > deadline:
+                break
+    mismatched = [w for w, hs in digest.items()
+                  if {h.hex() for h in index.held(w)} != set(hs)]
+    return {"workers_distinct_blocks": distinct, "router_index_blocks": router_blocks,
+            "router_equals_workers": router_blocks == distinct,
+            "follower_index_equals_caches": not mismatched,
+            "mismatched_workers": mismatched[:8]}
+
+
+async def run_workers(cfg: Config, n: int, workdir: Path) -> dict[str, Any]:
+    cluster = Cluster(cfg, n, workdir)
+    out: dict[str, Any] = {"workers": n}
+    try:
+        cluster.start_router()
+        await asyncio.sleep(2.0)  # let it settle (imports done, directory polling)
+        assert cluster.router is not None
+        pid = cluster.router.pid
+        out["router_rss_idle_bytes"] = proc_rss(pid)
+        t_start = time.monotonic()
+        info = await asyncio.to_thread(cluster.start_workers)
+        out["workers_start_s"] = round(time.monotonic() - t_start, 1)
+        out["workers_cached_blocks"] = info["cached_blocks"]
+        out["workers_distinct_blocks"] = info["distinct_blocks"]
+        out["blocks_per_worker_pool"] = info["blocks_per_worker"]
+        cpu0 = proc_cpu_s(pid)
+        sync_s, m, trace = await _wait_index(cluster, info["distinct_blocks"], TIMEOUT_S)
+        ops = m.get("pdserve_router_kv_events_ops", 0)
+        # The snapshots were published while the workers started; the router read them as
+        # they came and then the rest: its rate is ops over the time from the first worker's
+        # registration (about when the workers' process said ready minus its start) to full.
+        out["index_sync"] = {
+            "after_workers_ready_s": round(sync_s, 2),
+            "ops_folded": ops, "router_cpu_s": round(proc_cpu_s(pid) - cpu0, 2),
+            "trace": trace[-20:]}
+        out["router_rss_loaded_bytes"] = proc_rss(pid)
+        out["index_blocks"] = m.get("pdserve_router_kv_index_blocks", 0)
+        out["router_rss_per_block_bytes"] = round(
+            (out["router_rss_loaded_bytes"] - out["router_rss_idle_bytes"])
+            / max(out["index_blocks"], 1), 1)
+        corpus = await asyncio.to_thread(build_corpus, cfg.seed, n, cfg.index_blocks)
+        gc.collect()
+        gc.freeze()  # the corpus is long-lived: keep the cyclic GC off it
+        # The router's own background work (directory polls, heartbeats read, the KV follower's
+        # XREADs, liveness), with no request: subtracted to get a request's net CPU cost.
+        await asyncio.sleep(2.0)
+        c0, t0 = proc_cpu_s(pid), time.monotonic()
+        await asyncio.sleep(cfg.idle_s)
+        idle_rate = (proc_cpu_s(pid) - c0) / (time.monotonic() - t0)
+        out["router_idle_cpu_utilization"] = round(idle_rate, 4)
+        client = Client(cluster.target, cluster.api_key)
+        rcpu = cluster.router_cpus[0]
+        assert cluster.emu is not None
+        emu_pid = cluster.emu.pid
+        out["phases"] = {}
+        try:
+            for wi, kind in enumerate(cfg.workloads):
+                load = Workload(kind, corpus, cfg.seed * 1000 + wi)
+                await run_phase(client, load, seconds=cfg.warmup_s,
+                                concurrency=max(1, cfg.concurrency // 2))
+                await asyncio.to_thread(cluster.command, f"dump {workdir}/discard.json")
+                for phase, kw in (("light", {"rate": cfg.light_rate,
+                                             "seconds": cfg.light_s}),
+                                  ("saturate", {"concurrency": cfg.concurrency,
+                                                "seconds": cfg.saturate_s})):
+                    m0 = await asyncio.to_thread(router_metrics, cluster.http)
+                    c0, b0 = proc_cpu_s(pid), cpu_busy(rcpu)
+                    e0, h0 = proc_cpu_s(emu_pid), proc_cpu_s(os.getpid())
+                    samples, wall = await run_phase(client, load, **kw)  # type: ignore[arg-type]
+                    c1, b1 = proc_cpu_s(pid), cpu_busy(rcpu)
+                    e1, h1 = proc_cpu_s(emu_pid), proc_cpu_s(os.getpid())
+                    m1 = await asyncio.to_thread(router_metrics, cluster.http)
+                    path = workdir / f"records-{n}-{kind}-{phase}.json"
+                    dumped = await asyncio.to_thread(cluster.command, f"dump {path}")
+                    records = {r[0].rpartition(":")[2]: r for r in json.loads(path.read_text())}
+                    busy = (b1[0] - b0[0]) / max(b1[1] - b0[1], 1.0)
+                    res = summarize(samples, records, wall, c1 - c0, busy, m0, m1)
+                    net = (c1 - c0) - idle_rate * wall
+                    res["router_cpu_ms_per_request_net"] = (
+                        round(net / res["ok"] * 1e3, 4) if res["ok"] else None)
+                    res["full_path_requests_per_router_core_s_net"] = (
+                        round(res["ok"] / net, 1) if net > 0 else None)
+                    res["others_on_router_core"] = round(
+                        max(0.0, busy - (c1 - c0) / wall), 3)
+                    res["loadavg"] = os.getloadavg()[0]
+                    res["workers_process_cpu_utilization"] = round((e1 - e0) / wall, 3)
+                    res["client_process_cpu_utilization"] = round((h1 - h0) / wall, 3)
+                    res["workers_process"] = dumped
+                    res["load"] = kw
+                    out["phases"][f"{kind}/{phase}"] = res
+                    print(json.dumps({"workers": n, "phase": f"{kind}/{phase}",
+                                      **{k: res[k] for k in (
+                                          "ok", "requests_per_s", "router_cpu_utilization",
+                                          "full_path_requests_per_router_core_s",
+                                          "full_path_requests_per_router_core_s_net",
+                                          "others_on_router_core",
+                                          "workers_process_cpu_utilization",
+                                          "client_process_cpu_utilization",
+                                          "decisions_per_s_from_route_ms",
+                                          "prefix_hit_rate", "oracle_hit_rate",
+                                          "kv_ops_absorbed_per_s")},
+                                      "route_ms": res["route_ms"],
+                                      "added_ms": res["added_latency_ms"],
+                                      "errors": res["errors"]}), flush=True)
+        finally:
+            await client.close()
+        out["bad_token_requests"] = client.bad_tokens
+        if cfg.verify_index:
+            out["index_check"] = await verify_index(cluster, workdir)
+        out["router_rss_end_bytes"] = proc_rss(pid)
+    finally:
+        cluster.close()
+    return out
+
+
+def _machine() -> dict[str, Any]:
+    model = ""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {"cpu": model, "cpus": os.cpu_count(), "python": platform.python_version(),
+            "grpc": grpc.__version__}
+
+
+async def run(cfg: Config, workdir: Path) -> dict[str, Any]:
+    _, others = _cpus()
+    os.sched_setaffinity(0, set(others))  # the load generator stays off the router's core
+    results = []
+    for n in cfg.workers:
+        results.append(await run_workers(cfg, n, workdir))
+    return {"config": asdict(cfg), "results": results}
+
+
+def verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target against the figure that answers it, per worker count and workload."""
+    out = []
+    for r in record["results"]:
+        for name, ph in r["phases"].items():
+            if not name.endswith("/saturate"):
+                continue
+            light = r["phases"].get(name.replace("saturate", "light"), {})
+            full = ph.get("full_path_requests_per_router_core_s_net") or 0
+            dec = ph.get("decisions_per_s_from_route_ms") or 0
+            added = light.get("added_latency_ms", {})
+            out.append({
+                "workers": r["workers"], "workload": name.split("/")[0],
+                "decision_only_per_s": dec,
+                "decision_only_meets_10k": dec >= TARGET_DECISIONS_PER_S,
+                "full_path_per_router_core_s": full,
+                "full_path_meets_10k": full >= TARGET_DECISIONS_PER_S,
+                "route_ms_p50": ph["route_ms"]["p50"], "route_ms_p99": ph["route_ms"]["p99"],
+                "route_ms_meets_latency": (ph["route_ms"]["p50"] or 9) <= TARGET_P50_MS
+                and (ph["route_ms"]["p99"] or 9) <= TARGET_P99_MS,
+                "added_ms_p50_light": added.get("p50"), "added_ms_p99_light": added.get("p99"),
+                "added_meets_latency": (added.get("p50") or 9) <= TARGET_P50_MS
+                and (added.get("p99") or 9) <= TARGET_P99_MS,
+            })
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, nargs="+", default=None)
+    p.add_argument("--quick", action="store_true", help="4 workers, a few seconds")
+    p.add_argument("--index-blocks", type=int, default=None)
+    p.add_argument("--time-scale", type=float, default=None)
+    p.add_argument("--workloads", nargs="+", choices=("prefix", "prefix1", "mixed"),
+                   default=None)
+    p.add_argument("--light-rate", type=float, default=None)
+    p.add_argument("--light-s", type=float, default=None)
+    p.add_argument("--saturate-s", type=float, default=None)
+    p.add_argument("--concurrency", type=int, default=None)
+    p.add_argument("--router-log-level", default=None)
+    p.add_argument("--no-verify", action="store_true")
+    p.add_argument("--autogroup-nice", type=int, default=None,
+                   help="on a machine other sessions share (Linux autogroups: each session "
+                   "gets an equal CPU share whatever its processes' nice), set this "
+                   "session's autogroup nice (e.g. -10; root; run under setsid so only the "
+                   "harness's processes are affected)")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--keep", type=Path, default=None, help="keep logs and records here")
+    args = p.parse_args(argv)
+    cfg = QUICK if args.quick else Config()
+    over = {k: getattr(args, k) for k in ("index_blocks", "time_scale", "light_rate",
+                                          "light_s", "saturate_s", "concurrency",
+                                          "router_log_level")
+            if getattr(args, k) is not None}
+    if args.workers:
+        over["workers"] = tuple(args.workers)
+    if args.workloads:
+        over["workloads"] = tuple(args.workloads)
+    if args.no_verify:
+        over["verify_index"] = False
+    if args.autogroup_nice is not None:
+        Path("/proc/self/autogroup").write_text(str(args.autogroup_nice))
+        over["autogroup_nice"] = args.autogroup_nice
+    cfg = replace(cfg, **over)
+    workdir = args.keep or Path(tempfile.mkdtemp(prefix="router-harness-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    record = asyncio.run(run(cfg, workdir))
+    record["verdicts"] = verdicts(record)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=ROOT).stdout.strip()
+    autogroup = Path("/proc/self/autogroup")
+    record.update({"command": "python -m bench.router_harness " + " ".join(argv or sys.argv[1:]),
+                   "autogroup": autogroup.read_text().strip() if autogroup.exists() else None,
+                   "commit": commit, "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                   "machine": _machine(), "elapsed_s": round(time.monotonic() - t0, 1),
+                   "workdir": str(workdir)})
+    text = json.dumps(record, indent=1)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(json.dumps(record["verdicts"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
