@@ -150,16 +150,16 @@ def test_cost_placement_takes_the_cheapest_candidate(
         n = max(d.load.running, placed_by.get(d.worker_id, 0))
         local = local_estimate(d.load, lacks(d), MODEL, inflight_tokens=infl[d.worker_id],
                                streams=n)
-        remotes = [remote_estimate(p.load, d.load, lacks(d), MODEL,
-                                   inflight_tokens=infl[p.worker_id],
-                                   prefill_uncached=lacks(p), streams=n) for p in prefills]
+        remotes = [remote_estimate(q.load, d.load, lacks(d), MODEL,
+                                   inflight_tokens=infl[q.worker_id],
+                                   prefill_uncached=lacks(q), streams=n) for q in prefills]
         best_remote = min(remotes, key=lambda e: e.ttft_s) if remotes else None
         ok_local = local.ttft_s <= target and not (
             best_remote is not None and best_remote.ttft_s <= target
             and local.compute_s > MODEL.max_local_prefill_s)
         cands.append((local, d.worker_id, "ok" if ok_local else None, lacks(d)))
-        for p, e in zip(prefills, remotes, strict=True):
-            cands.append((e, d.worker_id, "ok" if e.ttft_s <= target else None, lacks(p)))
+        for q, e in zip(prefills, remotes, strict=True):
+            cands.append((e, d.worker_id, "ok" if e.ttft_s <= target else None, lacks(q)))
     meeting = [c for c in cands if c[2] == "ok"]
     objective = (lambda c: c[0].cost(MODEL)) if meeting else (lambda c: c[0].ttft_s)
     best = min(map(objective, meeting or cands))
