@@ -36,14 +36,13 @@ from typing import Any
 os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kvxfer import layout_for, machine, quiet_logs  # noqa: E402
+import numpy as np
+import torch
+from bench_kvxfer import layout_for, machine, quiet_logs
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from kvxfer import KVReceiver, KVSender  # noqa: E402
-from kvxfer.auth import KVAuth  # noqa: E402
-from pdserve.control import KVDescriptor  # noqa: E402
+from kvxfer import KVReceiver, KVSender
+from kvxfer.auth import KVAuth
+from pdserve.control import KVDescriptor
 
 DESC_ID = "bench-decode:1"
 KEY = b"bench-kv-key-0123456789abcdef012"

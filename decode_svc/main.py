@@ -68,7 +68,8 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
         descriptor_id = make_descriptor_id(config.worker_id, epoch)
         async with KVReceiver(engine.kv_pool, engine.layout, descriptor_id,
                               host=config.ucx_host, bind_host=config.host,
-                              auth=_kv_auth(config, registry, prefills)) as receiver:
+                              auth=_kv_auth(config, registry, prefills),
+                              shm=config.kv_shm) as receiver:
             worker = DecodeWorker(aengine, receiver, worker_id=config.worker_id,
                                   alloc_lease_s=config.alloc_lease_s,
                                   max_alloc_lease_s=config.max_alloc_lease_s,

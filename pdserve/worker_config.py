@@ -58,6 +58,9 @@ class WorkerConfig:
     # TLS on the gRPC and metrics listeners, a client certificate from its CA required
     # (pdserve.rpc.tls); None: plaintext.
     tls: TLSConfig | None = None
+    kv_shm: bool = setting(True, "move KV over UCX even to and from workers on this host "
+                           "(default: through a shared-memory staging ring where detected, "
+                           "kvxfer.shm)", flag="--no-kv-shm", negate=True)
 
     def __post_init__(self) -> None:
         check(self)

@@ -60,7 +60,8 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
                 WorkerRegistry.from_url(config.redis_url, namespace=config.namespace,
                                         signer=signer_for(secret, config.namespace)) as registry,
                 # Descriptors are looked up through the registry: a forged one is never dialled.
-                KVSender(engine.layout, registry.get_descriptor, auth=kv_auth) as sender,
+                KVSender(engine.layout, registry.get_descriptor, auth=kv_auth,
+                         shm=config.kv_shm) as sender,
                 WorkerDirectory(registry, role="decode",
                                 model_id=engine.layout.model_id) as decoders):
         epoch = await registry.next_epoch(config.worker_id)
