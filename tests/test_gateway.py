@@ -298,3 +298,42 @@ async def test_logs_carry_request_id_not_text(http: httpx.AsyncClient) -> None:
     assert any(e.get("request_id") == "log-me-too" and e["event"] == "request rejected"
                for e in logs)
     assert secret not in repr(logs)
+
+
+async def test_bodies_are_the_protocol_models(http: httpx.AsyncClient) -> None:
+    """Every body the gateway sends parses as its protocol model and dumps back to the same
+    JSON: the models that generate /openapi.json are the wire format (nulls and absent
+    optional fields included)."""
+    from pdserve.gateway.protocol import (
+        Body,
+        ChatCompletion,
+        ChatCompletionChunk,
+        Completion,
+        CompletionChunk,
+        ErrorResponse,
+        ModelList,
+    )
+
+    def same(model: type[Body], sent: dict[str, Any]) -> None:
+        assert model.model_validate(sent).body() == sent
+
+    for path, fields, whole, chunk in (
+            ("/v1/completions", {"prompt": PROMPT, "logprobs": 1}, Completion, CompletionChunk),
+            ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 1},
+             ChatCompletion, ChatCompletionChunk)):
+        body = {**fields, "max_tokens": 4, "temperature": 0}
+        r = await http.post(path, json=body, headers={"X-Pdserve-Timings": "1"})
+        assert r.status_code == 200, r.text
+        assert "pdserve" in r.json()
+        same(whole, r.json())
+        r = await http.post(path, json={**body, "stream": True, "stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}})
+        events = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        assert events and "usage" in events[-1] and not events[-1]["choices"]
+        for event in events:
+            same(chunk, event)
+        r = await http.post(path, json={**body, "temperature": "hot"})
+        assert r.status_code == 400
+        same(ErrorResponse, r.json())
+    same(ModelList, (await http.get("/v1/models")).json())
