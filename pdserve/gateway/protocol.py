@@ -17,6 +17,7 @@ chunk, `pdserve`) only where given.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, GetJsonSchemaHandler
@@ -183,10 +184,10 @@ UNSUPPORTED_CHAT = {
 }
 
 
-def _with_unsupported(table: dict[str, Neutral]) -> Any:
-    def extra(schema: dict[str, Any]) -> None:
-        schema["properties"].update((name, n.schema(name)) for name, n in table.items())
-    return extra
+def _with_unsupported(table: dict[str, Neutral]) -> Callable[[dict[str, Any]], None]:
+    """The schema lists the unsupported fields too, each with its no-op values."""
+    return lambda schema: schema["properties"].update(
+        (name, n.schema(name)) for name, n in table.items())
 
 
 class CompletionRequest(_Common):
