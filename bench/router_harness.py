@@ -28,6 +28,8 @@ workers warmed their caches with):
   includes the tokens it got back, + 50-200 new user tokens), 30% a new conversation on one
   of the 256 shared system prompts, 10% an unrelated prompt (200-2000 tokens); 8 output
   tokens; standard class.
+- ``prefix1``: ``prefix`` with 1 output token (a request's fixed cost, without the per-token
+  relay of the other 7).
 - ``mixed``: 30% / 20% / 50% of the same kinds, unrelated prompts 100-4000 tokens
   (log-uniform), 1-32 output tokens, classes 20% interactive / 60% standard / 20% batch.
 
