@@ -43,6 +43,8 @@ def test_emulated_engine_tokens_cache_and_events() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.slow  # starts redis-server, the router and the workers' process
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 def test_harness_quick(tmp_path: Path) -> None:
     from bench.router_harness import QUICK, run
