@@ -62,8 +62,8 @@ class CostModel:
     # profile, bench.engine_profile: ~6 % a row at 8 rows).
     decode_row_fraction: float = 0.06
     # Seconds of TTFT one second of the request's predicted TPOT is worth: what spreads decode
-    # streams over the workers. bench.cluster_sim's chat attainment moved by <= 2 points
-    # between 2 and 16 (at 16 and 64 decode workers); the lower, the more cache affinity kept.
+    # streams over the workers. In bench.cluster_sim probes (chat, 16 and 64 decode workers)
+    # values from 2 to 16 changed attainment little; lower ones kept more cache affinity.
     tpot_weight: float = 2.0
 
     def prefill_rate(self, load: WorkerLoad) -> float:
