@@ -13,8 +13,11 @@ and prints the median GB/s and its ratio to the memcpy measured in the same roun
 - raw ucxx, error handling off (option a's ceiling): the same over endpoints made from the
   worker addresses without error handling, so UCX may use shared memory / CMA;
 - kvxfer UCX (today): `KVSender(shm=False)`, signed, with digests (the cross-host path);
-- kvxfer shm contiguous / scattered (option b): `KVSender()` through the staging ring,
-  signed frames, no digests (kvxfer.shm says why); scattered: one run per block.
+- kvxfer ring contiguous / scattered (option b): through the staging ring (a receiver with
+  ``shm_cma=False``), signed frames, no digests (kvxfer.shm says why); scattered: one run
+  per block;
+- kvxfer cma contiguous / scattered (the default where the kernel allows it): the receiver
+  reads the sender's blocks itself with process_vm_readv, one copy (kvxfer.cma).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from kvxfer.auth import KVAuth
 from pdserve.control import KVDescriptor
 
 DESC_ID = "bench-decode:1"
+RING_ID = "bench-ring:1"
 KEY = b"bench-kv-key-0123456789abcdef012"
 DATA_TAG, ACK_TAG = 1, 2
 
@@ -64,6 +68,7 @@ async def _receiver(conn: Connection, nbytes: int, slot_mb: int, slots: int) -> 
 
     layout, _ = layout_for(nbytes)
     pool = torch.zeros(layout.shape, dtype=torch.float16)
+    ring_pool = torch.zeros(layout.shape, dtype=torch.float16)
     raw_buf = np.zeros(nbytes, dtype=np.uint8)
     ack = np.ones(1, np.uint8)
 
@@ -76,9 +81,11 @@ async def _receiver(conn: Connection, nbytes: int, slot_mb: int, slots: int) -> 
             return
 
     raw = ucxx.create_listener(raw_handler, port=0)
-    async with KVReceiver(pool, layout, DESC_ID, auth=KVAuth(KEY, authorize_sender=_anyone),
-                          shm_slot_bytes=slot_mb << 20, shm_slots=slots) as rx:
-        conn.send((rx.address, raw.port, bytes(ucxx.get_worker_address())))
+    auth = KVAuth(KEY, authorize_sender=_anyone)
+    async with KVReceiver(pool, layout, DESC_ID, auth=auth) as rx, \
+            KVReceiver(ring_pool, layout, RING_ID, auth=auth, shm_slot_bytes=slot_mb << 20,
+                       shm_slots=slots, shm_cma=False) as ring_rx:
+        conn.send((rx.address, ring_rx.address, raw.port, bytes(ucxx.get_worker_address())))
         peer = await asyncio.to_thread(conn.recv)  # the sender's worker address
         ep = await ucxx.create_endpoint_from_worker_address(
             ucxx.get_ucx_address_from_buffer(peer), endpoint_error_handling=False)
@@ -93,7 +100,8 @@ async def _receiver(conn: Connection, nbytes: int, slot_mb: int, slots: int) -> 
             cmd = await asyncio.to_thread(conn.recv)
             if cmd is None:
                 break
-            waits = [rx.expect(t, ids, timeout_s=120) for t, ids in cmd]
+            waits = [(ring_rx if t.startswith("ring") else rx).expect(t, ids, timeout_s=120)
+                     for t, ids in cmd]
             conn.send("ready")
             await asyncio.gather(*waits)
             conn.send("done")
@@ -112,7 +120,7 @@ async def bench(nbytes: int, iters: int, slot_mb: int, slots: int) -> dict[str, 
     try:
         if not parent.poll(60):
             raise RuntimeError("receiver process did not start")
-        address, raw_port, rx_worker = parent.recv()
+        address, ring_address, raw_port, rx_worker = parent.recv()
         parent.send(bytes(ucxx.get_worker_address()))
         layout, nblocks = layout_for(nbytes)
         src_pool = torch.randn(layout.shape, dtype=torch.float32).to(torch.float16)
@@ -120,10 +128,11 @@ async def bench(nbytes: int, iters: int, slot_mb: int, slots: int) -> dict[str, 
         contiguous = (list(range(nblocks)), list(range(nblocks, 2 * nblocks)))
         scattered = (rng.permutation(layout.num_blocks)[:nblocks].tolist(),
                      rng.permutation(layout.num_blocks)[:nblocks].tolist())
-        desc = KVDescriptor(DESC_ID, "bench-decode", 1, address, layout)
+        descs = {DESC_ID: KVDescriptor(DESC_ID, "bench-decode", 1, address, layout),
+                 RING_ID: KVDescriptor(RING_ID, "bench-ring", 1, ring_address, layout)}
 
-        async def resolve(_: str) -> KVDescriptor:
-            return desc
+        async def resolve(desc_id: str) -> KVDescriptor:
+            return descs[desc_id]
 
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
         dst = torch.empty_like(src)
@@ -138,7 +147,10 @@ async def bench(nbytes: int, iters: int, slot_mb: int, slots: int) -> dict[str, 
                 KVSender(layout, resolve, auth=auth) as staged:
             await over_ucx.warmup(descriptor_id=DESC_ID)
             await staged.warmup(descriptor_id=DESC_ID)
-            assert next(iter(staged._peers.values())).ring is not None, "no staging ring"
+            await staged.warmup(descriptor_id=RING_ID)
+            peers = {p.address: p for p in staged._peers.values()}
+            assert peers[address].cma, "no cross-memory attach"
+            assert peers[ring_address].ring is not None, "no staging ring"
 
             async def raw(ep: Any, force: bool) -> None:
                 await ep.send(buf, tag=DATA_TAG, force_tag=force)
@@ -153,13 +165,16 @@ async def bench(nbytes: int, iters: int, slot_mb: int, slots: int) -> dict[str, 
                 "raw ucxx, error handling off (option a)": lambda: raw(eh_off, True),
             }
             transfers: list[tuple[str, list[int]]] = []
-            for name, tx, (src_ids, dst_ids) in (
-                    ("kvxfer UCX (today: signed + digests)", over_ucx, contiguous),
-                    ("kvxfer shm contiguous (option b)", staged, contiguous),
-                    ("kvxfer shm scattered (option b)", staged, scattered)):
-                ids = [f"{name[:12]}-{i}" for i in range(iters + 2)]
+            for name, tx, desc_id, (src_ids, dst_ids) in (
+                    ("kvxfer UCX (today: signed + digests)", over_ucx, DESC_ID, contiguous),
+                    ("kvxfer ring contiguous (option b)", staged, RING_ID, contiguous),
+                    ("kvxfer ring scattered (option b)", staged, RING_ID, scattered),
+                    ("kvxfer cma contiguous (default)", staged, DESC_ID, contiguous),
+                    ("kvxfer cma scattered (default)", staged, DESC_ID, scattered)):
+                tag = "ring" if desc_id == RING_ID else name[7:10]
+                ids = [f"{tag}-{name[-22:]}-{i}" for i in range(iters + 2)]
                 transfers += [(t, dst_ids) for t in ids]
-                rows[name] = (tx, src_ids, dst_ids, iter(ids))
+                rows[name] = (tx, desc_id, src_ids, dst_ids, iter(ids))
 
             parent.send(transfers)
             assert await asyncio.to_thread(parent.recv) == "ready"
@@ -169,8 +184,8 @@ async def bench(nbytes: int, iters: int, slot_mb: int, slots: int) -> dict[str, 
                     if callable(row):
                         await asyncio.wait_for(row(), 60)
                     else:
-                        tx, src_ids, dst_ids, ids = row
-                        await tx.send(DESC_ID, src_pool, src_ids, dst_ids, next(ids), 60)
+                        tx, desc_id, src_ids, dst_ids, ids = row
+                        await tx.send(desc_id, src_pool, src_ids, dst_ids, next(ids), 60)
                     if i >= 2:
                         times.setdefault(name, []).append(time.perf_counter() - started)
             assert await asyncio.to_thread(parent.recv) == "done"

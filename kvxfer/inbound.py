@@ -66,6 +66,7 @@ class Connection:
     active: int = 0  # transfers running over it: it is not idle while one is
     ring: Ring | None = None  # its staging ring (kvxfer.shm), once the writer attached it
     offer: Ring | None = None  # a ring offered, not attached yet
+    cma_pid: int | None = None  # the writer's pid, where we may read its blocks (kvxfer.cma)
 
     def abort(self, reason: str, *, fencing: bool = False) -> None:
         if not self.ep.closed:
@@ -106,7 +107,8 @@ class Transfer:
     stop_reason: KVTransferError | None = None
     fenced: asyncio.Event = field(default_factory=asyncio.Event)
     fence_ok: bool = True
-    shm: bool = False  # its bytes come through the connection's staging ring (kvxfer.shm)
+    shm: bool = False  # its bytes come the connection's same-host way (kvxfer.shm, .cma)
+    src: Any = None  # with kvxfer.cma: the writer's [address, bytes] per run (checked there)
 
 
 
@@ -150,6 +152,7 @@ def check_request(msg: dict[str, Any], transfer: Transfer, layout: KVLayout, *,
     transfer.notice = notice
     transfer.digests = digests
     transfer.shm = shm is True
+    transfer.src = msg.get("src")
     runs = [(start, count) for start, count in raw_runs]
     if any(count < 1 for _, count in runs):
         raise error(Code.PROTOCOL_ERROR, "every run must hold at least one block")

@@ -100,8 +100,9 @@ class KVReceiver:
     `kvxfer.listen`). With `auth`, only signed writes from authorized senders are served
     (`kvxfer.auth`). With `shm` (the default), a writer on the same host may move its bytes
     through a staging ring of `shm_slots` x `shm_slot_bytes` (`kvxfer.shm`; at most
-    `max_shm_rings` at once, host-memory pools only). Use as ``async with KVReceiver(...) as
-    rx:``.
+    `max_shm_rings` at once, host-memory pools only), or, with `shm_cma` where the kernel
+    lets us read the writer's memory, by a single copy (`kvxfer.cma`). Use as
+    ``async with KVReceiver(...) as rx:``.
     """
 
     def __init__(
@@ -125,9 +126,10 @@ class KVReceiver:
         shm_slots: int = staging.DEFAULT_SLOTS,
         shm_slot_bytes: int = staging.DEFAULT_SLOT_BYTES,
         max_shm_rings: int = 32,
+        shm_cma: bool = True,
     ) -> None:
         self._pool = PoolBytes(pool, layout)
-        self._rings = StagingRings(shm_slots, shm_slot_bytes, max_shm_rings) \
+        self._rings = StagingRings(shm_slots, shm_slot_bytes, max_shm_rings, cma=shm_cma) \
             if shm and not self._pool.is_cuda and max_shm_rings > 0 else None
         self.layout = layout
         self.descriptor_id = descriptor_id
@@ -485,7 +487,7 @@ class KVReceiver:
         try:
             runs = check_request(msg, transfer, self.layout,
                                  digests_required=self._auth is not None,
-                                 shm_ok=conn.ring is not None)
+                                 shm_ok=conn.ring is not None or conn.cma_pid is not None)
         except KVTransferError as err:
             self._finish(transfer, err)
             raise
@@ -500,7 +502,7 @@ class KVReceiver:
             elif transfer.shm and self._rings is not None:  # fenced when it returns
                 err = await self._rings.receive(
                     conn, seq, transfer, self._pool,
-                    None if self._auth is None else self._auth.key)
+                    None if self._auth is None else self._auth.key, transfer.src)
             else:
                 err = await wait_recvs(transfer, self._pool)
             if err is not None:

@@ -1,5 +1,6 @@
-"""Setting up same-host staging rings (kvxfer.shm): the decode side's `StagingRings`, one
-per writer connection that asks from this host, and the prefill side's `open_ring`."""
+"""Setting up the same-host paths: a single copy by cross-memory attach (kvxfer.cma) where
+the kernel allows it, else a staging ring (kvxfer.shm). The decode side's `StagingRings`
+answers a writer connection that asks from this host; the prefill side's `open_ring` asks."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import structlog
 
+from kvxfer import cma
 from kvxfer.inbound import Connection, Transfer
 from kvxfer.pool import PoolBytes
 from kvxfer.protocol import Code, error
@@ -19,17 +21,20 @@ log = structlog.get_logger(__name__)
 
 
 async def open_ring(exchange: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]],
-                    host: str) -> SenderRing | None:
+                    host: str, probe: cma.Probe) -> SenderRing | bool:
     """Ask the receiver for a staging ring over `exchange` (one signed request, its reply)
-    and map it; None where it is not on this host or cannot be opened: UCX carries the data.
-    Raises KVTransferError where the receiver refuses the connection itself."""
-    offer = await exchange({"op": "shm_open", "host": host})
+    and map it: True where the receiver reads our blocks itself (kvxfer.cma), False where it
+    is not on this host or the ring cannot be opened (UCX carries the data). Raises
+    KVTransferError where the receiver refuses the connection itself."""
+    offer = await exchange({"op": "shm_open", "host": host, **probe.offer()})
     if offer.get("op") == "reject":  # the connection itself is refused (not signed, full)
         raise KVTransferError(f"receiver refused the connection: {offer.get('message', '')}",
                               code=str(offer.get("code", Code.PROTOCOL_ERROR)))
     if offer.get("op") != "shm_offer":
         log.info("kv_shm_unavailable", reason=str(offer.get("reason"))[:200])
-        return None
+        return False
+    if offer.get("cma") is True:
+        return True
     try:
         ring: Ring | None = Ring.attach(offer.get("name"), offer.get("token"),  # type: ignore[arg-type]
                                         offer.get("slots"), offer.get("slot_bytes"))  # type: ignore[arg-type]
@@ -40,7 +45,7 @@ async def open_ring(exchange: Callable[[dict[str, Any]], Awaitable[dict[str, Any
         log.info("kv_shm_unavailable", reason=repr(exc)[:200])
     attached = await exchange(answer)
     if ring is None or attached.get("op") != "shm_attached" or attached.get("ok") is not True:
-        return None
+        return False
     return SenderRing(ring)
 
 
@@ -48,8 +53,10 @@ class StagingRings:
     """The decode side's rings: one per connection that asked from this host, at most
     `max_rings`, and one copy thread for all of them."""
 
-    def __init__(self, slots: int, slot_bytes: int, max_rings: int) -> None:
+    def __init__(self, slots: int, slot_bytes: int, max_rings: int, *, cma: bool = True
+                 ) -> None:
         self.slots, self.slot_bytes, self.max_rings = slots, slot_bytes, max_rings
+        self.cma = cma  # try a single copy by cross-memory attach first
         self.host = host_id()
         self.count = 0  # offered or attached
         self._copier: ThreadPoolExecutor | None = None
@@ -58,8 +65,13 @@ class StagingRings:
         """The reply to ``shm_open``: a new ring's name and token, or why not."""
         if self.host is None or msg.get("host") != self.host:
             why = "another host"
-        elif conn.ring is not None or conn.offer is not None or conn.active:
-            why = "this connection has a ring, or transfers running"
+        elif conn.ring is not None or conn.offer is not None or conn.cma_pid is not None \
+                or conn.active:
+            why = "this connection has a same-host path, or transfers running"
+        elif self.cma and (pid := cma.reachable(msg)) is not None:
+            conn.cma_pid = pid
+            log.info("kv_shm_cma", peer=conn.peer, pid=pid)
+            return {"op": "shm_offer", "cma": True}
         elif self.count >= self.max_rings:
             why = f"this receiver serves {self.max_rings} rings"
         else:
@@ -98,14 +110,23 @@ class StagingRings:
         conn.offer = conn.ring = None
 
     async def receive(self, conn: Connection, seq: int, transfer: Transfer, pool: PoolBytes,
-                      key: bytes | None) -> KVTransferError | None:
+                      key: bytes | None, src: Any) -> KVTransferError | None:
         """`receive_chunks` for an accepted staging-ring write: fenced when it returns."""
-        ring = conn.ring
-        if ring is None:  # the connection closed meanwhile
-            return error(Code.PEER_GONE, f"writer of {transfer.transfer_id!r} went away")
         if self._copier is None:
             self._copier = ThreadPoolExecutor(1, thread_name_prefix="kv-shm-copy")
         block = pool.layout.block_nbytes
+        if conn.cma_pid is not None:
+            try:
+                work = cma.pieces([(start * block, count * block)
+                                   for start, count in transfer.runs], src, cma.PIECE_BYTES)
+            except ValueError as exc:
+                return error(Code.PROTOCOL_ERROR, f"transfer {transfer.transfer_id!r}: {exc}")
+            return await cma.receive(conn.cma_pid, pool.tensor.data_ptr(), work,
+                                     transfer.transfer_id, self._copier, transfer.stop,
+                                     lambda: transfer.stop_reason, transfer.deadline)
+        ring = conn.ring
+        if ring is None:  # the connection closed meanwhile
+            return error(Code.PEER_GONE, f"writer of {transfer.transfer_id!r} went away")
         segments = chunks([(start * block, count * block) for start, count in transfer.runs],
                           ring.slot_bytes)
 

@@ -19,6 +19,7 @@ import structlog
 import torch
 import ucxx
 
+from kvxfer import cma
 from kvxfer.auth import KVAuth
 from kvxfer.pool import DIGEST_RUN_BYTES, INLINE_DIGEST_BYTES, PoolBytes, check_blocks, digest
 from kvxfer.protocol import (
@@ -64,6 +65,7 @@ class _Peer:
         self.ctrl_lock = asyncio.Lock()  # a request frame is two tag messages: keep them paired
         self.answered = False  # the receiver replied on it at least once
         self.ring: SenderRing | None = None  # a same-host staging ring (kvxfer.shm)
+        self.cma = False  # the receiver reads our blocks itself (kvxfer.cma)
         self.last_used = time.monotonic()
         self._seq = 0
 
@@ -118,6 +120,7 @@ class KVSender:
     ) -> None:
         self.layout = layout
         self._host_id = host_id() if shm else None
+        self._probe = cma.Probe()
         self._copier: ThreadPoolExecutor | None = None
         self._auth = auth
         self._integrity = integrity or auth is not None  # a signing receiver requires it
@@ -248,7 +251,12 @@ class KVSender:
 
             async def finish(peer: _Peer, frame: dict[str, Any]) -> None:
                 """The path, once the endpoint is known: its ring, or UCX with digests."""
-                if peer.ring is not None and not src.is_cuda:
+                if peer.cma and not src.is_cuda:
+                    base, block = src.tensor.data_ptr(), self.layout.block_nbytes
+                    frame["shm"] = True
+                    frame["src"] = [[base + start * block, count * block]
+                                    for start, _, count in runs]
+                elif peer.ring is not None and not src.is_cuda:
                     frame["shm"] = True
                 elif self._integrity:
                     digests[:] = digests or await self._digests(src, runs)
@@ -273,7 +281,9 @@ class KVSender:
                 raise self._protocol_failure(peer, f"expected accept, got {reply.get('op')!r}")
 
             try:
-                if peer.ring is not None and not src.is_cuda:
+                if peer.cma and not src.is_cuda:  # the receiver reads the blocks itself
+                    reply = await recv_frame(peer.ep, reply_tag(seq), remaining())
+                elif peer.ring is not None and not src.is_cuda:
                     reply = await self._send_staged(peer, peer.ring, seq, src, runs,
                                                     transfer_id, remaining)
                 else:
@@ -485,13 +495,16 @@ class KVSender:
             peer = _Peer(address, ep)
             if self._host_id is not None:
                 try:
-                    peer.ring = await open_ring(functools.partial(self._control, peer, timeout_s),
-                                                self._host_id)
+                    path = await open_ring(functools.partial(self._control, peer, timeout_s),
+                                           self._host_id, self._probe)
+                    peer.cma = path is True
+                    peer.ring = path if isinstance(path, SenderRing) else None
                 except BaseException:
                     peer.abort()
                     raise
             self._peers[address] = peer
-            log.info("kv_endpoint_opened", peer=address, staging_ring=peer.ring is not None)
+            log.info("kv_endpoint_opened", peer=address, staging_ring=peer.ring is not None,
+                     cma=peer.cma)
             return peer
         finally:
             lock.release()

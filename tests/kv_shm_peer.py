@@ -1,10 +1,11 @@
 """One end of a same-host KV transfer in its own process, for tests/test_kv_shm.py to kill
-mid-transfer. Its copies are slowed (0.3 s per chunk after the first), and it prints
-``PEER copying`` once a chunk is in flight, so the test kills it with bytes moving.
+mid-transfer. PATH is "cma" (the receiver reads the sender's blocks, kvxfer.cma) or "ring"
+(kvxfer.shm). Its copies are slowed (0.3 s per piece after the first), and it prints
+``PEER copying`` once a piece is in flight, so the test kills it with bytes moving.
 
-    python tests/kv_shm_peer.py receiver LAYOUT_JSON          # prints its address, then
+    python tests/kv_shm_peer.py receiver PATH LAYOUT_JSON     # prints its address, then
                                                              # reads "XID ID,ID,..." lines
-    python tests/kv_shm_peer.py sender LAYOUT_JSON ADDRESS XID DST_IDS
+    python tests/kv_shm_peer.py sender PATH LAYOUT_JSON ADDRESS XID DST_IDS
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from kvxfer import KVReceiver, KVSender, shm
+from kvxfer import KVReceiver, KVSender, cma, shm
 from pdserve.control import KVDescriptor
 from pdserve.types import KVLayout
 
@@ -42,11 +43,13 @@ def _slowed(copy: Any) -> Any:
     return slow
 
 
-async def receiver(layout: KVLayout) -> None:
+async def receiver(path: str, layout: KVLayout) -> None:
     shm.copy_in = _slowed(shm.copy_in)  # looked up by kvxfer.shm at each chunk
+    cma.PIECE_BYTES = layout.block_nbytes
+    cma.read = _slowed(cma.read)  # the first call is the setup probe
     pool = torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype))
     async with KVReceiver(pool, layout, DESC_ID, shm_slot_bytes=layout.block_nbytes,
-                          shm_slots=2) as rx:
+                          shm_slots=2, shm_cma=path == "cma") as rx:
         print("PEER", rx.address, flush=True)
         while line := await asyncio.to_thread(sys.stdin.readline):
             xid, ids = line.split()
@@ -65,12 +68,12 @@ async def sender(layout: KVLayout, address: str, xid: str, dst_ids: list[int]) -
 
 
 def main() -> None:
-    role, layout = sys.argv[1], KVLayout.from_wire(json.loads(sys.argv[2]))
+    role, path, layout = sys.argv[1], sys.argv[2], KVLayout.from_wire(json.loads(sys.argv[3]))
     if role == "receiver":
-        asyncio.run(receiver(layout))
+        asyncio.run(receiver(path, layout))
     else:
-        asyncio.run(sender(layout, sys.argv[3], sys.argv[4],
-                           [int(i) for i in sys.argv[5].split(",")]))
+        asyncio.run(sender(layout, sys.argv[4], sys.argv[5],
+                           [int(i) for i in sys.argv[6].split(",")]))
 
 
 if __name__ == "__main__":

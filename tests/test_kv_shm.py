@@ -1,9 +1,11 @@
-"""The same-host KV path (kvxfer.shm, issue 19 item 2): a staging ring per prefill peer.
+"""The same-host KV paths (issue 19 item 2): a single copy by cross-memory attach
+(kvxfer.cma), else a staging ring per prefill peer (kvxfer.shm).
 
-- it is detected, not assumed: another host's boot id, a staging file that cannot be opened,
-  or `shm=False` on either end leave the transfer on UCX; the file is private (0600) and gone
-  from /dev/shm once attached;
-- bytes land exactly (contiguous, scattered, many transfers sharing one ring, signed);
+- they are detected, not assumed: another host's boot id, memory that cannot be read back, a
+  staging file that cannot be opened, or `shm=False` on either end each fall back (cma ->
+  ring -> UCX); the ring's file is private (0600) and gone from /dev/shm once attached;
+- bytes land exactly on both paths (contiguous, scattered, many transfers sharing one ring,
+  signed);
 - a bad chunk frame fails the transfer, fenced; a stray write into the staging ring after a
   transfer failed never reaches the pool;
 - a peer killed mid-transfer (the receiver, then the sender, each in its own process): the
@@ -14,11 +16,14 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -29,7 +34,7 @@ import torch
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
-from kvxfer import Code, KVReceiver, KVSender, shm
+from kvxfer import Code, KVReceiver, KVSender, cma, shm
 from kvxfer.auth import KVAuth
 from pdserve.control import KVDescriptor, make_descriptor_id
 from pdserve.types import KVLayout, KVTransferError
@@ -64,9 +69,10 @@ def resolver(address: str, layout: KVLayout = LAYOUT, desc_id: str = DESC_ID) ->
 
 @pytest.fixture
 async def rx() -> AsyncIterator[KVReceiver]:
+    """A receiver offering only staging rings (no cross-memory attach)."""
     async with KVReceiver(pool(1), LAYOUT, DESC_ID, auth=KVAuth(KEY, authorize_sender=_anyone),
                           fence_grace_s=0.1, shm_slot_bytes=3 * LAYOUT.block_nbytes // 2,
-                          shm_slots=2) as receiver:
+                          shm_slots=2, shm_cma=False) as receiver:
         yield receiver
 
 
@@ -77,6 +83,25 @@ def signed() -> KVAuth:
 def ring_of(tx: KVSender) -> Any:
     (peer,) = tx._peers.values()
     return peer.ring
+
+
+def path_of(tx: KVSender) -> str:
+    (peer,) = tx._peers.values()
+    return "cma" if peer.cma else "ring" if peer.ring is not None else "ucx"
+
+
+async def test_cross_memory_attach_is_the_default_and_lands_exactly() -> None:
+    src = pool(7)
+    async with KVReceiver(pool(1), LAYOUT, DESC_ID, auth=KVAuth(KEY, authorize_sender=_anyone)
+                          ) as rx, \
+            KVSender(LAYOUT, resolver(rx.address), auth=signed()) as tx:
+        for src_ids, dst_ids in ([list(range(12)), list(range(12, 24))], [[9, 2, 30], [4, 31, 0]]):
+            xid = uuid.uuid4().hex
+            landed = rx.expect(xid, dst_ids, timeout_s=10)
+            await tx.send(DESC_ID, src, src_ids, dst_ids, xid, 10, notice={"k": 1})
+            assert await landed == {"k": 1}
+            assert torch.equal(rx._pool.tensor[dst_ids], src[src_ids])
+        assert path_of(tx) == "cma"
 
 
 async def test_transfers_through_the_ring_land_exactly(rx: KVReceiver) -> None:
@@ -128,9 +153,16 @@ def test_the_staging_file_is_private_and_checked(tmp_path: Path) -> None:
         shm.Ring.attach(*args, directory=tmp_path)
 
 
-@pytest.mark.parametrize("why", ["other host", "unopenable", "sender off", "receiver off"])
-async def test_no_ring_unless_detected(why: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each reason leaves the transfer on UCX, where it lands as before."""
+@pytest.mark.parametrize(("why", "path"), [("other host", "ucx"), ("memory unreadable", "ring"),
+                                          ("unopenable", "ucx"), ("sender off", "ucx"),
+                                          ("receiver off", "ucx")])
+async def test_no_same_host_path_unless_detected(why: str, path: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each reason falls back (cma -> ring -> UCX), where the bytes land as before."""
+    if why == "memory unreadable":
+        def denied(*args: Any) -> None:
+            raise PermissionError("ptrace policy")
+        monkeypatch.setattr("kvxfer.cma.read", denied)
     if why == "other host":
         monkeypatch.setattr("kvxfer.sender.host_id", lambda: "another-boot-id")
     if why == "unopenable":
@@ -138,15 +170,16 @@ async def test_no_ring_unless_detected(why: str, monkeypatch: pytest.MonkeyPatch
             raise PermissionError("not here")
         monkeypatch.setattr(shm.Ring, "attach", refuse)
     before = staging_files()
-    async with KVReceiver(pool(1), LAYOUT, DESC_ID, shm=why != "receiver off") as rx:
+    async with KVReceiver(pool(1), LAYOUT, DESC_ID, shm=why != "receiver off",
+                          shm_cma=why != "unopenable") as rx:
         async with KVSender(LAYOUT, resolver(rx.address), shm=why != "sender off") as tx:
             xid = uuid.uuid4().hex
             landed = rx.expect(xid, [4, 5], timeout_s=10)
             await tx.send(DESC_ID, pool(3), [1, 2], [4, 5], xid, 10)
             await landed
-            assert ring_of(tx) is None
+            assert path_of(tx) == path
             assert torch.equal(rx._pool.tensor[[4, 5]], pool(3)[[1, 2]])
-            assert rx._rings is None or rx._rings.count == 0
+            assert rx._rings is None or rx._rings.count == (path == "ring")
     assert staging_files() == before
 
 
@@ -197,12 +230,13 @@ async def _line(proc: subprocess.Popen[str]) -> str:
             return line.removeprefix("PEER ").strip()
 
 
-async def test_receiver_killed_mid_transfer() -> None:
+@pytest.mark.parametrize("path", ["cma", "ring"])
+async def test_receiver_killed_mid_transfer(path: str) -> None:
     """The sender's transfer fails at once with ``kv_peer_gone`` (the router then prefills
     locally), the endpoint and its ring are dropped, no staging file is left, and the next
     transfer goes to a new receiver."""
     before = staging_files()
-    proc = _peer("receiver", json.dumps(LAYOUT.to_wire()))
+    proc = _peer("receiver", path, json.dumps(LAYOUT.to_wire()))
     try:
         address = await _line(proc)
         desc = make_descriptor_id("shm-peer", 1)
@@ -212,6 +246,8 @@ async def test_receiver_killed_mid_transfer() -> None:
         proc.stdin.flush()
         src = pool(5)
         async with KVSender(LAYOUT, resolver(address, desc_id=desc)) as tx:
+            await tx.warmup(descriptor_id=desc)
+            assert path_of(tx) == path
             sending = asyncio.create_task(tx.send(desc, src, list(range(8)),
                                                   list(range(8, 16)), xid, 60))
             assert await _line(proc) == "copying"
@@ -227,7 +263,10 @@ async def test_receiver_killed_mid_transfer() -> None:
     assert staging_files() == before
 
 
-async def test_sender_killed_mid_transfer(make_engine: Any, prompt_ids: list[list[int]]) -> None:
+@pytest.mark.parametrize("path", ["cma", "ring"])
+async def test_sender_killed_mid_transfer(path: str, make_engine: Any,
+                                          prompt_ids: list[list[int]],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole decode side (engine, DecodeWorker, KVReceiver with rings): the request fails
     with ``kv_peer_gone`` before a token, nothing lands in its blocks after the failure, it
     is never admitted, every block is free again and the ring is gone."""
@@ -236,22 +275,36 @@ async def test_sender_killed_mid_transfer(make_engine: Any, prompt_ids: list[lis
     from pdserve.types import GenerateRequest, SamplingParams
 
     before = staging_files()
+    copying = threading.Event()  # the cma path: our own reads of the sender's blocks
+    real_read, calls = cma.read, itertools.count()
+
+    def slow_read(*args: Any) -> None:
+        if next(calls) >= 1:  # the first is the setup probe
+            copying.set()
+            time.sleep(0.3)
+        real_read(*args)
+
+    monkeypatch.setattr(cma, "read", slow_read)
     async with AsyncEngine(make_engine()) as engine:
         layout = engine.layout
+        monkeypatch.setattr(cma, "PIECE_BYTES", layout.block_nbytes)
         async with KVReceiver(engine.kv_pool, layout, make_descriptor_id("shm-peer", 1),
                               fence_grace_s=0.1, shm_slot_bytes=layout.block_nbytes,
-                              shm_slots=2) as rx:
+                              shm_slots=2, shm_cma=path == "cma") as rx:
             worker = DecodeWorker(engine, rx, worker_id="decode-s")
             req = GenerateRequest("killed-1", tuple(max(prompt_ids, key=len)),
                                   SamplingParams(max_tokens=4))
             slot = await worker.allocate_remote(req)
             dst = list(slot.block_ids[slot.num_cached_tokens // layout.block_size:])
             assert len(dst) >= 3, len(dst)
-            proc = _peer("sender", json.dumps(layout.to_wire()), rx.address, slot.transfer_id,
-                         ",".join(map(str, dst)))
+            proc = _peer("sender", path, json.dumps(layout.to_wire()), rx.address,
+                         slot.transfer_id, ",".join(map(str, dst)))
             try:
                 stream = asyncio.create_task(_drain(worker, req.request_id, slot.transfer_id))
-                assert await _line(proc) == "copying"
+                if path == "ring":
+                    assert await _line(proc) == "copying"
+                else:
+                    assert await asyncio.to_thread(copying.wait, 60)
                 proc.send_signal(signal.SIGKILL)
                 with pytest.raises(KVTransferError) as failed:
                     await asyncio.wait_for(stream, 30)  # well before the KV wait's limit
