@@ -193,7 +193,6 @@ async def bench(nbytes: int, iters: int, slot_mb: int, slots: int) -> dict[str, 
         parent.send(None)
         return times
     finally:
-        ucxx.stop_notifier_thread()
         proc.join(timeout=10)
         if proc.is_alive():
             proc.kill()
@@ -229,9 +228,18 @@ def main() -> None:
                               "ucxpy_enable_python_future":
                                   os.environ["UCXPY_ENABLE_PYTHON_FUTURE"],
                               "machine": machine(), "rounds": []}
-    for _ in range(args.repeat):
-        times = asyncio.run(bench(args.mb << 20, args.iters, args.slot_mb, args.slots))
-        record["rounds"].append({"summary": report(times, args.mb << 20), "times_s": times})
+    async def rounds() -> None:
+        import ucxx
+
+        try:
+            for _ in range(args.repeat):
+                times = await bench(args.mb << 20, args.iters, args.slot_mb, args.slots)
+                record["rounds"].append({"summary": report(times, args.mb << 20),
+                                         "times_s": times})
+        finally:
+            ucxx.stop_notifier_thread()  # else interpreter exit waits for it
+
+    asyncio.run(rounds())
     record["machine"]["loadavg_after"] = os.getloadavg()
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -496,13 +496,19 @@ class KVReceiver:
     async def _run_transfer(self, conn: Connection, seq: int, transfer: Transfer) -> None:
         accept = {"op": "accept"}
         err: KVTransferError | None
+        gone = error(Code.PEER_GONE, f"writer of {transfer.transfer_id!r} went away")
         try:
-            if not await conn.reply(seq, accept, self._frame_timeout_s):
-                err = error(Code.PEER_GONE, f"writer of {transfer.transfer_id!r} went away")
-            elif transfer.shm and self._rings is not None:  # fenced when it returns
+            if transfer.shm and self._rings is not None:  # fenced when it returns
+                # Same host: start at once, while the accept goes out (the writer's first
+                # chunk frame, or nothing with cma, can only follow it).
+                accepted = asyncio.ensure_future(conn.reply(seq, accept, self._frame_timeout_s))
                 err = await self._rings.receive(
                     conn, seq, transfer, self._pool,
                     None if self._auth is None else self._auth.key, transfer.src)
+                if not await accepted:
+                    err = err or gone
+            elif not await conn.reply(seq, accept, self._frame_timeout_s):
+                err = gone
             else:
                 err = await wait_recvs(transfer, self._pool)
             if err is not None:
