@@ -90,7 +90,7 @@ async def _receiver(conn: Connection, nbytes: int) -> None:
             return
 
     raw = ucxx.create_listener(raw_handler, port=0)
-    async with KVReceiver(pool, layout, DESC_ID) as rx:
+    async with KVReceiver(pool, layout, DESC_ID, shm=False) as rx:  # UCX, not kvxfer.cma
         conn.send((rx.address, raw.port))
         while True:
             cmd = await asyncio.to_thread(conn.recv)
