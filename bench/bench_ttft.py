@@ -39,6 +39,15 @@ import numpy as np
 from bench.goodput import UCX_NO_SPIN_ENV, loadavg, machine_info, pin_process
 
 LOCAL_THRESHOLD = 1_000_000  # no prompt is this long: every prefill stays on the decode worker
+# --modes: (both workers' extra flags, the prefill worker's); "local": prefilled on the decode
+# worker. "remote" is the default cluster: the same-host KV path, KV sent while computing.
+MODES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "remote": ((), ()),
+    "remote-after": ((), ("--no-kv-overlap",)),
+    "remote-ucx": (("--no-kv-shm",), ()),
+    "remote-ucx-after": (("--no-kv-shm",), ("--no-kv-overlap",)),
+    "local": ((), ()),
+}
 
 
 @dataclass(frozen=True)
@@ -107,11 +116,12 @@ async def generate(address: str, ids: list[int], max_tokens: int, mode: str) -> 
 def run_mode(args: argparse.Namespace, mode: str, rng: np.random.Generator) -> list[Sample]:
     from pdserve.services_cli import LocalCluster
 
-    threshold = args.remote_threshold if mode == "remote" else LOCAL_THRESHOLD
+    threshold = LOCAL_THRESHOLD if mode == "local" else args.remote_threshold
     worker_args = (
         "--threads", str(len(args.decode_cores)),
         "--kv-cache-mb", str(args.kv_cache_mb),
         "--log-level", "WARNING",
+        *MODES[mode][0],
     )  # fmt: skip
     cluster = LocalCluster(
         prefill=1,
@@ -119,6 +129,7 @@ def run_mode(args: argparse.Namespace, mode: str, rng: np.random.Generator) -> l
         model=args.model_path,
         extra_worker_args=worker_args,
         router_args=("--remote-threshold", str(threshold), "--log-level", "WARNING"),
+        extra_prefill_args=MODES[mode][1],
         env={} if args.ucx_spin else dict(UCX_NO_SPIN_ENV),
     )
     samples = []
@@ -149,8 +160,9 @@ def kv_bytes_per_token(model_path: str | None) -> int:
 
 def table(samples: Sequence[Sample], kv_per_token: int) -> str:
     lines = [
-        "| prefill | prompt tokens | n | client TTFT ms | router first token ms | prefill queue "
-        "| prefill compute | KV transfer | decode admission (rest) | KV MB | KV GB/s |",
+        "| mode (route) | prompt tokens | n | client TTFT ms | router first token ms "
+        "| prefill queue | prefill compute | KV transfer (after compute) | decode admission "
+        "(rest) | KV MB | TTFT / compute |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     groups: dict[tuple[str, int], list[Sample]] = {}
@@ -163,18 +175,18 @@ def table(samples: Sequence[Sample], kv_per_token: int) -> str:
 
         routes = ",".join(sorted({s.route for s in group}))
         kv_mb = length * kv_per_token / 1e6
-        if mode == "remote":
+        if mode != "local":
             xfer = mean("kv_transfer_ms")
-            gbps = f"{kv_mb / xfer:.2f}" if xfer > 0 else "n/a"
+            compute = mean("prefill_compute_ms")
             stages = (
                 f"{mean('first_token_ms'):.0f} | {mean('queued_ms'):.1f} "
-                f"| {mean('prefill_compute_ms'):.0f} | {xfer:.1f} | {mean('admission_ms'):.1f} "
-                f"| {kv_mb:.1f} | {gbps}"
+                f"| {compute:.0f} | {xfer:.1f} | {mean('admission_ms'):.1f} "
+                f"| {kv_mb:.1f} | {mean('client_ttft_ms') / compute:.3f}"
             )
         else:
             stages = "n/a | - | (on the decode worker) | - | - | - | -"
         lines.append(
-            f"| {routes} | {length} | {len(group)} | {mean('client_ttft_ms'):.0f} "
+            f"| {mode} ({routes}) | {length} | {len(group)} | {mean('client_ttft_ms'):.0f} "
             f"(min {min(s.client_ttft_ms for s in group):.0f}) | {stages} |"
         )
     return "\n".join(lines)
@@ -194,7 +206,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prefill-cores", type=_ints, default=(0,))
     p.add_argument("--decode-cores", type=_ints, default=(1,))
     p.add_argument("--model-path", default=None, help="default: the default model")
-    p.add_argument("--modes", default="remote,local", help="remote and/or local")
+    p.add_argument("--modes", default="remote,local",
+                   help="comma-separated, of: remote (the default cluster: same-host KV path, "
+                   "KV sent while the prompt computes), remote-after (--no-kv-overlap: KV sent "
+                   "after), remote-ucx / remote-ucx-after (--no-kv-shm: over UCX), local "
+                   "(prefilled on the decode worker)")
     p.add_argument("--low-id", type=int, default=1000, help="prompt token ids are drawn from")
     p.add_argument("--high-id", type=int, default=40000, help="[low-id, high-id)")
     p.add_argument("--seed", type=int, default=0)
@@ -207,8 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_before = loadavg()
     samples: list[Sample] = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        if mode not in ("remote", "local"):
-            p.error(f"--modes: unknown mode {mode!r}")
+        if mode not in MODES:
+            p.error(f"--modes: unknown mode {mode!r} (one of {', '.join(MODES)})")
         samples += run_mode(args, mode, rng)
     info = {**machine_info(), "loadavg_before": load_before, "loadavg_after": loadavg()}
     print(f"command: python -m bench.bench_ttft {' '.join(sys.argv[1:] if argv is None else argv)}")

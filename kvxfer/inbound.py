@@ -27,6 +27,7 @@ _ABORT_PERIOD_NS = 1_000_000_000  # bound on ucxx's blocking endpoint close
 class State(enum.Enum):
     PENDING = "pending"
     ACTIVE = "active"
+    PARTIAL = "partial"  # some parts landed; no writer is active until the next part
     DONE = "done"
     FAILED = "failed"
 
@@ -109,13 +110,21 @@ class Transfer:
     fence_ok: bool = True
     shm: bool = False  # its bytes come the connection's same-host way (kvxfer.shm, .cma)
     src: Any = None  # with kvxfer.cma: the writer's [address, bytes] per run (checked there)
-
+    part: bool = False  # the write now accepted is a part: more writes follow
+    landed: set[int] = field(default_factory=set)  # blocks written by the parts that ended
+    writer: str | None = None  # the sender of its first part; later ones must be the same
 
 
 def check_request(msg: dict[str, Any], transfer: Transfer, layout: KVLayout, *,
                   digests_required: bool, shm_ok: bool) -> list[tuple[int, int]]:
     """The destination runs of a write request for `transfer` (whose notice, digests and
-    path it records); raises KVTransferError. `shm_ok`: the connection has a staging ring."""
+    path it records); raises KVTransferError. `shm_ok`: the connection has a staging ring.
+
+    A write with ``"part": true`` fills some of the expected blocks and more writes follow
+    (the prefill worker sends each computed chunk while the next one computes); the write
+    without it is the last: it carries the notice, and with the parts before it (which it may
+    overwrite) it must cover exactly the expected blocks. Only the last one completes the
+    transfer."""
     try:
         theirs = KVLayout.from_wire(msg.get("layout"))
     except ValueError as exc:
@@ -133,9 +142,19 @@ def check_request(msg: dict[str, Any], transfer: Transfer, layout: KVLayout, *,
         for r in raw_runs
     ):
         raise error(Code.PROTOCOL_ERROR, "runs must be a list of [start, count] integer pairs")
+    part = msg.get("part", False)
+    if not isinstance(part, bool):
+        raise error(Code.PROTOCOL_ERROR, "part must be a boolean")
     notice = msg.get("notice")
     if notice is not None and not isinstance(notice, dict):
         raise error(Code.PROTOCOL_ERROR, "notice must be a JSON object")
+    if part and notice is not None:
+        raise error(Code.PROTOCOL_ERROR, "only the last write of a transfer carries a notice")
+    writer = msg.get("sender_id")
+    writer = writer if isinstance(writer, str) else None
+    if transfer.state is State.PARTIAL and writer != transfer.writer:
+        raise error(Code.DUPLICATE_TRANSFER,
+                    f"transfer {transfer.transfer_id!r} already has another writer")
     shm = msg.get("shm", False)
     if shm is not False and (shm is not True or not shm_ok):
         raise error(Code.PROTOCOL_ERROR, "a staging-ring write on a connection without a ring")
@@ -149,31 +168,38 @@ def check_request(msg: dict[str, Any], transfer: Transfer, layout: KVLayout, *,
     ):
         raise error(Code.PROTOCOL_ERROR,
                     f"digests must be one {DIGEST_HEX_CHARS}-character hex string per run")
-    transfer.notice = notice
-    transfer.digests = digests
-    transfer.shm = shm is True
-    transfer.src = msg.get("src")
     runs = [(start, count) for start, count in raw_runs]
     if any(count < 1 for _, count in runs):
         raise error(Code.PROTOCOL_ERROR, "every run must hold at least one block")
-    if sum(count for _, count in runs) != len(transfer.dst_block_ids):
+    expected = transfer.dst_block_ids
+    if sum(count for _, count in runs) > len(expected):
         # Checked before expanding the runs: a declared count is never materialized.
         raise error(
             Code.BLOCK_MISMATCH,
-            f"transfer {transfer.transfer_id!r} expects {len(transfer.dst_block_ids)} "
-            "blocks, the writer's runs hold another number",
+            f"transfer {transfer.transfer_id!r} expects {len(expected)} "
+            "blocks, the writer's runs hold more",
         )
     blocks = expand_runs(runs)
     try:
         check_blocks(blocks, layout.num_blocks, "destination")
     except ValueError as exc:
         raise error(Code.BLOCK_OUT_OF_RANGE, str(exc)) from None
-    if sorted(blocks) != sorted(transfer.dst_block_ids):
+    written = set(blocks)
+    if len(written) != len(blocks) or not written <= set(expected) or (
+            not part and written | transfer.landed != set(expected)):
         raise error(
             Code.BLOCK_MISMATCH,
-            f"transfer {transfer.transfer_id!r} expects blocks "
-            f"{sorted(transfer.dst_block_ids)}, the writer sent {sorted(blocks)}",
+            f"transfer {transfer.transfer_id!r} expects blocks {sorted(expected)}"
+            f"{f' ({len(transfer.landed)} landed)' if transfer.landed else ''}, the writer "
+            f"sent {sorted(blocks)}{' as a part' if part else ''}",
         )
+    transfer.notice = notice
+    transfer.digests = digests
+    transfer.shm = shm is True
+    transfer.src = msg.get("src")
+    transfer.part = part
+    if transfer.state is State.PENDING:
+        transfer.writer = writer
     return runs
 
 

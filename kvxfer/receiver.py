@@ -3,8 +3,17 @@
 Lifecycle of one transfer, keyed by `transfer_id`:
 
     expect() -> PENDING --writer's request accepted--> ACTIVE --all bytes landed--> DONE
+                   |                                   |  ^
+                   |                  a part's bytes   |  |  the next part accepted
+                   |                  landed           v  |
+                   |                                  PARTIAL
                    |                                      |
                    +-- timeout / cancel() ----------------+--> FAILED (after the fence)
+
+A transfer may come in parts (a write marked ``"part": true``): the prefill worker sends each
+computed chunk while the next one computes. Only the last write (no ``part``; it carries the
+notice) completes it, so a transfer whose last part never comes is never visible; a part that
+fails fails the transfer. The parts come one at a time, from the writer of the first.
 
 The fence: a transfer is only reported finished (its `Expectation` resolves or raises, or
 `cancel()` returns) once no byte can land in its blocks any more. For an ACTIVE transfer
@@ -255,7 +264,7 @@ class KVReceiver:
         if transfer is None:
             return
         err = error(Code.CANCELLED, f"transfer {transfer_id!r} {reason}")
-        if transfer.state is State.PENDING:
+        if transfer.state in (State.PENDING, State.PARTIAL):  # no byte is on its way
             self._finish(transfer, err)
         elif transfer.state is State.ACTIVE and transfer.stop_reason is None:
             transfer.stop_reason = err
@@ -448,6 +457,7 @@ class KVReceiver:
         # Accepted: from here on the writer may move bytes into the blocks.
         transfer.state = State.ACTIVE
         transfer.runs = runs
+        transfer.recvs = []  # a part before this one received all of its own
         if transfer.timer is not None:
             transfer.timer.cancel()
         for index, (start, count) in enumerate([] if transfer.shm else runs):
@@ -482,14 +492,15 @@ class KVReceiver:
             state = self._finished.get(transfer_id)
             detail = f"already {state}" if state else "not expected (never or no longer)"
             raise error(Code.UNKNOWN_TRANSFER, f"transfer {transfer_id!r} is {detail}")
-        if transfer.state is not State.PENDING:
+        if transfer.state not in (State.PENDING, State.PARTIAL):
             raise error(Code.DUPLICATE_TRANSFER, f"transfer {transfer_id!r} already has a writer")
         try:
             runs = check_request(msg, transfer, self.layout,
                                  digests_required=self._auth is not None,
                                  shm_ok=conn.ring is not None or conn.cma_pid is not None)
         except KVTransferError as err:
-            self._finish(transfer, err)
+            if err.code != Code.DUPLICATE_TRANSFER:  # not another writer's to end
+                self._finish(transfer, err)
             raise
         return transfer, runs
 
@@ -513,7 +524,10 @@ class KVReceiver:
                 err = await wait_recvs(transfer, self._pool)
             if err is not None:
                 await fence(conn, transfer, self._fence_grace_s, self._fence_timeout_s)
-            self._finish(transfer, err)
+            if err is None and transfer.part:
+                self._part_landed(transfer)
+            else:
+                self._finish(transfer, err)
         finally:
             conn.active -= 1
         if err is not None and err.code == Code.INTEGRITY:
@@ -540,9 +554,20 @@ class KVReceiver:
                 else {"op": "shm_refused", "reason": "no offer"}
         return await conn.reply(seq, reply, self._frame_timeout_s)
 
+    def _part_landed(self, transfer: Transfer) -> None:
+        """A part's bytes landed (fenced, digests matched): wait for the next part, until
+        the transfer's deadline."""
+        transfer.landed.update(block for start, count in transfer.runs
+                               for block in range(start, start + count))
+        transfer.state = State.PARTIAL
+        loop = asyncio.get_running_loop()
+        transfer.timer = loop.call_at(transfer.deadline, self._pending_expired, transfer)
+
     def _pending_expired(self, transfer: Transfer) -> None:
-        if transfer.state is State.PENDING:
-            msg = f"transfer {transfer.transfer_id!r}: no writer arrived in time"
+        if transfer.state in (State.PENDING, State.PARTIAL):
+            what = "no writer arrived" if transfer.state is State.PENDING \
+                else f"{len(transfer.landed)} blocks landed, the last part did not arrive"
+            msg = f"transfer {transfer.transfer_id!r}: {what} in time"
             self._finish(transfer, error(Code.TIMEOUT, msg))
 
     def _finish(self, transfer: Transfer, err: KVTransferError | None) -> None:

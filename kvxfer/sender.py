@@ -196,11 +196,15 @@ class KVSender:
         timeout_s: float = 10.0,
         *,
         notice: Mapping[str, Any] | None = None,
+        part: bool = False,
     ) -> SendResult:
         """Copy ``src_pool[src_block_ids[i]]`` into the remote block ``dst_block_ids[i]``.
 
         `notice` (a small JSON-serializable object, e.g. the first sampled token) travels with
         the request and is what the receiver's Expectation returns once the bytes landed.
+        With `part`, these blocks are some of the transfer's (no notice): more sends with the
+        same `transfer_id` follow, one at a time, and the one without `part` completes it
+        (it may resend blocks a part sent; with the parts it must cover every expected block).
         Returns once the receiver confirmed every byte landed. Raises KVTransferError (see
         `kvxfer.protocol.Code` for codes) on invalid arguments, an unknown or stale
         descriptor, a rejection by the receiver, a lost peer, or when `timeout_s` runs out.
@@ -220,6 +224,8 @@ class KVSender:
             check_blocks(src_ids, self.layout.num_blocks, "source")
             if len(set(dst_ids)) != len(dst_ids):
                 raise ValueError("dst_block_ids contains duplicates")
+            if part and notice is not None:
+                raise ValueError("a part carries no notice: the last send does")
             if notice is not None:
                 notice = dict(notice)
                 json.dumps(notice)  # fail here, not halfway through the protocol
@@ -247,6 +253,8 @@ class KVSender:
                 "runs": [[dst, count] for _, dst, count in runs],
                 "notice": notice,
             }
+            if part:
+                request["part"] = True
             digests: list[str] = []
 
             async def finish(peer: _Peer, frame: dict[str, Any]) -> None:

@@ -20,6 +20,10 @@ class PrefillConfig(WorkerConfig):
         "urgent latency class first", ge=1)
     transfer_timeout_s: float = setting(
         30.0, "seconds a KV transfer to a decode worker may take", gt=0)
+    kv_overlap: bool = setting(
+        True, "send a remote prefill's KV only once the whole prompt computed (default: each "
+        "computed chunk's blocks go to the decode worker while the next chunk computes)",
+        flag="--no-kv-overlap", negate=True)
 
 
 __all__ = ["PrefillConfig"]

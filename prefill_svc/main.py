@@ -68,7 +68,8 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
         worker = PrefillWorker(aengine, sender, worker_id=config.worker_id,
                                max_inflight=config.max_concurrent_prefills,
                                transfer_timeout_s=config.transfer_timeout_s,
-                               max_requests=config.max_requests, metrics=metrics)
+                               max_requests=config.max_requests, metrics=metrics,
+                               overlap=config.kv_overlap)
         with metrics_server(labelled_registry(metrics.registry,
                                               model_name=config.model_name(model_dir.name)),
                             config.host, config.metrics_port, config.tls) as mport:

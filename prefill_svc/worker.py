@@ -15,7 +15,7 @@ import structlog
 
 from kvxfer.sender import KVSender
 from pdserve.control.load import WorkerLoad
-from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.async_engine import AsyncEngine, PrefillResult
 from pdserve.engine.metrics import engine_load
 from pdserve.handover import FirstToken
 from pdserve.types import (
@@ -26,9 +26,9 @@ from pdserve.types import (
     KVTransferError,
     LatencyClass,
     PrefillReport,
-    TokenLogprob,
 )
 from prefill_svc.metrics import PrefillMetrics
+from prefill_svc.parts import PartSender
 
 log = structlog.get_logger(__name__)
 
@@ -84,7 +84,8 @@ class PriorityGate:
 class PrefillWorker:
     def __init__(self, engine: AsyncEngine, sender: KVSender, *, worker_id: str,
                  max_inflight: int = 4, transfer_timeout_s: float = 30.0,
-                 max_requests: int = 256, metrics: PrefillMetrics | None = None):
+                 max_requests: int = 256, metrics: PrefillMetrics | None = None,
+                 overlap: bool = True):
         self.engine = engine
         self.sender = sender
         self.worker_id = worker_id
@@ -93,6 +94,7 @@ class PrefillWorker:
             raise ValueError("max_requests must be >= 1")
         self.max_requests = max_requests  # queued + computing + transferring, at most
         self.transfer_timeout_s = transfer_timeout_s
+        self.overlap = overlap  # send each computed chunk's KV while the next one computes
         self.accepting = True
         self.inflight = 0
         self.queued_by_class: dict[str, int] = {c.value: 0 for c in LatencyClass}
@@ -147,7 +149,16 @@ class PrefillWorker:
                 queued = False
                 started = time.monotonic()
                 self.metrics.queue_wait.labels(lc).observe(started - arrived)
-                result = await self.engine.prefill(req)
+                parts = None if dest is None or not self.overlap else PartSender(
+                    self.sender, self.engine.kv_pool, dest, timeout_s=self.transfer_timeout_s,
+                    skip=dest.num_cached_tokens // self.engine.layout.block_size)
+                try:
+                    result = await self.engine.prefill(
+                        req, None if parts is None else parts.progress)
+                except BaseException:
+                    if parts is not None:
+                        await parts.abort()  # before the engine reuses the blocks
+                    raise
                 computed = time.monotonic()
                 self.metrics.compute.observe(computed - started)
                 self.metrics.computed_tokens.inc(n - result.first.num_cached_tokens)
@@ -156,12 +167,14 @@ class PrefillWorker:
                     first = result.first
                     assert first.token_id is not None
                     if dest is not None:
-                        sent = await self._transfer(result.block_ids, dest, first.token_id,
-                                                    first.logprob)
+                        sent = await self._transfer(result, dest, parts)
                     # The transfer stage ends here: freeing our blocks below waits for the
                     # engine thread (maybe behind another prompt's step) and is not part of it.
+                    # With parts, it is what the transfer added after the compute.
                     transferred = time.monotonic()
                 finally:
+                    if parts is not None:
+                        await parts.abort()  # a no-op once finished
                     # Its stats refresh before it returns: our load stops counting the blocks.
                     await self.engine.release(req.request_id)
             outcome = "ok"
@@ -194,25 +207,33 @@ class PrefillWorker:
                  kv_bytes=sent)
         return out
 
-    async def _transfer(self, src_blocks: tuple[int, ...], dest: KVDestination, first_token: int,
-                        logprob: TokenLogprob | None) -> int:
+    async def _transfer(self, result: PrefillResult, dest: KVDestination,
+                        parts: PartSender | None) -> int:
+        """Send the prompt's KV (what the parts did not) with the first token; bytes sent."""
+        src_blocks = result.block_ids
         if len(dest.block_ids) != len(src_blocks):
             raise InvalidRequestError(
                 f"destination has {len(dest.block_ids)} blocks, the prompt needs "
                 f"{len(src_blocks)}", param="destination")
         skip = dest.num_cached_tokens // self.engine.layout.block_size
-        notice = FirstToken(first_token, logprob).to_notice()  # the first token's one channel
+        first = result.first
+        assert first.token_id is not None
+        notice = FirstToken(first.token_id, first.logprob).to_notice()  # its one channel
+        started = time.monotonic()
         try:
-            res = await self.sender.send(dest.descriptor_id, self.engine.kv_pool,
-                                         src_blocks[skip:], dest.block_ids[skip:],
-                                         dest.transfer_id, timeout_s=self.transfer_timeout_s,
-                                         notice=notice)
+            if parts is not None:
+                nbytes = await parts.finish(src_blocks, result.num_preemptions, notice)
+            else:
+                nbytes = (await self.sender.send(
+                    dest.descriptor_id, self.engine.kv_pool, src_blocks[skip:],
+                    dest.block_ids[skip:], dest.transfer_id, timeout_s=self.transfer_timeout_s,
+                    notice=notice)).nbytes
         except KVTransferError as exc:
             self.metrics.transfer_failures.labels(exc.code).inc()
             raise
         except asyncio.CancelledError:
             self.metrics.transfer_failures.labels("cancelled").inc()
             raise
-        self.metrics.transfer.observe(res.elapsed_s)
-        self.metrics.transfer_bytes.inc(res.nbytes)
-        return res.nbytes
+        self.metrics.transfer.observe(time.monotonic() - started)
+        self.metrics.transfer_bytes.inc(nbytes)
+        return nbytes

@@ -45,16 +45,23 @@ def greedy(n: int = 6) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0)
 
 
-@pytest.fixture
-async def decode(make_engine: Any) -> AsyncIterator[DecodeWorker]:
-    async with AsyncEngine(make_engine(kv_cache_bytes=64 << 20)) as engine, \
+@contextlib.asynccontextmanager
+async def _decode_worker(make_engine: Any, kv_cache_bytes: int, pending_fraction: float
+                         ) -> AsyncIterator[DecodeWorker]:
+    async with AsyncEngine(make_engine(kv_cache_bytes=kv_cache_bytes)) as engine, \
             KVReceiver(engine.kv_pool, engine.layout, DESC_ID, fence_grace_s=0.1) as rx:
         worker = DecodeWorker(engine, rx, worker_id="decode-a", max_alloc_lease_s=60.0,
-                              max_pending_kv_fraction=0.25)
+                              max_pending_kv_fraction=pending_fraction)
         try:
             yield worker
         finally:
             await worker.close()
+
+
+@pytest.fixture
+async def decode(make_engine: Any) -> AsyncIterator[DecodeWorker]:
+    async with _decode_worker(make_engine, 64 << 20, 0.25) as worker:
+        yield worker
 
 
 async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -162,3 +169,56 @@ async def test_refused_before_any_allocation(decode: DecodeWorker) -> None:
     for stream in held:
         await stream.aclose()
     await _until(lambda: _all_free(decode))
+
+
+class _CountingSender(KVSender):
+    """A KVSender that records each send's block count and whether it was a part."""
+
+    sends: list[tuple[int, bool]]
+
+    async def send(self, *args: Any, **kw: Any) -> Any:  # type: ignore[override]
+        self.sends.append((len(args[2]), bool(kw.get("part"))))
+        return await super().send(*args, **kw)
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["same-host", "ucx"])
+async def test_prefill_worker_sends_its_kv_while_the_prompt_computes(
+        make_engine: Any, prompt_ids: list[list[int]], shm: bool) -> None:
+    """Issue 19 item 1: a PrefillWorker prefilling a >1,000-token prompt in 512-token chunks
+    sends the first chunks' blocks as parts of the transfer while later chunks compute; the
+    decode stream equals a local prefill on an engine of the same configuration."""
+    prompt = tuple(max(prompt_ids, key=len))
+    async with AsyncEngine(make_engine(kv_cache_bytes=64 << 20)) as ref:
+        want = [ev.token_id async for ev in ref.generate(GenerateRequest("ref", prompt, greedy()))
+                if ev.token_id is not None]
+    req = GenerateRequest("overlap", prompt, greedy())
+    async with _decode_worker(make_engine, 128 << 20, 1.0) as decode:
+        await _prefill_remotely(make_engine, decode, req, shm, want)
+
+
+async def _prefill_remotely(make_engine: Any, decode: DecodeWorker, req: GenerateRequest,
+                            shm: bool, want: list[int]) -> None:
+    from prefill_svc.worker import PrefillWorker
+
+    rx = decode.receiver
+
+    async def resolve(descriptor_id: str) -> KVDescriptor | None:
+        return KVDescriptor(DESC_ID, "decode-a", 5, rx.address, decode.engine.layout)
+
+    engine = AsyncEngine(make_engine(kv_cache_bytes=64 << 20))
+    async with engine, _CountingSender(engine.layout, resolve, shm=shm) as tx:
+        tx.sends = []
+        worker = PrefillWorker(engine, tx, worker_id="prefill-a")
+        stream = decode.allocate_and_generate(req)
+        slot = await anext(stream)
+        assert isinstance(slot, KVDestination) and slot.num_cached_tokens == 0
+        report = await worker.prefill(req, slot)
+        events = [item async for item in stream]
+    assert [ev.token_id for ev in events if isinstance(ev, TokenEvent)
+            and ev.token_id is not None] == want
+    parts = [n for n, part in tx.sends if part]
+    assert parts and not tx.sends[-1][1]  # parts, then the last write with the first token
+    assert sum(n for n, _ in tx.sends) == len(slot.block_ids)  # each block sent once
+    assert report.bytes_transferred == len(slot.block_ids) * decode.engine.layout.block_nbytes
+    await _until(lambda: _all_free(decode))
+    assert engine.last_stats.free_blocks == engine.last_stats.total_blocks

@@ -173,6 +173,75 @@ async def test_noncontiguous_transfer(
     assert torch.equal(dst_pool[untouched], before[untouched])
 
 
+async def test_a_transfer_in_parts_lands_with_its_last_write(
+    receiver: KVReceiver, sender: KVSender, src_pool: torch.Tensor, dst_pool: torch.Tensor
+) -> None:
+    """Issue 19 item 1: parts (each computed chunk's blocks) then the last write, which
+    carries the notice and may send again a block a part sent (after a preemption)."""
+    src_ids, dst_ids = [3, 4, 5, 10, 11, 20], [0, 1, 2, 7, 8, 30]
+    xid = tid()
+    landed = receiver.expect(xid, dst_ids, timeout_s=10)
+    await sender.send(DESC_ID, src_pool, src_ids[:2], dst_ids[:2], xid, 10, part=True)
+    await sender.send(DESC_ID, src_pool, src_ids[2:4], dst_ids[2:4], xid, 10, part=True)
+    await asyncio.sleep(0.05)
+    assert not landed.done()  # no part completes it
+    assert torch.equal(dst_pool[dst_ids[:4]], src_pool[src_ids[:4]])
+    with pytest.raises(KVTransferError, match="notice") as info:
+        await sender.send(DESC_ID, src_pool, src_ids[4:], dst_ids[4:], xid, 10,
+                          notice={"first_token": 1}, part=True)
+    assert info.value.code == Code.INVALID_ARGUMENT  # refused before anything is sent
+    await sender.send(DESC_ID, src_pool, src_ids[3:], dst_ids[3:], xid, 10,
+                      notice={"first_token": 7})
+    assert await landed == {"first_token": 7}
+    assert torch.equal(dst_pool[dst_ids], src_pool[src_ids])
+
+
+async def test_a_last_write_that_leaves_a_block_unwritten_fails_the_transfer(
+    receiver: KVReceiver, sender: KVSender, src_pool: torch.Tensor
+) -> None:
+    xid = tid()
+    landed = receiver.expect(xid, [0, 1, 2, 3], timeout_s=10)
+    await sender.send(DESC_ID, src_pool, [5, 6], [0, 1], xid, 10, part=True)
+    with pytest.raises(KVTransferError, match="2 landed") as info:
+        await sender.send(DESC_ID, src_pool, [8], [3], xid, 10)  # block 2 never written
+    assert info.value.code == Code.BLOCK_MISMATCH
+    with pytest.raises(KVTransferError, match="expects blocks"):
+        await landed
+    xid = tid()
+    landed = receiver.expect(xid, [4, 5], timeout_s=10)
+    with pytest.raises(KVTransferError) as info:  # a part outside the expected blocks
+        await sender.send(DESC_ID, src_pool, [5, 6], [5, 6], xid, 10, part=True)
+    assert info.value.code == Code.BLOCK_MISMATCH
+    with pytest.raises(KVTransferError):
+        await landed
+
+
+async def test_between_parts_cancel_and_deadline_end_the_transfer_at_once(
+    receiver: KVReceiver, sender: KVSender, src_pool: torch.Tensor, dst_pool: torch.Tensor
+) -> None:
+    xid = tid()
+    landed = receiver.expect(xid, [0, 1, 2], timeout_s=10)
+    await sender.send(DESC_ID, src_pool, [5], [0], xid, 10, part=True)
+    t0 = time.monotonic()
+    await receiver.cancel(xid)  # nothing is on its way between parts: no fence to wait for
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(KVTransferError) as info:
+        await landed
+    assert info.value.code == Code.CANCELLED
+    before = dst_pool.clone()
+    with pytest.raises(KVTransferError, match="already failed") as info:
+        await sender.send(DESC_ID, src_pool, [6, 7], [1, 2], xid, 10)
+    assert info.value.code == Code.UNKNOWN_TRANSFER
+    assert torch.equal(dst_pool, before)
+    xid = tid()
+    landed = receiver.expect(xid, [3, 4], timeout_s=0.5)  # the deadline spans every part
+    await sender.send(DESC_ID, src_pool, [5], [3], xid, 10, part=True)
+    with pytest.raises(KVTransferError, match="last part did not arrive") as info:
+        await landed
+    assert info.value.code == Code.TIMEOUT
+    assert xid not in receiver._transfers
+
+
 async def test_concurrent_transfers_share_one_endpoint(
     receiver: KVReceiver, sender: KVSender, src_pool: torch.Tensor, dst_pool: torch.Tensor
 ) -> None:

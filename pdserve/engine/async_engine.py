@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -86,6 +87,15 @@ class PrefillResult:
 
     first: TokenEvent
     block_ids: tuple[int, ...]
+    # Times the engine preempted it (its blocks were freed and the prompt recomputed): what a
+    # `progress` callback was shown before the last preemption is not its KV.
+    num_preemptions: int = 0
+
+
+PrefillProgress = Callable[[int, tuple[int, ...]], None]
+"""Called on the event loop after each step that computed a chunk of a prefill-only prompt
+(not the last one): (preemptions so far, the blocks whose KV is now final, in prompt
+order). The blocks stay valid while the request runs and no preemption follows."""
 
 
 class AsyncEngine:
@@ -97,6 +107,7 @@ class AsyncEngine:
         self._commands = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._progress: dict[str, PrefillProgress] = {}  # set on the loop, read by the thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -186,6 +197,7 @@ class AsyncEngine:
             except Exception as exc:  # a step failing must not hang every stream
                 log.exception("engine step failed")
                 events = eng.fail_all(f"engine step failed: {exc}")
+            self._report_progress()
             self._deliver(events)
 
     def _drain_commands(self) -> None:
@@ -212,14 +224,23 @@ class AsyncEngine:
             else:
                 fut.set_exception(error)
 
+    def _report_progress(self) -> None:
+        """Engine thread: each watched prefill's progress, queued on the loop ahead of the
+        step's events."""
+        if not self._progress or self._loop is None:
+            return
+        for request_id, callback in list(self._progress.items()):
+            progress = self._engine.prefill_progress(request_id)
+            if progress is not None:
+                with _loop_closed_ok():
+                    self._loop.call_soon_threadsafe(callback, *progress)
+
     def _deliver(self, events: list[TokenEvent]) -> None:
         stats = self._engine.stats()
         self._stats = stats
         if self._loop is not None and not self._loop.is_closed():
-            try:
+            with _loop_closed_ok():
                 self._loop.call_soon_threadsafe(self._dispatch, events, stats)
-            except RuntimeError:  # loop closed while we were computing
-                pass
 
     def _dispatch(self, events: list[TokenEvent], stats: EngineStats) -> None:
         for ev in events:
@@ -294,29 +315,38 @@ class AsyncEngine:
         async for ev in self._stream(req.request_id, q):
             yield ev
 
-    async def prefill(self, req: GenerateRequest) -> PrefillResult:
-        """Compute ``req``'s prompt KV and first token; the blocks stay held until release."""
-        q = self._open_stream(req.request_id)
+    async def prefill(self, req: GenerateRequest, progress: PrefillProgress | None = None
+                      ) -> PrefillResult:
+        """Compute ``req``'s prompt KV and first token; the blocks stay held until release.
+        `progress` is told of each chunk but the last as it is computed (PrefillProgress)."""
+        rid = req.request_id
+        q = self._open_stream(rid)
+        if progress is not None:
+            self._progress[rid] = progress
         try:
-            await self.call(lambda: self._engine.add_request(req, prefill_only=True))
-        except BaseException as exc:
-            self._undo_open(req.request_id, exc)
-            raise
-        try:
-            ev = await q.get()
-        except BaseException:
-            self._streams.pop(req.request_id, None)
-            self._abort_soon(req.request_id)  # also releases held blocks
-            raise
-        self._streams.pop(req.request_id, None)
+            try:
+                await self.call(lambda: self._engine.add_request(req, prefill_only=True))
+            except BaseException as exc:
+                self._undo_open(rid, exc)
+                raise
+            try:
+                ev = await q.get()
+            except BaseException:
+                self._streams.pop(rid, None)
+                self._abort_soon(rid)  # also releases held blocks
+                raise
+        finally:
+            self._progress.pop(rid, None)
+        self._streams.pop(rid, None)
         if ev.finish_reason is not None and ev.token_id is None:
             raise PdserveError(ev.error or f"prefill ended: {ev.finish_reason}")
         try:
-            blocks = await self.call(lambda: self._engine.held_blocks(req.request_id))
+            blocks, preemptions = await self.call(
+                lambda: (self._engine.held_blocks(rid), self._engine.preemptions_of(rid)))
         except BaseException:
-            self._abort_soon(req.request_id)  # releases the held blocks
+            self._abort_soon(rid)  # releases the held blocks
             raise
-        return PrefillResult(ev, blocks)
+        return PrefillResult(ev, blocks, preemptions)
 
     async def release(self, request_id: str) -> None:
         """Free a prefill-only request's held blocks. It is carried out even if the caller is
@@ -397,3 +427,13 @@ class AsyncEngine:
 
     async def stats(self) -> EngineStats:
         return await self.call(self._engine.stats)
+
+
+@contextlib.contextmanager
+def _loop_closed_ok() -> Iterator[None]:
+    """Around call_soon_threadsafe from the engine thread: the loop may close while we
+    compute."""
+    try:
+        yield
+    except RuntimeError:
+        pass

@@ -194,6 +194,20 @@ class LLMEngine:
         """Block ids of a finished prefill-only request (valid until `release`)."""
         return tuple(self.scheduler.held[request_id].block_table)
 
+    def preemptions_of(self, request_id: str) -> int:
+        """How often a live or held request was preempted (its blocks freed, its prompt
+        recomputed)."""
+        return self._seqs[request_id].num_preemptions
+
+    def prefill_progress(self, request_id: str) -> tuple[int, tuple[int, ...]] | None:
+        """A running request's preemptions so far and its blocks whose KV is computed (full
+        blocks of its computed tokens); None when it is not running."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status is not SeqStatus.RUNNING:
+            return None
+        full = seq.num_computed_tokens // self.config.block_size
+        return seq.num_preemptions, tuple(seq.block_table[:full])
+
     def release(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
         if seq is not None and seq.status is SeqStatus.HELD:
