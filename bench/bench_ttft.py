@@ -128,8 +128,13 @@ def run_mode(args: argparse.Namespace, mode: str, rng: np.random.Generator) -> l
         decode=1,
         model=args.model_path,
         extra_worker_args=worker_args,
-        router_args=("--remote-threshold", str(threshold), "--log-level", "WARNING"),
-        extra_prefill_args=MODES[mode][1],
+        router_args=("--remote-threshold", str(threshold), "--log-level", "WARNING",
+                     "--no-admission", "--prefill-timeout", str(args.timeout),
+                     "--transfer-timeout", str(args.timeout),
+                     "--first-token-timeout", str(2 * args.timeout)),
+        extra_prefill_args=(*MODES[mode][1], "--transfer-timeout", str(args.timeout)),
+        extra_decode_args=("--max-alloc-lease", str(2 * args.timeout),
+                           "--max-kv-wait", str(2 * args.timeout)),
         env={} if args.ucx_spin else dict(UCX_NO_SPIN_ENV),
     )
     samples = []
@@ -203,6 +208,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool of each worker")
     p.add_argument("--remote-threshold", type=int, default=64)
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="the router's prefill, transfer and first-token timeouts and the "
+                   "decode worker's allocation lease and KV wait (an 8k prompt on one core "
+                   "takes longer than their defaults)")
     p.add_argument("--prefill-cores", type=_ints, default=(0,))
     p.add_argument("--decode-cores", type=_ints, default=(1,))
     p.add_argument("--model-path", default=None, help="default: the default model")

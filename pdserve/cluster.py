@@ -154,7 +154,8 @@ class LocalCluster:
     def __init__(self, *, prefill: int = 1, decode: int = 1, redis_url: str | None = None,
                  model: str | None = None, http_port: int = 0, grpc_port: int = 0,
                  extra_worker_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (),
-                 extra_prefill_args: tuple[str, ...] = (), log_dir: Path | None = None,
+                 extra_prefill_args: tuple[str, ...] = (),
+                 extra_decode_args: tuple[str, ...] = (), log_dir: Path | None = None,
                  namespace: str | None = None, env: dict[str, str] | None = None,
                  place_workers: bool = True, prefill_nice: int = 5,
                  cluster_secret: str | None = None, host: str = "127.0.0.1",
@@ -167,7 +168,7 @@ class LocalCluster:
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
         self.extra = extra_worker_args
-        self.extra_by_role = {"prefill": extra_prefill_args}
+        self.extra_by_role = {"prefill": extra_prefill_args, "decode": extra_decode_args}
         self.router_args = router_args
         self.ports: dict[str, int] = {}  # worker name -> gRPC port
         self.metrics_ports: dict[str, int] = {}  # worker name -> Prometheus HTTP port

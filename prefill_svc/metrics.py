@@ -43,7 +43,8 @@ class PrefillMetrics:
             "pdserve_prefill_kv_transfer_bytes", "KV bytes written to decode workers.",
             registry=r)
         self.transfer = Histogram(
-            "pdserve_prefill_kv_transfer_seconds", "Duration of successful KV transfers.",
+            "pdserve_prefill_kv_transfer_seconds", "Time successful KV transfers took after the "
+            "prompt computed (the parts sent while it computed are not in it).",
             buckets=_TRANSFER_BUCKETS, registry=r)
         self.transfer_failures = Counter(
             "pdserve_prefill_kv_transfer_failures", "Failed KV transfers by error code.",

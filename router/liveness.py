@@ -53,12 +53,14 @@ class Liveness:
         # worker id -> resolved when that worker is declared lost (see check_left)
         self._lost: dict[str, asyncio.Future[None]] = {}
         self._probing: set[str] = set()  # worker ids with a stall probe in flight
+        self.generation = 0  # moves whenever a worker is declared lost or taken back
 
     def joined(self, worker_id: str) -> None:
         """A worker (re)joined the directory: a lost one is usable again (e.g. SIGCONT)."""
         lost = self._lost.get(worker_id)
         if lost is not None and lost.done():
             del self._lost[worker_id]
+            self.generation += 1
 
     async def check_left(self, w: WorkerInfo) -> None:
         """A worker left the directory: deregistered to drain (it still answers, so its
@@ -88,6 +90,7 @@ class Liveness:
             log.warning("worker_lost", worker_id=w.worker_id, role=w.role, probe=why)
             self._workers_lost.labels(w.role).inc()
             lost.set_result(None)
+            self.generation += 1
 
     def stalled(self, w: WorkerInfo) -> None:
         """A stream on `w` got nothing for `stall_probe_s`: probe the worker (one prober per
@@ -109,6 +112,7 @@ class Liveness:
                         if self.is_lost(w.worker_id):
                             log.info("worker_recovered", worker_id=w.worker_id, role=w.role)
                             del self._lost[w.worker_id]  # answers again: may take requests
+                            self.generation += 1
                         return
                     failures += 1
                     if failures >= cfg.stall_probe_failures:

@@ -77,6 +77,10 @@ class Router:
         self.ledger = PlacementLedger()  # what this router placed where (in-flight accounting)
         self._tiebreak = itertools.count()  # equal-score decode workers take turns
         self._decode_table = DecodeTable()  # placement's columns, kept between requests
+        # The live (not lost) decode and prefill workers, rebuilt only when the directory or
+        # the lost set moved: (directory generation, expired, liveness generation) -> lists.
+        self._live_key: tuple[int, bool, int] | None = None
+        self._live: tuple[list[WorkerInfo], list[WorkerInfo]] = ([], [])
         # request id -> the id it runs under on its decode worker, where they differ
         self._worker_ids: dict[str, str] = {}
         self._watch: asyncio.Task[None] | None = None
@@ -164,14 +168,25 @@ class Router:
 
     # ------------------------------------------------------------------ placement
 
+    def _live_workers(self) -> tuple[list[WorkerInfo], list[WorkerInfo]]:
+        """The directory's decode and prefill workers not declared lost; filtered again
+        only when either changed, not per request (O(workers) in Python)."""
+        key = (self.directory.generation, self.directory.expired, self.liveness.generation)
+        if key != self._live_key:
+            live = [w for w in self.directory.snapshot().values()
+                    if not self.liveness.is_lost(w.worker_id)]
+            self._live = ([w for w in live if w.role == "decode"],
+                          [w for w in live if w.role == "prefill"])
+            self._live_key = key
+        return self._live
+
     async def place(self, req: GenerateRequest, exclude: frozenset[str] = frozenset()
                     ) -> tuple[WorkerInfo, WorkerInfo | None, Decision]:
-        decoders = [w for w in self.workers("decode")
-                     if w.worker_id not in exclude and not self.liveness.is_lost(w.worker_id)]
+        decoders, prefills = self._live_workers()
+        if exclude:
+            decoders = [w for w in decoders if w.worker_id not in exclude]
         if not decoders:
             raise CapacityError("no decode worker is available", code="no_decode_worker")
-        prefills = [w for w in self.workers("prefill")
-                    if not self.liveness.is_lost(w.worker_id)]
         # A migrated request's output counts too: it is prefilled with it.
         p = placement.place(req.token_ids, req.latency_class, decoders, prefills,
                             self.kv_index, self.ledger.placed, self.config.policy,

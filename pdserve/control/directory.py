@@ -84,6 +84,7 @@ class WorkerDirectory:
         self._other_model: set[tuple[str, int]] = set()  # (worker id, epoch) said once
         self._poll_s = poll_s
         self._workers: dict[str, WorkerInfo] = {}
+        self.generation = 0  # moves whenever the view may have changed (a poll replaced it)
         self._subscribers: set[asyncio.Queue[WorkerEvent | None]] = set()
         self._task: asyncio.Task[None] | None = None
         self.last_refresh = 0.0  # time.monotonic() of the last successful poll
@@ -157,6 +158,7 @@ class WorkerDirectory:
             elif old != new:
                 events.append(WorkerEvent("updated", new, old))
         self._workers = current
+        self.generation += 1
         for event in events:
             if event.kind != "updated" or event.restarted:
                 log.info(
