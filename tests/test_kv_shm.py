@@ -334,3 +334,30 @@ async def test_sender_killed_mid_transfer(path: str, make_engine: Any,
 async def _drain(worker: Any, request_id: str, transfer_id: str) -> None:
     async for _ in worker.generate_remote(request_id, transfer_id):
         pytest.fail("a token came from KV whose writer died mid-transfer")
+
+
+@pytest.mark.parametrize("path", ["cma", "ring", "ucx"])
+async def test_a_signed_transfer_in_parts_lands_on_every_path(path: str) -> None:
+    """Issue 19 item 1 on each same-host path and UCX, signed (the cluster's default): parts
+    land as they come, only the last write completes the transfer, and a part from another
+    signed writer is refused without ending it."""
+    src = pool(5)
+    async with KVReceiver(pool(1), LAYOUT, DESC_ID, auth=KVAuth(KEY, authorize_sender=_anyone),
+                          fence_grace_s=0.1, shm_slot_bytes=3 * LAYOUT.block_nbytes // 2,
+                          shm_slots=2, shm_cma=path == "cma") as rx, \
+            KVSender(LAYOUT, resolver(rx.address), auth=signed(), shm=path != "ucx") as tx, \
+            KVSender(LAYOUT, resolver(rx.address),
+                     auth=KVAuth(KEY, sender_id="prefill-other")) as other:
+        src_ids, dst_ids = list(range(10)), [20 + i for i in range(10)]
+        xid = uuid.uuid4().hex
+        landed = rx.expect(xid, dst_ids, timeout_s=10)
+        await tx.send(DESC_ID, src, src_ids[:4], dst_ids[:4], xid, 10, part=True)
+        with pytest.raises(KVTransferError) as info:
+            await other.send(DESC_ID, src, [0], [dst_ids[4]], xid, 10, part=True)
+        assert info.value.code == Code.DUPLICATE_TRANSFER
+        await tx.send(DESC_ID, src, src_ids[4:8], dst_ids[4:8], xid, 10, part=True)
+        assert not landed.done()
+        await tx.send(DESC_ID, src, src_ids[8:], dst_ids[8:], xid, 10, notice={"k": 2})
+        assert await landed == {"k": 2}
+        assert torch.equal(rx._pool.tensor[dst_ids], src[src_ids])
+        assert path_of(tx) == path
