@@ -53,8 +53,10 @@ LOOSE_SLO = SLO(ttft_ms=5000, tpot_ms=5000)
 
 
 def _near(measured_ms: float, expected_ms: float) -> bool:
-    """Generous: the test machine is shared and loaded."""
-    return expected_ms * 0.6 <= measured_ms <= expected_ms * 1.4 + 60
+    """No timing assertion: the fake server sleeps `expected_ms`, so less cannot be measured
+    (a little slack for timer granularity), and on a loaded machine much more can. The upper
+    bound only catches a unit slip (seconds for milliseconds: 1,000x)."""
+    return expected_ms * 0.9 <= measured_ms <= expected_ms * 20 + 1000
 
 
 # --------------------------------------------------------------------------- fake server

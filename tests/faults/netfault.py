@@ -165,8 +165,9 @@ class Procs:
 class NetCluster:
     """Redis (password-protected, bound to 127.0.0.1 and H), a router on 127.0.0.1 and
     workers, each either in the root namespace (gRPC on H) or behind the veth (gRPC on W).
-    Workers run UCX over TCP on their veth end only (UCX_TLS=tcp, UCX_NET_DEVICES), so KV
-    bytes cross the veth like they would cross a network (not shared memory)."""
+    Workers run UCX over TCP on their veth end only (UCX_TLS=tcp, UCX_NET_DEVICES) with the
+    same-host KV paths off (--no-kv-shm), so KV bytes cross the veth like they would cross a
+    network (not shared memory)."""
 
     PASSWORD = "netpw"
 
@@ -212,7 +213,10 @@ class NetCluster:
                 "--metrics-port", "-1", "--worker-id", worker_id,
                 "--redis-url", f"redis://:{self.PASSWORD}@{redis_host}:{self.redis_port}/0",
                 "--host", host, "--port", str(port),
-                "--insecure"]  # H is not loopback and these workers have no cluster secret
+                "--insecure",  # H is not loopback and these workers have no cluster secret
+                # One machine, so without this the KV would take the same-host path (one
+                # process_vm_readv copy, or the staging ring) and never cross the veth.
+                "--no-kv-shm"]
         self.procs.spawn(worker_id, ["ip", "netns", "exec", v.ns, *argv] if in_ns else argv,
                          env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev})
 
