@@ -109,39 +109,57 @@ def pieces(dst: Sequence[tuple[int, int]], src: Any, limit: int) -> list[tuple[i
     return out
 
 
+def lanes() -> int:
+    """Copy threads for one transfer: two where this process may run on two CPUs (the
+    writer waits meanwhile, so its CPU is free), else one."""
+    try:
+        return min(2, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return 1
+
+
 async def receive(pid: int, base: int, work: list[tuple[int, int, int]], transfer_id: str,
                   executor: Executor, stop: asyncio.Event,
                   stop_reason: Callable[[], KVTransferError | None],
-                  deadline: float) -> KVTransferError | None:
-    """Read every piece into the pool at `base`, in a thread. None once all landed, else why
-    not; either way the thread no longer writes the pool when it returns (the fence)."""
+                  deadline: float, *, parallel: int = 1) -> KVTransferError | None:
+    """Read every piece into the pool at `base`, in up to `parallel` threads of `executor`
+    (pieces dealt round-robin). None once all landed, else why not; either way no thread
+    writes the pool any more when it returns (the fence)."""
     loop = asyncio.get_running_loop()
     stopped = False
 
-    def copy() -> None:
-        for offset, address, nbytes in work:
+    def copy(mine: list[tuple[int, int, int]]) -> None:
+        for offset, address, nbytes in mine:
             if stopped:
                 return
             read(pid, base + offset, address, nbytes)
 
-    copying: asyncio.Future[None] = loop.run_in_executor(executor, copy)
+    n = max(1, min(parallel, len(work)))
+    copying = [loop.run_in_executor(executor, copy, work[lane::n]) for lane in range(n)]
     halt: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
     try:
-        left = deadline - loop.time()
-        waits: set[asyncio.Future[Any]] = {copying, halt}
-        done = (await asyncio.wait(waits, timeout=left,
-                                   return_when=asyncio.FIRST_COMPLETED))[0] if left > 0 else set()
-        if halt in done:
-            return stop_reason() or error(Code.CANCELLED, f"transfer {transfer_id!r} stopped")
-        if not done:
-            return error(Code.TIMEOUT, f"transfer {transfer_id!r} did not complete in time")
-        if (exc := copying.exception()) is not None:
+        failed: BaseException | None = None
+        pending: set[asyncio.Future[Any]] = set(copying)
+        while pending and failed is None:
+            left = deadline - loop.time()
+            done = (await asyncio.wait({*pending, halt}, timeout=left,
+                                       return_when=asyncio.FIRST_COMPLETED))[0] \
+                if left > 0 else set()
+            if halt in done:
+                return stop_reason() or error(Code.CANCELLED,
+                                              f"transfer {transfer_id!r} stopped")
+            if not done:
+                return error(Code.TIMEOUT, f"transfer {transfer_id!r} did not complete in time")
+            pending -= done
+            failed = next((f.exception() for f in done if f.exception() is not None), None)
+        if failed is not None:
             return error(Code.PEER_GONE, f"transfer {transfer_id!r}: reading the writer's "
-                         f"blocks failed (it died?): {exc}")
+                         f"blocks failed (it died?): {failed}")
         return None
     finally:
         stopped = True
         halt.cancel()
-        await asyncio.wait({copying})
-        if not copying.cancelled():
-            copying.exception()
+        await asyncio.wait(copying)
+        for fut in copying:
+            if not fut.cancelled():
+                fut.exception()

@@ -11,6 +11,7 @@ from typing import Any
 import structlog
 
 from kvxfer import cma
+from kvxfer.cma import lanes as cma_lanes
 from kvxfer.inbound import Connection, Transfer
 from kvxfer.pool import PoolBytes
 from kvxfer.protocol import Code, error
@@ -60,6 +61,8 @@ class StagingRings:
         self.host = host_id()
         self.count = 0  # offered or attached
         self._copier: ThreadPoolExecutor | None = None
+        self._cma_copier: ThreadPoolExecutor | None = None
+        self._cma_lanes = cma_lanes()
 
     def offer(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
         """The reply to ``shm_open``: a new ring's name and token, or why not."""
@@ -121,9 +124,13 @@ class StagingRings:
                                    for start, count in transfer.runs], src, cma.PIECE_BYTES)
             except ValueError as exc:
                 return error(Code.PROTOCOL_ERROR, f"transfer {transfer.transfer_id!r}: {exc}")
+            if self._cma_copier is None:
+                self._cma_copier = ThreadPoolExecutor(2 * self._cma_lanes,
+                                                      thread_name_prefix="kv-cma-copy")
             return await cma.receive(conn.cma_pid, pool.tensor.data_ptr(), work,
-                                     transfer.transfer_id, self._copier, transfer.stop,
-                                     lambda: transfer.stop_reason, transfer.deadline)
+                                     transfer.transfer_id, self._cma_copier, transfer.stop,
+                                     lambda: transfer.stop_reason, transfer.deadline,
+                                     parallel=self._cma_lanes)
         ring = conn.ring
         if ring is None:  # the connection closed meanwhile
             return error(Code.PEER_GONE, f"writer of {transfer.transfer_id!r} went away")
@@ -135,5 +142,6 @@ class StagingRings:
                                     lambda: transfer.stop_reason, transfer.deadline)
 
     def close(self) -> None:
-        if self._copier is not None:
-            self._copier.shutdown(wait=False)
+        for copier in (self._copier, self._cma_copier):
+            if copier is not None:
+                copier.shutdown(wait=False)
