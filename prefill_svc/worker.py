@@ -149,12 +149,12 @@ class PrefillWorker:
                 queued = False
                 started = time.monotonic()
                 self.metrics.queue_wait.labels(lc).observe(started - arrived)
-                parts = None if dest is None or not self.overlap else PartSender(
+                parts = None if dest is None else PartSender(
                     self.sender, self.engine.kv_pool, dest, timeout_s=self.transfer_timeout_s,
                     skip=dest.num_cached_tokens // self.engine.layout.block_size)
                 try:
                     result = await self.engine.prefill(
-                        req, None if parts is None else parts.progress)
+                        req, parts.progress if parts is not None and self.overlap else None)
                 except BaseException:
                     if parts is not None:
                         await parts.abort()  # before the engine reuses the blocks
@@ -167,6 +167,7 @@ class PrefillWorker:
                     first = result.first
                     assert first.token_id is not None
                     if dest is not None:
+                        assert parts is not None
                         sent = await self._transfer(result, dest, parts)
                     # The transfer stage ends here: freeing our blocks below waits for the
                     # engine thread (maybe behind another prompt's step) and is not part of it.
@@ -208,26 +209,19 @@ class PrefillWorker:
         return out
 
     async def _transfer(self, result: PrefillResult, dest: KVDestination,
-                        parts: PartSender | None) -> int:
+                        parts: PartSender) -> int:
         """Send the prompt's KV (what the parts did not) with the first token; bytes sent."""
         src_blocks = result.block_ids
         if len(dest.block_ids) != len(src_blocks):
             raise InvalidRequestError(
                 f"destination has {len(dest.block_ids)} blocks, the prompt needs "
                 f"{len(src_blocks)}", param="destination")
-        skip = dest.num_cached_tokens // self.engine.layout.block_size
         first = result.first
         assert first.token_id is not None
         notice = FirstToken(first.token_id, first.logprob).to_notice()  # its one channel
         started = time.monotonic()
         try:
-            if parts is not None:
-                nbytes = await parts.finish(src_blocks, result.num_preemptions, notice)
-            else:
-                nbytes = (await self.sender.send(
-                    dest.descriptor_id, self.engine.kv_pool, src_blocks[skip:],
-                    dest.block_ids[skip:], dest.transfer_id, timeout_s=self.transfer_timeout_s,
-                    notice=notice)).nbytes
+            nbytes = await parts.finish(src_blocks, result.num_preemptions, notice)
         except KVTransferError as exc:
             self.metrics.transfer_failures.labels(exc.code).inc()
             raise
