@@ -114,7 +114,7 @@ async def generate(address: str, ids: list[int], max_tokens: int, mode: str) -> 
 
 
 def run_mode(args: argparse.Namespace, mode: str, rng: np.random.Generator) -> list[Sample]:
-    from pdserve.services_cli import LocalCluster
+    from pdserve.cluster import LocalCluster
 
     threshold = LOCAL_THRESHOLD if mode == "local" else args.remote_threshold
     worker_args = (

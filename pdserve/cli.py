@@ -12,7 +12,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from pdserve import services_cli
+from pdserve import cluster_cli, services_cli
 from pdserve.cli_args import (
     HelpFormatter,
     add_engine_args,
@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=lambda a: asyncio.run(_generate(a)))
 
     services_cli.register(sub, add)
+    cluster_cli.register(sub, add)
     return parser
 
 
