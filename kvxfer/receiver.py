@@ -30,24 +30,18 @@ arrive; a transfer is DONE only once every digest matched, else it fails with
 `auth` the digests are required; without, they are checked when present (they then catch
 corruption, not an on-path attacker, who could rewrite them too).
 
-Connections (the listener is reachable before anyone authenticated): a connection is
-*unauthenticated* until a frame on it passes `KVAuth.check` (a signed write or a signed ping
-from a registered prefill worker; without `auth`, until a write is accepted). Unsigned pings
-and refused writes never earn anything. An unauthenticated connection must send each frame
-within `frame_timeout_s` and at most `max_unauthenticated` of them are kept, the oldest
-dropped for a new one, so junk never holds a slot a prefill worker needs; one whose write
-fails authentication gets its ``reject`` and is disconnected. At most `max_connections`
-authenticated ones are served; they may idle up to `idle_timeout_s` (never while a transfer
-runs over them). Warnings a peer can trigger are rate-limited (`pdserve.ratelog`).
+This module serves each connection's requests and runs the writes it accepts. The pieces it
+uses: which connections are served and for how long (unauthenticated ones bounded and
+evicted, authenticated ones idling up to `idle_timeout_s`, replays refused) is
+`kvxfer.connections`; the table of transfers and their state machine, `kvxfer.transfers`; a
+write's validation, posted receives, digest checks and fence, `kvxfer.inbound`; the
+same-host paths, `kvxfer.rings`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import functools
-import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self
@@ -58,46 +52,25 @@ import torch
 from kvxfer import listen
 from kvxfer import shm as staging
 from kvxfer.auth import MAC_FIELD, KVAuth
-from kvxfer.inbound import (
-    Connection,
-    Expectation,
-    Notice,
-    State,
-    Transfer,
-    check_request,
-    fence,
-    wait_recvs,
-)
-from kvxfer.pool import DIGEST_HEX_CHARS, PoolBytes, check_blocks
+from kvxfer.connections import ConnectionGate, Idle
+from kvxfer.inbound import Connection, Expectation, Transfer, fence, wait_recvs
+from kvxfer.pool import PoolBytes
 from kvxfer.protocol import (
-    CTRL_TAG,
     SEQ_LIMIT,
     Code,
     ProtocolError,
     UCXError,
-    check_open,
     data_tag,
     error,
-    new_header,
-    recv_payload,
 )
 from kvxfer.rings import StagingRings
+from kvxfer.transfers import TransferTable
 from pdserve.ratelog import RateLimitedLog
 from pdserve.types import KVLayout, KVTransferError
 
+__all__ = ["Expectation", "KVReceiver"]
+
 log = structlog.get_logger(__name__)
-
-_FINISHED_MEMORY = 4096  # finished transfer ids remembered, for clearer late-writer errors
-_FRAME_BASE_BYTES = 64 << 10  # a request's fixed part (ids, layout, notice) fits in this ...
-_FRAME_BYTES_PER_BLOCK = 32 + DIGEST_HEX_CHARS + 3  # ... plus a run and its digest per block
-_PEER_EVENTS = ("kv_bad_frame", "kv_connection_evicted", "kv_connection_refused",
-                "kv_reply_failed", "kv_write_unauthenticated", "kv_write_rejected")
-_REFUSED_LINGER_S = 0.5  # a refused peer's reject gets this long to be read before we hang up
-_NONCE_MEMORY = 1 << 17  # signed frames remembered (within the clock skew) to refuse replays
-
-
-class _Idle(Exception):
-    """A connection sent nothing for longer than it may idle."""
 
 
 class KVReceiver:
@@ -149,23 +122,38 @@ class KVReceiver:
         self._fence_grace_s = fence_grace_s
         self._fence_timeout_s = fence_timeout_s
         self._auth = auth
-        self._max_connections = max_connections
-        self._max_unauthenticated = max_unauthenticated
-        self._idle_timeout_s = idle_timeout_s
-        # What a peer can make us log, at most one line per event and key per interval.
-        self._peer_logs = {event: RateLimitedLog(log, event, interval_s=log_interval_s)
-                           for event in _PEER_EVENTS}
-        self._nonces: collections.OrderedDict[str, float] = collections.OrderedDict()
-        # The largest request a writer can need: a write naming every block as its own run.
-        self._max_frame_bytes = _FRAME_BASE_BYTES + _FRAME_BYTES_PER_BLOCK * layout.num_blocks
+        self._gate = ConnectionGate(
+            auth, layout.num_blocks, frame_timeout_s=frame_timeout_s,
+            idle_timeout_s=idle_timeout_s, max_connections=max_connections,
+            max_unauthenticated=max_unauthenticated, log_interval_s=log_interval_s)
+        self._table = TransferTable(layout, fence_grace_s=fence_grace_s,
+                                    fence_timeout_s=fence_timeout_s)
         self._listener: Any = None
         self._bound_port: int | None = None
         self._closing = False
-        self._transfers: dict[str, Transfer] = {}
-        self._finished: collections.OrderedDict[str, str] = collections.OrderedDict()
-        self._conns: set[Connection] = set()
-        self._unauthenticated: dict[Connection, None] = {}  # oldest first
         self._tasks: set[asyncio.Task[Any]] = set()
+
+    # The gate's and the table's state under the names tests inspect.
+
+    @property
+    def _conns(self) -> set[Connection]:
+        return self._gate.conns
+
+    @property
+    def _unauthenticated(self) -> dict[Connection, None]:
+        return self._gate.unauthenticated
+
+    @property
+    def _peer_logs(self) -> dict[str, RateLimitedLog]:
+        return self._gate.peer_logs
+
+    @property
+    def _max_frame_bytes(self) -> int:
+        return self._gate.max_frame_bytes
+
+    @property
+    def _transfers(self) -> dict[str, Transfer]:
+        return self._table.transfers
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -228,29 +216,7 @@ class KVReceiver:
         """
         if self._closing:
             raise error(Code.CLOSED, "receiver is closed")
-        blocks = tuple(dst_block_ids)
-        try:
-            if not transfer_id:
-                raise ValueError("transfer_id must not be empty")
-            if not blocks:
-                raise ValueError("dst_block_ids must not be empty")
-            check_blocks(blocks, self.layout.num_blocks, "destination")
-            if len(set(blocks)) != len(blocks):
-                raise ValueError("dst_block_ids contains duplicates")
-            if transfer_id in self._transfers:
-                raise ValueError(f"transfer {transfer_id!r} is already expected")
-            if timeout_s <= 0:
-                raise ValueError("timeout_s must be > 0")
-        except ValueError as exc:
-            raise error(Code.INVALID_ARGUMENT, str(exc)) from None
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Notice | None] = loop.create_future()
-        # The decode service may cancel and never await: don't warn about unretrieved errors.
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        transfer = Transfer(transfer_id, blocks, loop.time() + timeout_s, fut)
-        transfer.timer = loop.call_later(timeout_s, self._pending_expired, transfer)
-        self._transfers[transfer_id] = transfer
-        return Expectation(transfer_id, blocks, fut)
+        return self._table.expect(transfer_id, dst_block_ids, timeout_s)
 
     async def cancel(self, transfer_id: str, *, reason: str = "cancelled") -> None:
         """Abort a transfer; returns once no byte can land in its blocks any more.
@@ -260,73 +226,40 @@ class KVReceiver:
         ``kv_fence_failed`` if UCX never confirmed the cancellation: keep those blocks out
         of use.
         """
-        transfer = self._transfers.get(transfer_id)
-        if transfer is None:
-            return
-        err = error(Code.CANCELLED, f"transfer {transfer_id!r} {reason}")
-        if transfer.state in (State.PENDING, State.PARTIAL):  # no byte is on its way
-            self._finish(transfer, err)
-        elif transfer.state is State.ACTIVE and transfer.stop_reason is None:
-            transfer.stop_reason = err
-            transfer.stop.set()
-        limit = self._fence_grace_s + self._fence_timeout_s + 1.0
-        try:
-            async with asyncio.timeout(limit):
-                await transfer.fenced.wait()
-        except TimeoutError:
-            transfer.fence_ok = False
-        if not transfer.fence_ok:
-            raise error(
-                Code.FENCE_FAILED,
-                f"transfer {transfer_id!r}: UCX did not confirm that its receives ended; "
-                "its blocks must not be reused",
-            )
+        await self._table.cancel(transfer_id, reason=reason)
 
     # ------------------------------------------------------------------ serving writers
 
     async def _serve(self, ep: Any) -> None:
         """One connected sender: read requests until the endpoint goes away or idles too long
-        (see the module docstring for what an unauthenticated connection may do)."""
-        conn = Connection(ep, peer=f"ep-{ep.uid:#x}",
-                           warn=functools.partial(self._warn, "kv_reply_failed", "reply"))
+        (see kvxfer.connections for what an unauthenticated connection may do)."""
+        conn = self._gate.connection(ep)
         if self._closing:
             conn.abort("receiver closed")
             return
-        while len(self._unauthenticated) >= max(1, self._max_unauthenticated):
-            # The oldest, but not one whose signature already verified (only a holder of the
-            # secret gets that far) while its sender is looked up.
-            oldest = next((c for c in self._unauthenticated if not c.checking),
-                          next(iter(self._unauthenticated)))
-            del self._unauthenticated[oldest]
-            self._conns.discard(oldest)  # no longer served; its handler ends on the abort
-            self._warn("kv_connection_evicted", "evicted", peer=oldest.peer,
-                       reason="too many unauthenticated connections",
-                       limit=self._max_unauthenticated)
-            oldest.abort("evicted")
-        self._conns.add(conn)
-        self._unauthenticated[conn] = None
+        self._gate.admit(conn)
         serving = asyncio.current_task()
         if serving is not None:
             self._tasks.add(serving)
         try:
             while not self._closing and not conn.ep.closed:
                 try:
-                    msg = await self._next_frame(conn)
-                except _Idle:
+                    msg = await self._gate.next_frame(conn)
+                except Idle:
                     break
                 except (ProtocolError, TimeoutError) as exc:
-                    self._warn("kv_bad_frame", "frame", peer=conn.peer,
-                               error=str(exc) or "timeout")
+                    self._gate.warn("kv_bad_frame", "frame", peer=conn.peer,
+                                    error=str(exc) or "timeout")
                     break
                 except UCXError:
                     break  # the sender closed or died, or we evicted it
                 op, seq = msg.get("op"), msg.get("seq")
                 if isinstance(seq, bool) or not isinstance(seq, int) or not 0 < seq < SEQ_LIMIT:
-                    self._warn("kv_bad_frame", "frame", peer=conn.peer,
-                               error=f"bad seq {seq!r:.40}")
+                    self._gate.warn("kv_bad_frame", "frame", peer=conn.peer,
+                                    error=f"bad seq {seq!r:.40}")
                     break
                 if op == "ping":
-                    if MAC_FIELD in msg and not await self._authenticate(conn, seq, msg):
+                    if MAC_FIELD in msg and not await self._gate.authenticate(conn, seq, msg):
                         break
                     pong = {"op": "pong", "descriptor_id": self.descriptor_id}
                     await conn.reply(seq, pong, self._frame_timeout_s)
@@ -346,120 +279,30 @@ class KVReceiver:
                     if not conn.authenticated:
                         break
         finally:
-            self._conns.discard(conn)
-            self._unauthenticated.pop(conn, None)
+            self._gate.leave(conn)
             self._tasks.discard(serving)
             conn.abort("connection closed")
             if self._rings is not None:
                 self._rings.release(conn)
 
-    def _warn(self, event: str, key: str, **fields: Any) -> None:
-        self._peer_logs[event](key, **fields)
-
-    async def _next_frame(self, conn: Connection) -> dict[str, Any]:
-        """The connection's next request. Its first byte must come within `frame_timeout_s`
-        (`idle_timeout_s` once authenticated, unbounded while a transfer runs over it), the
-        rest within `frame_timeout_s`. Raises _Idle, TimeoutError, ProtocolError, UCXError."""
-        header = new_header()
-        check_open(conn.ep)
-        # Waited on, never cancelled while the endpoint lives: a cancelled UCX receive could
-        # still swallow the next request. The endpoint's abort (by our caller) ends it.
-        first = asyncio.ensure_future(conn.ep.recv(header, tag=CTRL_TAG))
-        first.add_done_callback(lambda f: f.cancelled() or f.exception())
-        idle_since = time.monotonic()
-        while not first.done():
-            limit = self._idle_timeout_s if conn.authenticated else self._frame_timeout_s
-            await asyncio.wait({first}, timeout=max(0.0, idle_since + limit - time.monotonic()))
-            if first.done():
-                break
-            if conn.active:
-                idle_since = time.monotonic()  # a transfer is running: not idle
-            elif time.monotonic() - idle_since >= limit:
-                if conn.authenticated:
-                    log.info("kv_connection_idle", peer=conn.peer, idle_s=limit)
-                    raise _Idle
-                raise TimeoutError
-        check_open(conn.ep)  # evicted: the receive failed inside ucxx on the aborted endpoint
-        first.result()
-        async with asyncio.timeout(self._frame_timeout_s):
-            return await recv_payload(conn.ep, CTRL_TAG, header, self._max_frame_bytes)
-
-    async def _authenticate(self, conn: Connection, seq: int, msg: dict[str, Any]) -> bool:
-        """Check a signed frame (with `auth`); True if the connection may go on. A refused
-        one gets a ``reject`` and False: the caller disconnects it."""
-        assert self._auth is not None
-        conn.checking = True
-        try:
-            problem = await self._auth.check(msg)
-        finally:
-            conn.checking = False
-        if problem is None:
-            problem = self._replayed(msg)
-        if problem is not None:
-            # Refused before the transfer is even looked up: a forger changes nothing.
-            self._warn("kv_write_unauthenticated", "refused", peer=conn.peer,
-                       reason=problem)
-            reject = {"op": "reject", "code": Code.UNAUTHENTICATED, "message": problem}
-            if await conn.reply(seq, reject, self._frame_timeout_s):
-                # ucxx fails a receive on a reset endpoint even when the reply is queued:
-                # let the writer read why before we hang up (it stays evictable meanwhile).
-                await asyncio.sleep(min(_REFUSED_LINGER_S, self._frame_timeout_s))
-            return False
-        return await self._promote(conn, seq)
-
-    async def _promote(self, conn: Connection, seq: int) -> bool:
-        """Count `conn` as authenticated, if there is room: else reject and False."""
-        if conn.authenticated:
-            return True
-        if conn.ep.closed:  # evicted or closed meanwhile
-            return False
-        if len(self._conns) - len(self._unauthenticated) >= self._max_connections:
-            self._warn("kv_connection_refused", "full", peer=conn.peer,
-                       reason="too many connections", limit=self._max_connections)
-            reject = {"op": "reject", "code": Code.TOO_MANY_CONNECTIONS,
-                      "message": f"this receiver serves {self._max_connections} writers"}
-            await conn.reply(seq, reject, self._frame_timeout_s)
-            return False
-        conn.authenticated = True
-        self._unauthenticated.pop(conn, None)
-        return True
-
-    def _replayed(self, msg: dict[str, Any]) -> str | None:
-        """Each signed frame is taken once: a copy replayed within the clock skew is refused
-        (it could otherwise authenticate an attacker's connection)."""
-        assert self._auth is not None
-        now = time.time()
-        while self._nonces and (len(self._nonces) >= _NONCE_MEMORY
-                                or next(iter(self._nonces.values())) < now):
-            self._nonces.popitem(last=False)
-        key = f"{msg.get('sender_id')}\x00{msg.get('nonce')}"
-        if key in self._nonces:
-            return "the frame was already received (a replay)"
-        self._nonces[key] = now + 2 * self._auth.max_skew_s
-        return None
-
     async def _on_write(self, conn: Connection, seq: int, msg: dict[str, Any]) -> bool:
         """Serve one write request; False if the connection must be dropped."""
         transfer_id = msg.get("transfer_id")
-        if self._auth is not None and not await self._authenticate(conn, seq, msg):
+        if self._auth is not None and not await self._gate.authenticate(conn, seq, msg):
             return False
         try:
             transfer, runs = self._admit(conn, msg)
         except KVTransferError as err:
-            self._warn("kv_write_rejected", err.code, peer=conn.peer,
-                       transfer_id=str(transfer_id)[:80], code=err.code,
-                       reason=err.message)
+            self._gate.warn("kv_write_rejected", err.code, peer=conn.peer,
+                            transfer_id=str(transfer_id)[:80], code=err.code,
+                            reason=err.message)
             reject = {"op": "reject", "code": err.code, "message": err.message}
             await conn.reply(seq, reject, self._frame_timeout_s)
             return True
-        if not await self._promote(conn, seq):  # only without `auth`; the transfer stays
-            return False  # expected, as after any refused write
+        if not await self._gate.promote(conn, seq):  # only without `auth`; the transfer
+            return False  # stays expected, as after any refused write
         # Accepted: from here on the writer may move bytes into the blocks.
-        transfer.state = State.ACTIVE
-        transfer.runs = runs
-        transfer.recvs = []  # a part before this one received all of its own
-        if transfer.timer is not None:
-            transfer.timer.cancel()
+        self._table.accepted(transfer, runs)
         for index, (start, count) in enumerate([] if transfer.shm else runs):
             buf = self._pool.run(start, count)
             transfer.recvs.append(asyncio.create_task(conn.ep.recv(buf, tag=data_tag(seq, index))))
@@ -471,11 +314,8 @@ class KVReceiver:
 
     def _admit(self, conn: Connection, msg: dict[str, Any]
                ) -> tuple[Transfer, list[tuple[int, int]]]:
-        """Validate a write request; raises KVTransferError (sent back as a reject).
-
-        A request naming an expected transfer but the wrong blocks or layout also fails that
-        transfer: the writer for it is broken and will not send the right data.
-        """
+        """Validate a write request (`TransferTable.take`, which may fail the transfer it
+        names); raises KVTransferError (sent back as a reject)."""
         descriptor_id = msg.get("descriptor_id")
         if descriptor_id != self.descriptor_id:
             raise error(
@@ -484,25 +324,8 @@ class KVReceiver:
                 f"{self.descriptor_id!r}); the decode worker restarted or the descriptor is "
                 "forged. Look the descriptor up again.",
             )
-        transfer_id = msg.get("transfer_id")
-        if not isinstance(transfer_id, str):
-            raise error(Code.PROTOCOL_ERROR, "write request has no transfer_id")
-        transfer = self._transfers.get(transfer_id)
-        if transfer is None:
-            state = self._finished.get(transfer_id)
-            detail = f"already {state}" if state else "not expected (never or no longer)"
-            raise error(Code.UNKNOWN_TRANSFER, f"transfer {transfer_id!r} is {detail}")
-        if transfer.state not in (State.PENDING, State.PARTIAL):
-            raise error(Code.DUPLICATE_TRANSFER, f"transfer {transfer_id!r} already has a writer")
-        try:
-            runs = check_request(msg, transfer, self.layout,
-                                 digests_required=self._auth is not None,
-                                 shm_ok=conn.ring is not None or conn.cma_pid is not None)
-        except KVTransferError as err:
-            if err.code != Code.DUPLICATE_TRANSFER:  # not another writer's to end
-                self._finish(transfer, err)
-            raise
-        return transfer, runs
+        return self._table.take(msg, digests_required=self._auth is not None,
+                                shm_ok=conn.ring is not None or conn.cma_pid is not None)
 
     async def _run_transfer(self, conn: Connection, seq: int, transfer: Transfer) -> None:
         accept = {"op": "accept"}
@@ -525,9 +348,9 @@ class KVReceiver:
             if err is not None:
                 await fence(conn, transfer, self._fence_grace_s, self._fence_timeout_s)
             if err is None and transfer.part:
-                self._part_landed(transfer)
+                self._table.part_landed(transfer)
             else:
-                self._finish(transfer, err)
+                self._table.finish(transfer, err)
         finally:
             conn.active -= 1
         if err is not None and err.code == Code.INTEGRITY:
@@ -542,9 +365,9 @@ class KVReceiver:
         """``shm_open`` / ``shm_attach`` (kvxfer.shm); they authenticate the connection like a
         ping. False if the connection must be dropped."""
         if self._auth is not None:
-            if not await self._authenticate(conn, seq, msg):
+            if not await self._gate.authenticate(conn, seq, msg):
                 return False
-        elif not await self._promote(conn, seq):
+        elif not await self._gate.promote(conn, seq):
             return False
         if msg["op"] == "shm_open":
             reply = self._rings.offer(conn, msg) if self._rings is not None \
@@ -553,40 +376,3 @@ class KVReceiver:
             reply = self._rings.attach(conn, msg) if self._rings is not None \
                 else {"op": "shm_refused", "reason": "no offer"}
         return await conn.reply(seq, reply, self._frame_timeout_s)
-
-    def _part_landed(self, transfer: Transfer) -> None:
-        """A part's bytes landed (fenced, digests matched): wait for the next part, until
-        the transfer's deadline."""
-        transfer.landed.update(block for start, count in transfer.runs
-                               for block in range(start, start + count))
-        transfer.state = State.PARTIAL
-        loop = asyncio.get_running_loop()
-        transfer.timer = loop.call_at(transfer.deadline, self._pending_expired, transfer)
-
-    def _pending_expired(self, transfer: Transfer) -> None:
-        if transfer.state in (State.PENDING, State.PARTIAL):
-            what = "no writer arrived" if transfer.state is State.PENDING \
-                else f"{len(transfer.landed)} blocks landed, the last part did not arrive"
-            msg = f"transfer {transfer.transfer_id!r}: {what} in time"
-            self._finish(transfer, error(Code.TIMEOUT, msg))
-
-    def _finish(self, transfer: Transfer, err: KVTransferError | None) -> None:
-        """Record the outcome. Callers guarantee the fence already holds."""
-        if transfer.state in (State.DONE, State.FAILED):
-            return
-        transfer.state = State.DONE if err is None else State.FAILED
-        if transfer.timer is not None:
-            transfer.timer.cancel()
-        self._transfers.pop(transfer.transfer_id, None)
-        self._finished[transfer.transfer_id] = "done" if err is None else "failed"
-        while len(self._finished) > _FINISHED_MEMORY:
-            self._finished.popitem(last=False)
-        if err is not None and not transfer.fence_ok:
-            err.code = Code.FENCE_FAILED.value
-        if not transfer.future.done():
-            if err is None:
-                transfer.future.set_result(transfer.notice)
-            else:
-                transfer.future.set_exception(err)
-        transfer.fenced.set()
-        log.debug("kv_transfer_finished", transfer_id=transfer.transfer_id, error=err and err.code)
