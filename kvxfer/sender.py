@@ -1,12 +1,16 @@
 """Prefill side of a KV transfer: write blocks of the local pool into a remote pool, over UCX
-or, with a receiver on the same host, through a shared-memory staging ring (kvxfer.shm)."""
+or, with a receiver on the same host, by its single copy (kvxfer.cma) or through a
+shared-memory staging ring (kvxfer.shm).
+
+This module runs one write: check it, resolve (and cache) the receiver's descriptor, pick the
+path, move the bytes, take the receiver's answer. The endpoints it goes over, their reuse and
+replacement, and the request/reply on them are `kvxfer.peers`."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import contextlib
-import functools
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -17,35 +21,28 @@ from typing import Any, Self
 
 import structlog
 import torch
-import ucxx
 
-from kvxfer import cma
 from kvxfer.auth import KVAuth
+from kvxfer.peers import Peer, Peers, Unreachable
 from kvxfer.pool import DIGEST_RUN_BYTES, INLINE_DIGEST_BYTES, PoolBytes, check_blocks, digest
 from kvxfer.protocol import (
-    CTRL_TAG,
     Code,
     ProtocolError,
     UCXError,
     data_tag,
     error,
-    next_seq,
     recv_frame,
     reply_tag,
-    send_frame,
 )
-from kvxfer.rings import open_ring
 from kvxfer.runs import merge_pairs, split_runs
 from kvxfer.shm import SenderRing, chunks, host_id, send_chunks
-from pdserve.control.descriptors import KVDescriptor, split_address
+from pdserve.control.descriptors import KVDescriptor
 from pdserve.types import KVLayout, KVTransferError
 
 log = structlog.get_logger(__name__)
 
 DescriptorResolver = Callable[[str], Awaitable[KVDescriptor | None]]
 """Looks a descriptor id up, e.g. `WorkerRegistry.get_descriptor`; None if it does not exist."""
-
-_ABORT_PERIOD_NS = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -54,42 +51,6 @@ class SendResult:
     nbytes: int
     num_runs: int
     elapsed_s: float
-
-
-class _Peer:
-    """One open endpoint to a KVReceiver, shared by every transfer to it."""
-
-    def __init__(self, address: str, ep: Any) -> None:
-        self.address = address
-        self.ep = ep
-        self.ctrl_lock = asyncio.Lock()  # a request frame is two tag messages: keep them paired
-        self.answered = False  # the receiver replied on it at least once
-        self.ring: SenderRing | None = None  # a same-host staging ring (kvxfer.shm)
-        self.cma = False  # the receiver reads our blocks itself (kvxfer.cma)
-        self.last_used = time.monotonic()
-        self._seq = 0
-
-    @property
-    def alive(self) -> bool:
-        return not self.ep.closed
-
-    def next_seq(self) -> int:
-        self._seq = next_seq(self._seq)
-        return self._seq
-
-    def abort(self) -> None:
-        with contextlib.suppress(UCXError):
-            self.ep.abort(period=_ABORT_PERIOD_NS)
-
-
-class _Unreachable(KVTransferError):
-    """No endpoint to the receiver could be made (`KVSender._request`)."""
-
-
-class _Retry(Exception):
-    """A reused endpoint turned out dead before the receiver answered our request (it may
-    have closed it as idle just then): safe to send again on a new one, since a receiver
-    that did take the request failed it when the endpoint died."""
 
 
 class KVSender:
@@ -119,20 +80,20 @@ class KVSender:
         shm: bool = True,
     ) -> None:
         self.layout = layout
-        self._host_id = host_id() if shm else None
-        self._probe = cma.Probe()
+        self._endpoints = Peers(auth=auth, host_id=host_id() if shm else None,
+                                connect_timeout_s=connect_timeout_s, max_idle_s=max_idle_s)
         self._copier: ThreadPoolExecutor | None = None
         self._auth = auth
         self._integrity = integrity or auth is not None  # a signing receiver requires it
-        self._max_idle_s = max_idle_s
         self._resolve = resolve_descriptor
-        self._connect_timeout_s = connect_timeout_s
         self._fence_timeout_s = fence_timeout_s
         self._max_cached = max_cached_descriptors
         self._descriptors: collections.OrderedDict[str, KVDescriptor] = collections.OrderedDict()
-        self._peers: dict[str, _Peer] = {}
-        self._connect_locks: dict[str, asyncio.Lock] = {}
-        self._closed = False
+
+    @property
+    def _peers(self) -> dict[str, Peer]:
+        """The open endpoints by address (tests inspect them)."""
+        return self._endpoints.by_address
 
     async def __aenter__(self) -> Self:
         return self
@@ -147,9 +108,7 @@ class KVSender:
 
     async def close(self) -> None:
         """Drop every endpoint; transfers still running fail with ``kv_peer_gone``."""
-        self._closed = True
-        for peer in list(self._peers.values()):
-            self._drop_peer(peer)
+        self._endpoints.close()
         if self._copier is not None:
             self._copier.shutdown(wait=False)  # every transfer waited for its copies
 
@@ -175,9 +134,9 @@ class KVSender:
                 address = (await self._descriptor(descriptor_id, remaining())).ucx_address
             assert address is not None
             # Signed when authenticated: a signed ping authenticates the endpoint.
-            peer, _, reply = await self._request(address, {"op": "ping"}, remaining)
+            peer, _, reply = await self._endpoints.request(address, {"op": "ping"}, remaining)
             if reply.get("op") != "pong":
-                raise self._protocol_failure(peer, f"expected pong, got {reply.get('op')!r}")
+                raise self._unexpected(peer, "pong", reply)
             if descriptor_id is not None and reply.get("descriptor_id") != descriptor_id:
                 self.forget_descriptor(descriptor_id)
                 raise error(
@@ -257,7 +216,7 @@ class KVSender:
                 request["part"] = True
             digests: list[str] = []
 
-            async def finish(peer: _Peer, frame: dict[str, Any]) -> None:
+            async def finish(peer: Peer, frame: dict[str, Any]) -> None:
                 """The path, once the endpoint is known: its ring, or UCX with digests."""
                 if peer.cma and not src.is_cuda:
                     base, block = src.tensor.data_ptr(), self.layout.block_nbytes
@@ -271,9 +230,9 @@ class KVSender:
                     frame["digests"] = digests
 
             try:
-                peer, seq, reply = await self._request(desc.ucx_address, request, remaining,
-                                                       finish)
-            except _Unreachable:
+                peer, seq, reply = await self._endpoints.request(
+                    desc.ucx_address, request, remaining, finish)
+            except Unreachable:
                 self.forget_descriptor(descriptor_id)  # the worker may have moved
                 raise
             if reply.get("op") == "reject":
@@ -286,7 +245,7 @@ class KVSender:
                     code=code,
                 )
             if reply.get("op") != "accept":
-                raise self._protocol_failure(peer, f"expected accept, got {reply.get('op')!r}")
+                raise self._unexpected(peer, "accept", reply)
 
             try:
                 if peer.cma and not src.is_cuda:  # the receiver reads the blocks itself
@@ -298,7 +257,7 @@ class KVSender:
                     await self._send_data(peer, seq, src, runs, transfer_id, remaining())
                     reply = await recv_frame(peer.ep, reply_tag(seq), remaining())
             except (UCXError, ProtocolError) as exc:
-                self._drop_peer(peer)
+                self._endpoints.drop(peer)
                 raise error(
                     Code.PEER_GONE,
                     f"transfer {transfer_id!r}: lost {peer.address} before its ack: {exc!r}",
@@ -310,7 +269,7 @@ class KVSender:
                     code=str(reply.get("code", Code.PEER_GONE)),
                 )
             if reply.get("op") != "done":
-                raise self._protocol_failure(peer, f"expected done, got {reply.get('op')!r}")
+                raise self._unexpected(peer, "done", reply)
 
         nbytes = len(src_ids) * self.layout.block_nbytes
         result = SendResult(transfer_id, nbytes, len(runs), time.monotonic() - started)
@@ -318,32 +277,6 @@ class KVSender:
         return result
 
     # ------------------------------------------------------------------ steps
-
-    async def _request(self, address: str, request: Mapping[str, Any],
-                       remaining: Callable[[], float],
-                       finish: Callable[[_Peer, dict[str, Any]], Awaitable[None]] | None = None,
-                       ) -> tuple[_Peer, int, dict[str, Any]]:
-        """Send `request` with a fresh seq (signed when authenticated) and take its reply:
-        (peer, seq, reply). A reused endpoint that died before any reply is replaced and the
-        request sent once more (the receiver failed whatever it took on the dead one). A
-        failure to connect raises `_Unreachable` (a KVTransferError). `finish` completes the
-        request for the endpoint it goes on, before it is signed."""
-        for attempt in range(2):
-            try:
-                peer = await self._peer(address, remaining())
-            except KVTransferError as exc:
-                raise _Unreachable(exc.message, code=exc.code) from exc
-            frame = {**request, "seq": peer.next_seq()}
-            if finish is not None:
-                await finish(peer, frame)
-            if self._auth is not None:
-                frame = self._auth.sign(frame)
-            try:
-                return peer, frame["seq"], await self._exchange(
-                    peer, frame, remaining(), retry_ok=attempt == 0)
-            except _Retry:
-                continue
-        raise AssertionError("unreachable: the second attempt never retries")
 
     async def _digests(self, src: PoolBytes, runs: list[tuple[int, int, int]]) -> list[str]:
         """One digest per source run, hashed in a thread (the event loop keeps serving)
@@ -357,7 +290,7 @@ class KVSender:
 
     async def _send_data(
         self,
-        peer: _Peer,
+        peer: Peer,
         seq: int,
         src: PoolBytes,
         runs: list[tuple[int, int, int]],
@@ -383,7 +316,7 @@ class KVSender:
             raise
         finally:
             if failure is not None or any(not t.done() for t in sends):
-                self._drop_peer(peer)
+                self._endpoints.drop(peer)
                 _, still = await asyncio.wait(sends, timeout=self._fence_timeout_s)
                 for task in sends:
                     if task.done() and not task.cancelled():
@@ -397,7 +330,7 @@ class KVSender:
             ) from failure
         raise TimeoutError
 
-    async def _send_staged(self, peer: _Peer, ring: SenderRing, seq: int, src: PoolBytes,
+    async def _send_staged(self, peer: Peer, ring: SenderRing, seq: int, src: PoolBytes,
                            runs: list[tuple[int, int, int]], transfer_id: str,
                            remaining: Callable[[], float]) -> dict[str, Any]:
         """Stream the runs through the peer's staging ring; the receiver's last reply. Any
@@ -412,36 +345,11 @@ class KVSender:
             reply = await send_chunks(peer.ep, seq, ring, src.flat(), segments, transfer_id,
                                       key, self._copier, remaining)
         except BaseException:
-            self._drop_peer(peer)
+            self._endpoints.drop(peer)
             raise
         if reply.get("op") == "broken":
-            raise self._protocol_failure(peer, str(reply.get("message")))
+            raise self._endpoints.protocol_failure(peer, str(reply.get("message")))
         return reply
-
-    async def _exchange(
-        self, peer: _Peer, request: dict[str, Any], timeout_s: float, *, retry_ok: bool = False
-    ) -> dict[str, Any]:
-        """Send one request on the control tag and wait for its first reply."""
-        seq = request["seq"]
-        sent = False
-        peer.last_used = time.monotonic()
-        try:
-            async with peer.ctrl_lock:
-                await send_frame(peer.ep, CTRL_TAG, request, timeout_s)
-            sent = True
-            reply = await recv_frame(peer.ep, reply_tag(seq), timeout_s)
-            peer.answered = True
-            peer.last_used = time.monotonic()
-            return reply
-        except UCXError as exc:
-            self._drop_peer(peer)
-            if retry_ok and (not sent or peer.answered):
-                log.info("kv_endpoint_stale_reconnecting", peer=peer.address)
-                raise _Retry from exc
-            raise error(Code.PEER_GONE, f"lost connection to {peer.address}: {exc!r}") from exc
-        except ProtocolError as exc:
-            self._drop_peer(peer)
-            raise error(Code.PEER_GONE, f"lost connection to {peer.address}: {exc!r}") from exc
 
     async def _descriptor(self, descriptor_id: str, timeout_s: float) -> KVDescriptor:
         desc = self._descriptors.get(descriptor_id)
@@ -474,65 +382,10 @@ class KVSender:
             self._descriptors.popitem(last=False)
         return desc
 
-    async def _peer(self, address: str, timeout_s: float) -> _Peer:
-        if self._closed:
-            raise error(Code.CLOSED, "sender is closed")
-        peer = self._peers.get(address)
-        if peer is not None and peer.alive:
-            if time.monotonic() - peer.last_used <= self._max_idle_s:
-                return peer
-            self._drop_peer(peer)  # the receiver may be closing it as idle right now
-        lock = self._connect_locks.setdefault(address, asyncio.Lock())
-        async with asyncio.timeout(timeout_s):
-            await lock.acquire()
-        try:
-            peer = self._peers.get(address)
-            if peer is not None and peer.alive:
-                return peer
-            try:
-                host, port = split_address(address)
-                # Bounded by ucxx's own connect timeout; cancelling it midway could leak the
-                # half-made endpoint, so it is not wrapped in asyncio.timeout.
-                ep = await ucxx.create_endpoint(
-                    host, port, connect_timeout=max(0.1, min(timeout_s, self._connect_timeout_s))
-                )
-            except (UCXError, TimeoutError, ValueError, OSError) as exc:
-                raise error(
-                    Code.CONNECT_FAILED, f"cannot connect to KV receiver {address}: {exc!r}"
-                ) from exc
-            peer = _Peer(address, ep)
-            if self._host_id is not None:
-                try:
-                    path = await open_ring(functools.partial(self._control, peer, timeout_s),
-                                           self._host_id, self._probe)
-                    peer.cma = path is True
-                    peer.ring = path if isinstance(path, SenderRing) else None
-                except BaseException:
-                    peer.abort()
-                    raise
-            self._peers[address] = peer
-            log.info("kv_endpoint_opened", peer=address, staging_ring=peer.ring is not None,
-                     cma=peer.cma)
-            return peer
-        finally:
-            lock.release()
-
-    async def _control(self, peer: _Peer, timeout_s: float, request: dict[str, Any]
-                       ) -> dict[str, Any]:
-        """One control request on `peer` (signed when authenticated) and its reply."""
-        frame = {**request, "seq": peer.next_seq()}
-        if self._auth is not None:
-            frame = self._auth.sign(frame)
-        return await self._exchange(peer, frame, timeout_s)
-
-    def _drop_peer(self, peer: _Peer) -> None:
-        if self._peers.get(peer.address) is peer:
-            del self._peers[peer.address]
-        peer.abort()
-
-    def _protocol_failure(self, peer: _Peer, detail: str) -> KVTransferError:
-        self._drop_peer(peer)
-        return error(Code.PROTOCOL_ERROR, f"receiver {peer.address} broke the protocol: {detail}")
+    def _unexpected(self, peer: Peer, expected: str, reply: dict[str, Any]) -> KVTransferError:
+        """A reply that is not the `expected` op: drops `peer`; the error to raise."""
+        return self._endpoints.protocol_failure(
+            peer, f"expected {expected}, got {reply.get('op')!r}")
 
     @contextlib.asynccontextmanager
     async def _deadline(self, timeout_s: float, what: str) -> Any:
