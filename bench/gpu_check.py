@@ -57,9 +57,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 CARRY = ROOT / ".gpu_carry"
 # What the GPU image's python lacks of what the engine and kvxfer import (see
-# docs/BENCHMARKS.md, "The GPU path"); ucxx's wheels are abi3 or pure, so one set serves 3.12.
+# docs/BENCHMARKS.md, "The GPU path"). librmm is there for its load order alone: libucxx loads
+# the wheel's libucx only where librmm imports, else libucp.so.0 resolves to the image's own
+# UCX 1.16, which ucxx refuses.
 WHEELS = ("ucxx-cu12==0.52.0", "libucxx-cu12==0.52.0", "libucx-cu12==1.21.0",
-          "structlog==26.1.0", "blake3==1.0.11", "redis==8.1.0")
+          "librmm-cu12==26.10.0", "rapids-logger==0.3.0", "structlog==26.1.0", "blake3==1.0.11",
+          "redis==8.1.0")
 TOKENIZER_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                    "tokenizer_config.json")
 
@@ -104,7 +107,8 @@ def prepare(args: argparse.Namespace) -> None:
                 shutil.rmtree(path)
     for sub in ("libucx/include", "libucx/bin", "libucx/share", "libucx/lib/pkgconfig",
                 "libucx/lib/cmake", "libucxx/include", "libucxx/lib64/cmake", "ucxx/include",
-                "ucxx/benchmarks", "ucxx/examples", "bin"):
+                "ucxx/benchmarks", "ucxx/examples", "librmm/include", "librmm/lib64/cmake",
+                "rapids_logger/include", "rapids_logger/lib64/cmake", "bin"):
         shutil.rmtree(site / sub, ignore_errors=True)
     # A wheel stores libX.so and libX.so.0 as two copies; one of them as a link halves libucx.
     for lib in [*(site / "libucx/lib").glob("*.so"), *(site / "libucx/lib/ucx").glob("*.so")]:
@@ -125,11 +129,9 @@ def prepare(args: argparse.Namespace) -> None:
 def ensure_listen_host() -> str:
     """Build kvxfer._listen_host for this python if it is not there (before kvxfer is
     imported: it preloads the library). Returns how the UCX listener will bind."""
-    import importlib.util
-
-    if importlib.util.find_spec("kvxfer._listen_host") is not None:
-        return "built"
     out = ROOT / "kvxfer" / f"_listen_host{sysconfig.get_config_var('EXT_SUFFIX')}"
+    if out.is_file():  # (no find_spec: it would import kvxfer, and with it ucxx, first)
+        return "built"
     cmd = ["cc", "-shared", "-fPIC", "-O2", f"-I{sysconfig.get_paths()['include']}",
            str(ROOT / "kvxfer" / "_listen_host.c"), "-o", str(out), "-ldl", "-lpthread"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
