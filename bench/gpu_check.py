@@ -252,14 +252,13 @@ class EngineCheck:
     """The scheduling regimes of tests/test_engine_reference.py on one dtype and device."""
 
     def __init__(self, model_dir: Path, dtype_name: str, device: str) -> None:
-        import torch
 
         from pdserve.engine.loader import load_model
         from pdserve.engine.model_store import model_id
         from pdserve.engine.tokenizer import Tokenizer
 
-        self.dtype_name, self.device = dtype_name, device
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+        self.model_dir, self.dtype_name, self.device = model_dir, dtype_name, device
+        dtype = _dtypes()[dtype_name]
         started = time.perf_counter()
         self.model, self.config = load_model(model_dir, dtype=dtype, device=device,
                                              weight_format=dtype_name)
@@ -356,10 +355,32 @@ class EngineCheck:
                     "logprobs": [self.logprobs(e) for e in events],
                     "blocks_freed": self.all_free(prefill) and self.all_free(decode)}
 
+        def async_engine_from_dir() -> dict[str, Any]:
+            # What a worker builds: LLMEngine.from_dir (its own load), driven by AsyncEngine's
+            # engine thread, every request streaming at once.
+            from pdserve.engine.async_engine import AsyncEngine
+            from pdserve.engine.config import EngineConfig
+            from pdserve.engine.llm_engine import LLMEngine
+
+            llm = LLMEngine.from_dir(self.model_dir, EngineConfig(
+                device=self.device, dtype=self.dtype_name, kv_cache_bytes=256 << 20))
+
+            async def go() -> list[list[Any]]:
+                async def collect(r: Any) -> list[Any]:
+                    return [ev async for ev in engine.generate(r)]
+                async with AsyncEngine(llm) as engine:
+                    return list(await asyncio.gather(*(collect(r) for r in reqs)))
+
+            events = asyncio.run(go())
+            return {"outputs": [self.tokens(e) for e in events],
+                    "logprobs": [self.logprobs(e) for e in events],
+                    "blocks_freed": self.all_free(llm)}
+
         return {"one_at_a_time": one_at_a_time, "batched": concurrent(),
                 "small_chunks": concurrent(max_prefill_chunk=48, max_num_batched_tokens=96),
                 "preemption": concurrent(num_kv_blocks=90), "prefix_cache": prefix_cache,
-                "disaggregated_copy": disaggregated_copy}
+                "disaggregated_copy": disaggregated_copy,
+                "async_engine_from_dir": async_engine_from_dir}
 
     @staticmethod
     def _remote(prefill: Any, decode: Any, req: Any,
@@ -432,6 +453,12 @@ class EngineCheck:
                 "blocks_freed": self.all_free(prefill) and self.all_free(decode)}
 
 
+def _dtypes() -> dict[str, Any]:
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 BIND_HOST: str | None = None  # "0.0.0.0" where kvxfer._listen_host could not be built
 
 
@@ -444,7 +471,7 @@ def check_engine(args: argparse.Namespace, model_dir: Path, record: dict[str, An
     prompt_ids = [tok.encode(p) for p in PROMPTS]
     record["prompt_tokens"] = [len(i) for i in prompt_ids]
     for dtype_name in [d for d in args.dtypes.split(",") if d]:
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+        dtype = _dtypes()[dtype_name]
         section: dict[str, Any] = {}
         record["engine"][dtype_name] = section
         started = time.perf_counter()
@@ -788,7 +815,7 @@ def main() -> None:
                     help="std of the random weights: at 0.02 (the config's) greedy outputs "
                     "repeat one token; at 0.05 they vary, with top-2 logit gaps far above "
                     "float32's error (measured on 30 layers)")
-    go.add_argument("--dtypes", default="float32,bfloat16")
+    go.add_argument("--dtypes", default="float32,bfloat16,float16")
     go.add_argument("--skip-kv", action="store_true", help="no UCX (no ucxx here)")
     go.add_argument("--kv-sizes", default="8,64,256", help="MiB per transfer")
     go.add_argument("--iters", type=int, default=10)
