@@ -51,12 +51,19 @@ def test_rope_and_silu(fused: FusedCpuKernels) -> None:
     _close(fused.silu_mul(gu), REF.silu_mul(gu))
 
 
-@pytest.mark.parametrize("lens", [[1], [5, 17, 33], [16, 48]])
-def test_paged_decode_attention_in_place(fused: FusedCpuKernels, lens: list[int]) -> None:
+@pytest.mark.parametrize(("lens", "d"), [
+    ([1], 64), ([5, 17, 33], 64), ([16, 48], 64),
+    ([1000], 64), ([3, 600, 1500], 64), ([40, 1300], 128),  # contexts split into spans
+    ([5, 17, 33], 48), ([700], 48),  # head dims off the 16-wide vector path
+])
+def test_paged_decode_attention_in_place(fused: FusedCpuKernels, lens: list[int],
+                                         d: int) -> None:
     """Reads K/V through block tables (scattered, shared-prefix blocks) like the reference
-    gather + SDPA, with GQA and a strided query view out of a packed q/k/v tensor."""
+    gather + SDPA, with GQA and a strided query view out of a packed q/k/v tensor; long
+    contexts (merged from spans computed apart) and head dims the vector path does not take."""
     g = torch.Generator().manual_seed(2)
-    layers, bs, kv, heads, d, nblocks = 3, 16, 3, 9, 64, 24
+    layers, bs, kv, heads = 3, 16, 3, 9
+    nblocks = len(lens) * -(-max(lens) // bs) + 8
     pool = torch.randn(nblocks, layers, 2, bs, kv, d, generator=g)
     layer = pool[:, 1]
     max_blocks = -(-max(lens) // bs)

@@ -148,7 +148,9 @@ void write_kv(torch::Tensor kv, torch::Tensor k, torch::Tensor v, torch::Tensor 
 // One query token per sequence attending over its context, read in place from the paged
 // layer view kv (as in write_kv). q: [b, heads, hd] (heads x hd contiguous); tables:
 // [b, max_blocks] int64; lens: [b]. GQA: query head h reads kv head h / (heads / kv_heads).
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor tables,
+// The scalar version, for head dims that are not a multiple of 16 (paged_decode_attention
+// below takes the rest).
+torch::Tensor paged_decode_attention_scalar(torch::Tensor q, torch::Tensor kv, torch::Tensor tables,
                                      torch::Tensor lens, double scale) {
   check_f32(q, "q");
   check_f32(kv, "kv");
@@ -210,6 +212,203 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
         std::copy_n(acc.data() + r * hd, hd, op + s * heads * hd + (g * group + r) * hd);
     }
   });
+  return out;
+}
+
+// ---- Decode attention at memory speed -------------------------------------------------------
+// 16-float vectors (GCC/Clang vector extensions): one AVX-512 register, or two AVX2 ones.
+namespace {
+typedef float vf __attribute__((vector_size(64)));
+typedef float vfu __attribute__((vector_size(64), aligned(4)));  // unaligned loads and stores
+typedef int32_t vi __attribute__((vector_size(64)));
+constexpr int64_t VL = 16;
+
+inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+inline void store(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
+inline vf splat(float x) { return vf{} + x; }
+
+inline float hsum(vf v) {
+  const vi h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const vi h4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const vi h2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  const vi h1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  v = v + __builtin_shuffle(v, h8);
+  v = v + __builtin_shuffle(v, h4);
+  v = v + __builtin_shuffle(v, h2);
+  v = v + __builtin_shuffle(v, h1);
+  return v[0];
+}
+
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// e^x for x <= 0 (softmax after subtracting the max), Cephes' single-precision polynomial
+// with a Cody-Waite split of ln 2: within 2 ulp of expf, 16 lanes at a time.
+inline vf vexp(vf x) {
+  x = vmax(x, splat(-87.33654f));
+  vf fx = x * splat(1.44269504088896341f);
+  vf t = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);  // toward zero
+  fx = t - ((t > fx) ? splat(1.0f) : splat(0.0f));  // floor
+  fx = ((x * splat(1.44269504088896341f) - fx) >= splat(0.5f)) ? fx + splat(1.0f) : fx;
+  x = x - fx * splat(0.693359375f);
+  x = x - fx * splat(-2.12194440e-4f);
+  vf y = splat(1.9875691500e-4f);
+  y = y * x + splat(1.3981999507e-3f);
+  y = y * x + splat(8.3334519073e-3f);
+  y = y * x + splat(4.1665795894e-2f);
+  y = y * x + splat(1.6666665459e-1f);
+  y = y * x + splat(5.0000001201e-1f);
+  y = y * (x * x) + x + splat(1.0f);
+  const vi n = __builtin_convertvector(fx, vi);
+  const vi bits = (n + 127) << 23;
+  vf pow2;
+  __builtin_memcpy(&pow2, &bits, sizeof pow2);
+  return y * pow2;
+}
+}  // namespace
+
+// One query token per sequence attending over its context (as paged_decode_attention_scalar
+// above), for head_dim a multiple of 16; other head dims go to the scalar version. One task per (sequence, span of
+// its context) covering every KV head, so each task reads whole token rows of the block
+// (all heads' K, then all heads' V) front to back; long contexts are split into spans
+// (flash-decoding) so that even one sequence keeps every thread busy, and the spans' partial
+// softmaxes are merged at the end. Scores, exp and the V sums are 16-wide vector code.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor tables,
+                                     torch::Tensor lens, double scale) {
+  check_f32(q, "q");
+  check_f32(kv, "kv");
+  if (q.size(2) % VL != 0) return paged_decode_attention_scalar(q, kv, tables, lens, scale);
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q heads must be contiguous");
+  TORCH_CHECK(kv.stride(4) == 1 && kv.stride(3) == kv.size(4), "kv heads must be contiguous");
+  auto tab = tables.to(torch::kLong).contiguous();
+  auto len = lens.to(torch::kLong).contiguous();
+  const int64_t b = q.size(0), heads = q.size(1), hd = q.size(2);
+  const int64_t kvh = kv.size(3), group = heads / kvh, bs = kv.size(2);
+  TORCH_CHECK(heads % kvh == 0, "query heads must be a multiple of the KV heads");
+  const int64_t max_blocks = tab.size(1), num_blocks = kv.size(0);
+  const int64_t sb = kv.stride(0), skv = kv.stride(1), so = kv.stride(2), sq = q.stride(0);
+  auto out = torch::empty({b, heads, hd}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kvp = kv.data_ptr<float>();
+  const int64_t* tp = tab.data_ptr<int64_t>();
+  const int64_t* lp = len.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  int64_t longest = 0;
+  for (int64_t s = 0; s < b; ++s) {
+    TORCH_CHECK(lp[s] >= 1 && lp[s] <= max_blocks * bs, "context length out of range");
+    for (int64_t j = 0; j < (lp[s] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tp[s * max_blocks + j] >= 0 && tp[s * max_blocks + j] < num_blocks,
+                  "block id out of range");
+    longest = std::max(longest, lp[s]);
+  }
+  // Spans: whole blocks, at most kMaxSpan tokens, and enough of them for 4 tasks per thread.
+  constexpr int64_t kMaxSpan = 512, kMinSpan = 64;
+  const int64_t threads = at::get_num_threads();
+  int64_t span = kMaxSpan;
+  while (span > kMinSpan && b * ((longest + span - 1) / span) < 4 * threads) span /= 2;
+  span = std::max(bs, span / bs * bs);
+  const int64_t spans = (longest + span - 1) / span;
+  // Partial results of every (sequence, span, head): max, sum, unnormalized output.
+  std::vector<float> part_m(b * spans * heads), part_l(b * spans * heads);
+  std::vector<float> part_o(spans > 1 ? b * spans * heads * hd : 0);
+  const vf sc = splat(static_cast<float>(scale));
+  const int64_t nv = hd / VL;
+  at::parallel_for(0, b * spans, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(heads * (span + VL));
+    std::vector<float> acc(heads * hd);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t s = t / spans, c = t % spans, n = lp[s];
+      const int64_t p0 = c * span, p1 = std::min(n, p0 + span);
+      float* pm = part_m.data() + (s * spans + c) * heads;
+      float* pl = part_l.data() + (s * spans + c) * heads;
+      if (p0 >= p1) {  // this sequence is shorter than the span: nothing here
+        for (int64_t h = 0; h < heads; ++h) pm[h] = -INFINITY, pl[h] = 0.0f;
+        continue;
+      }
+      const int64_t m = p1 - p0, stride = span + VL;
+      const int64_t* table = tp + s * max_blocks;
+      const float* qs = qp + s * sq;
+      for (int64_t p = p0; p < p1; ++p) {
+        const float* row = kvp + table[p / bs] * sb + (p % bs) * so;
+        for (int64_t g = 0; g < kvh; ++g) {
+          const float* k = row + g * hd;
+          for (int64_t r = 0; r < group; ++r) {
+            const int64_t h = g * group + r;
+            const float* qh = qs + h * hd;
+            vf a = load(qh) * load(k);
+            for (int64_t v = 1; v < nv; ++v) a = a + load(qh + v * VL) * load(k + v * VL);
+            scores[h * stride + (p - p0)] = hsum(a);
+          }
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        float* sr = scores.data() + h * stride;
+        vf mv = splat(-INFINITY);
+        int64_t i = 0;
+        for (; i + VL <= m; i += VL) mv = vmax(mv, load(sr + i));
+        float mx = -INFINITY;
+        for (int64_t l = 0; l < VL; ++l) mx = std::max(mx, mv[l]);
+        for (; i < m; ++i) mx = std::max(mx, sr[i]);
+        const vf mxv = splat(mx);
+        vf sumv = {};
+        for (i = 0; i + VL <= m; i += VL) {
+          const vf e = vexp((load(sr + i) - mxv) * sc);
+          store(sr + i, e);
+          sumv = sumv + e;
+        }
+        float sum = hsum(sumv);
+        if (i < m) {  // the tail, padded: lanes past m are dropped
+          const vf e = vexp((load(sr + i) - mxv) * sc);
+          for (int64_t l = 0; i + l < m; ++l) sr[i + l] = e[l], sum += e[l];
+        }
+        pm[h] = mx * static_cast<float>(scale);
+        pl[h] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t p = p0; p < p1; ++p) {
+        const float* row = kvp + table[p / bs] * sb + skv + (p % bs) * so;
+        for (int64_t g = 0; g < kvh; ++g) {
+          const float* v = row + g * hd;
+          for (int64_t r = 0; r < group; ++r) {
+            const int64_t h = g * group + r;
+            const vf w = splat(scores[h * stride + (p - p0)]);
+            float* a = acc.data() + h * hd;
+            for (int64_t j = 0; j < nv; ++j) store(a + j * VL, load(a + j * VL) + w * load(v + j * VL));
+          }
+        }
+      }
+      if (spans == 1) {
+        for (int64_t h = 0; h < heads; ++h) {
+          const vf inv = splat(1.0f / pl[h]);
+          for (int64_t j = 0; j < nv; ++j)
+            store(op + s * heads * hd + h * hd + j * VL, load(acc.data() + h * hd + j * VL) * inv);
+        }
+      } else {
+        std::copy(acc.begin(), acc.end(), part_o.begin() + (s * spans + c) * heads * hd);
+      }
+    }
+  });
+  if (spans > 1) {  // merge each sequence's spans: rescale by e^(m_c - m), sum, normalize
+    at::parallel_for(0, b * heads, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t s = t / heads, h = t % heads;
+        float mx = -INFINITY;
+        for (int64_t c = 0; c < spans; ++c) mx = std::max(mx, part_m[(s * spans + c) * heads + h]);
+        float* o = op + s * heads * hd + h * hd;
+        std::fill(o, o + hd, 0.0f);
+        float total = 0.0f;
+        for (int64_t c = 0; c < spans; ++c) {
+          const int64_t i = (s * spans + c) * heads + h;
+          if (part_l[i] == 0.0f) continue;
+          const float w = std::exp(part_m[i] - mx);
+          total += w * part_l[i];
+          const float* po = part_o.data() + i * hd;
+          for (int64_t j = 0; j < hd; ++j) o[j] += w * po[j];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t j = 0; j < hd; ++j) o[j] *= inv;
+      }
+    });
+  }
   return out;
 }
 
