@@ -46,7 +46,7 @@ import torch
 
 from kvxfer import KVReceiver, KVSender
 from pdserve.control import KVDescriptor
-from pdserve.types import KVLayout
+from pdserve.kv_layout import KVLayout
 
 # 512 KiB blocks, a realistic size (8 layers x K/V x 16 tokens x 8 heads x 128 dims, fp16).
 BLOCK = dict(num_layers=8, block_size=16, num_kv_heads=8, head_dim=128, dtype="float16")

@@ -35,18 +35,21 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import SeqMode, SeqStatus, Sequence
 from pdserve.engine.step_rates import StepRates
+from pdserve.errors import (
+    CapacityError,
+    ErrorCode,
+    InvalidRequestError,
+    PdserveError,
+    PromptTooLongError,
+)
 from pdserve.kv_events import KVOp
+from pdserve.kv_layout import KVLayout
 from pdserve.types import (
     QUEUE_TIME_BUCKETS,
-    CapacityError,
     DurationHistogram,
     EngineStats,
     FinishReason,
     GenerateRequest,
-    InvalidRequestError,
-    KVLayout,
-    PdserveError,
-    PromptTooLongError,
     TokenEvent,
     TokenLogprob,
 )
@@ -434,7 +437,7 @@ class EmulatedEngine:
 
     async def allocate_remote(self, req: GenerateRequest) -> Any:
         raise CapacityError("an emulated engine takes no remote prefill",
-                            code="kv_pending_limit")
+                            code=ErrorCode.KV_PENDING_LIMIT)
 
     async def admit_remote(self, request_id: str, first_token: int,
                            logprob: TokenLogprob | None = None) -> AsyncIterator[TokenEvent]:

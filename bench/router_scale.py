@@ -95,9 +95,10 @@ import redis.utils
 
 from pdserve.control.kv_events import MAX_OPS_PER_ENTRY, KVEventStreams
 from pdserve.control.load import WorkerLoad
-from pdserve.control.registry import ControlPlaneError, WorkerRegistry
+from pdserve.control.registry import WorkerRegistry
 from pdserve.control.workers import WorkerInfo
 from pdserve.engine.block_manager import BlockHash, BlockManager, block_hashes
+from pdserve.errors import ControlPlaneError
 from pdserve.kv_events import KVEventBatch, KVOp
 from pdserve.types import LatencyClass
 from router.kv_follow import KVIndexFollower

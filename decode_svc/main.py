@@ -19,12 +19,13 @@ from pdserve.control.descriptors import make_descriptor_id
 from pdserve.control.directory import WorkerDirectory
 from pdserve.control.kv_events import KVEventPublisher, KVEventStreams
 from pdserve.control.load import WorkerLoad
-from pdserve.control.registry import ControlPlaneError, WorkerRegistry
+from pdserve.control.registry import WorkerRegistry
 from pdserve.control.signing import signer_for
 from pdserve.control.workers import WorkerInfo
 from pdserve.engine.async_engine import AsyncEngine, load_engine
 from pdserve.engine.metrics import labelled_registry
 from pdserve.engine.model_store import resolve_model
+from pdserve.errors import ControlPlaneError
 from pdserve.rpc import auth, transport
 from pdserve.runtime import metrics_server, start_server
 

@@ -12,9 +12,10 @@ from collections.abc import AsyncIterator
 import grpc
 
 from decode_svc.worker import DecodeWorker
+from pdserve.kv_layout import KVDestination
 from pdserve.rpc import convert
 from pdserve.runtime import logs_request_id
-from pdserve.types import GenerateRequest, KVDestination, check_request_id
+from pdserve.types import GenerateRequest, check_request_id
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 

@@ -30,17 +30,17 @@ from kvxfer.receiver import KVReceiver
 from pdserve.control.load import WorkerLoad
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.metrics import engine_load
-from pdserve.handover import FirstToken
-from pdserve.types import (
+from pdserve.errors import (
     CapacityError,
-    GenerateRequest,
+    ErrorCode,
     InvalidRequestError,
-    KVDestination,
     KVTransferError,
     PdserveError,
     RequestAbortedError,
-    TokenEvent,
 )
+from pdserve.handover import FirstToken
+from pdserve.kv_layout import KVDestination
+from pdserve.types import GenerateRequest, TokenEvent
 
 log = structlog.get_logger(__name__)
 
@@ -107,7 +107,7 @@ class DecodeWorker:
         if self.num_requests >= self.max_requests:
             self.metrics.refused.inc()
             raise CapacityError(f"decode worker {self.worker_id} holds {self.num_requests} "
-                                f"requests, its limit", code="worker_full")
+                                f"requests, its limit", code=ErrorCode.WORKER_FULL)
 
     # ------------------------------------------------------------------ local prefill
 
@@ -148,7 +148,7 @@ class DecodeWorker:
             raise CapacityError(
                 f"{self.pending_kv_blocks} KV blocks already wait for transfers; another "
                 f"{need} would pass this worker's limit of {self.max_pending_kv_blocks}",
-                code="kv_pending_limit")
+                code=ErrorCode.KV_PENDING_LIMIT)
         self._reserving += need
         try:
             alloc = await self.engine.allocate_remote(req)
@@ -203,7 +203,7 @@ class DecodeWorker:
             except TimeoutError as exc:
                 raise KVTransferError(
                     f"KV for {request_id!r} did not arrive within {timeout_s:.1f}s",
-                    code="kv_timeout") from exc
+                    code=ErrorCode.KV_TIMEOUT) from exc
             first = FirstToken.from_notice(notice)
             if request_id in self._releasing:  # aborted while the KV was landing
                 raise RequestAbortedError(f"request {request_id!r} was aborted")

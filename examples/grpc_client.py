@@ -12,10 +12,11 @@ import argparse
 import asyncio
 import sys
 
+from pdserve.errors import PdserveError
 from pdserve.rpc import convert, errors, transport
 from pdserve.rpc.metadata import request_id_metadata
 from pdserve.rpc.tls import TLSConfig, load_tls
-from pdserve.types import LatencyClass, PdserveError, SamplingParams
+from pdserve.types import LatencyClass, SamplingParams
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 

@@ -7,13 +7,11 @@ from kvxfer import listen as _listen
 _listen.preload()
 
 from kvxfer.pool import PoolBytes
-from kvxfer.protocol import Code
 from kvxfer.receiver import Expectation, KVReceiver
 from kvxfer.runs import expand_runs, merge_pairs, merge_runs
 from kvxfer.sender import DescriptorResolver, KVSender, SendResult
 
 __all__ = [
-    "Code",
     "DescriptorResolver",
     "Expectation",
     "KVReceiver",

@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
-from kvxfer.protocol import Code, error
-from pdserve.types import KVTransferError
+from kvxfer.protocol import error
+from pdserve.errors import ErrorCode, KVTransferError
 
 PIECE_BYTES = 8 << 20  # a stopped transfer stops within one piece
 _TOKEN_BYTES = 32
@@ -146,14 +146,15 @@ async def receive(pid: int, base: int, work: list[tuple[int, int, int]], transfe
                                        return_when=asyncio.FIRST_COMPLETED))[0] \
                 if left > 0 else set()
             if halt in done:
-                return stop_reason() or error(Code.CANCELLED,
+                return stop_reason() or error(ErrorCode.KV_CANCELLED,
                                               f"transfer {transfer_id!r} stopped")
             if not done:
-                return error(Code.TIMEOUT, f"transfer {transfer_id!r} did not complete in time")
+                return error(ErrorCode.KV_TIMEOUT,
+                             f"transfer {transfer_id!r} did not complete in time")
             pending -= done
             failed = next((f.exception() for f in done if f.exception() is not None), None)
         if failed is not None:
-            return error(Code.PEER_GONE, f"transfer {transfer_id!r}: reading the writer's "
+            return error(ErrorCode.KV_PEER_GONE, f"transfer {transfer_id!r}: reading the writer's "
                          f"blocks failed (it died?): {failed}")
         return None
     finally:

@@ -25,7 +25,8 @@ import structlog
 from kvxfer.auth import KVAuth
 from kvxfer.inbound import Connection
 from kvxfer.pool import DIGEST_HEX_CHARS
-from kvxfer.protocol import CTRL_TAG, Code, check_open, new_header, recv_payload
+from kvxfer.protocol import CTRL_TAG, check_open, new_header, recv_payload
+from pdserve.errors import ErrorCode
 from pdserve.ratelog import RateLimitedLog
 
 log = structlog.get_logger(__name__)
@@ -145,7 +146,7 @@ class ConnectionGate:
             # Refused before the transfer is even looked up: a forger changes nothing.
             self.warn("kv_write_unauthenticated", "refused", peer=conn.peer,
                       reason=problem)
-            reject = {"op": "reject", "code": Code.UNAUTHENTICATED, "message": problem}
+            reject = {"op": "reject", "code": ErrorCode.KV_UNAUTHENTICATED, "message": problem}
             if await conn.reply(seq, reject, self._frame_timeout_s):
                 # ucxx fails a receive on a reset endpoint even when the reply is queued:
                 # let the writer read why before we hang up (it stays evictable meanwhile).
@@ -162,7 +163,7 @@ class ConnectionGate:
         if len(self.conns) - len(self.unauthenticated) >= self._max_connections:
             self.warn("kv_connection_refused", "full", peer=conn.peer,
                       reason="too many connections", limit=self._max_connections)
-            reject = {"op": "reject", "code": Code.TOO_MANY_CONNECTIONS,
+            reject = {"op": "reject", "code": ErrorCode.KV_TOO_MANY_CONNECTIONS,
                       "message": f"this receiver serves {self._max_connections} writers"}
             await conn.reply(seq, reject, self._frame_timeout_s)
             return False

@@ -14,10 +14,11 @@ from typing import Any, cast
 import structlog
 
 from kvxfer.pool import DIGEST_HEX_CHARS, INLINE_DIGEST_BYTES, PoolBytes, check_blocks, digest
-from kvxfer.protocol import Code, UCXError, error, reply_tag, send_frame
+from kvxfer.protocol import UCXError, error, reply_tag, send_frame
 from kvxfer.runs import expand_runs
 from kvxfer.shm import Ring
-from pdserve.types import KVLayout, KVTransferError
+from pdserve.errors import ErrorCode, KVTransferError
+from pdserve.kv_layout import KVLayout
 
 log = structlog.get_logger(__name__)
 
@@ -128,10 +129,10 @@ def check_request(msg: dict[str, Any], transfer: Transfer, layout: KVLayout, *,
     try:
         theirs = KVLayout.from_wire(msg.get("layout"))
     except ValueError as exc:
-        raise error(Code.PROTOCOL_ERROR, f"bad layout: {exc}") from None
+        raise error(ErrorCode.KV_PROTOCOL_ERROR, f"bad layout: {exc}") from exc
     if not theirs.compatible_with(layout):
         raise error(
-            Code.LAYOUT_MISMATCH,
+            ErrorCode.KV_LAYOUT_MISMATCH,
             f"sender layout {theirs} is not compatible with receiver layout {layout}",
         )
     raw_runs = msg.get("runs")
@@ -141,41 +142,44 @@ def check_request(msg: dict[str, Any], transfer: Transfer, layout: KVLayout, *,
         and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
         for r in raw_runs
     ):
-        raise error(Code.PROTOCOL_ERROR, "runs must be a list of [start, count] integer pairs")
+        raise error(ErrorCode.KV_PROTOCOL_ERROR,
+                    "runs must be a list of [start, count] integer pairs")
     part = msg.get("part", False)
     if not isinstance(part, bool):
-        raise error(Code.PROTOCOL_ERROR, "part must be a boolean")
+        raise error(ErrorCode.KV_PROTOCOL_ERROR, "part must be a boolean")
     notice = msg.get("notice")
     if notice is not None and not isinstance(notice, dict):
-        raise error(Code.PROTOCOL_ERROR, "notice must be a JSON object")
+        raise error(ErrorCode.KV_PROTOCOL_ERROR, "notice must be a JSON object")
     if part and notice is not None:
-        raise error(Code.PROTOCOL_ERROR, "only the last write of a transfer carries a notice")
+        raise error(ErrorCode.KV_PROTOCOL_ERROR,
+                    "only the last write of a transfer carries a notice")
     writer = msg.get("sender_id")
     writer = writer if isinstance(writer, str) else None
     if transfer.state is State.PARTIAL and writer != transfer.writer:
-        raise error(Code.DUPLICATE_TRANSFER,
+        raise error(ErrorCode.KV_DUPLICATE_TRANSFER,
                     f"transfer {transfer.transfer_id!r} already has another writer")
     shm = msg.get("shm", False)
     if shm is not False and (shm is not True or not shm_ok):
-        raise error(Code.PROTOCOL_ERROR, "a staging-ring write on a connection without a ring")
+        raise error(ErrorCode.KV_PROTOCOL_ERROR,
+                    "a staging-ring write on a connection without a ring")
     digests = msg.get("digests")
     if digests is None and digests_required and not shm:
-        raise error(Code.PROTOCOL_ERROR, "a signed write must carry its runs' digests")
+        raise error(ErrorCode.KV_PROTOCOL_ERROR, "a signed write must carry its runs' digests")
     if digests is not None and not (
         isinstance(digests, list)
         and len(digests) == len(raw_runs)
         and all(isinstance(d, str) and len(d) == DIGEST_HEX_CHARS for d in digests)
     ):
-        raise error(Code.PROTOCOL_ERROR,
+        raise error(ErrorCode.KV_PROTOCOL_ERROR,
                     f"digests must be one {DIGEST_HEX_CHARS}-character hex string per run")
     runs = [(start, count) for start, count in raw_runs]
     if any(count < 1 for _, count in runs):
-        raise error(Code.PROTOCOL_ERROR, "every run must hold at least one block")
+        raise error(ErrorCode.KV_PROTOCOL_ERROR, "every run must hold at least one block")
     expected = transfer.dst_block_ids
     if sum(count for _, count in runs) > len(expected):
         # Checked before expanding the runs: a declared count is never materialized.
         raise error(
-            Code.BLOCK_MISMATCH,
+            ErrorCode.KV_BLOCK_MISMATCH,
             f"transfer {transfer.transfer_id!r} expects {len(expected)} "
             "blocks, the writer's runs hold more",
         )
@@ -183,12 +187,12 @@ def check_request(msg: dict[str, Any], transfer: Transfer, layout: KVLayout, *,
     try:
         check_blocks(blocks, layout.num_blocks, "destination")
     except ValueError as exc:
-        raise error(Code.BLOCK_OUT_OF_RANGE, str(exc)) from None
+        raise error(ErrorCode.KV_BLOCK_OUT_OF_RANGE, str(exc)) from exc
     written = set(blocks)
     if len(written) != len(blocks) or not written <= set(expected) or (
             not part and written | transfer.landed != set(expected)):
         raise error(
-            Code.BLOCK_MISMATCH,
+            ErrorCode.KV_BLOCK_MISMATCH,
             f"transfer {transfer.transfer_id!r} expects blocks {sorted(expected)}"
             f"{f' ({len(transfer.landed)} landed)' if transfer.landed else ''}, the writer "
             f"sent {sorted(blocks)}{' as a part' if part else ''}",
@@ -215,7 +219,7 @@ async def wait_recvs(transfer: Transfer, pool: PoolBytes) -> KVTransferError | N
             remaining = transfer.deadline - loop.time()
             if remaining <= 0:
                 return error(
-                    Code.TIMEOUT,
+                    ErrorCode.KV_TIMEOUT,
                     f"transfer {transfer.transfer_id!r} did not complete in time",
                 )
             done, pending = await asyncio.wait(
@@ -232,7 +236,7 @@ async def wait_recvs(transfer: Transfer, pool: PoolBytes) -> KVTransferError | N
                         return mismatch
                 elif (exc := task.exception()) is not None:
                     return error(
-                        Code.PEER_GONE,
+                        ErrorCode.KV_PEER_GONE,
                         f"transfer {transfer.transfer_id!r}: receive failed: {exc!r}",
                     )
                 elif transfer.digests is not None:
@@ -255,7 +259,7 @@ async def verify(transfer: Transfer, pool: PoolBytes, index: int) -> KVTransferE
     if got == transfer.digests[index]:
         return None
     return error(
-        Code.INTEGRITY,
+        ErrorCode.KV_INTEGRITY_FAILED,
         f"transfer {transfer.transfer_id!r}: blocks {start}..{start + count - 1} do not "
         "match the digest the writer signed (altered in flight)",
     )

@@ -24,7 +24,6 @@ from kvxfer import cma
 from kvxfer.auth import KVAuth
 from kvxfer.protocol import (
     CTRL_TAG,
-    Code,
     ProtocolError,
     UCXError,
     error,
@@ -36,7 +35,7 @@ from kvxfer.protocol import (
 from kvxfer.rings import open_ring
 from kvxfer.shm import SenderRing
 from pdserve.control.descriptors import split_address
-from pdserve.types import KVTransferError
+from pdserve.errors import ErrorCode, KVTransferError
 
 log = structlog.get_logger(__name__)
 
@@ -112,7 +111,8 @@ class Peers:
     def protocol_failure(self, peer: Peer, detail: str) -> KVTransferError:
         """Drops `peer`; the error to raise."""
         self.drop(peer)
-        return error(Code.PROTOCOL_ERROR, f"receiver {peer.address} broke the protocol: {detail}")
+        return error(ErrorCode.KV_PROTOCOL_ERROR,
+                     f"receiver {peer.address} broke the protocol: {detail}")
 
     async def request(self, address: str, request: Mapping[str, Any],
                       remaining: Callable[[], float], finish: Finish | None = None,
@@ -159,14 +159,16 @@ class Peers:
             if retry_ok and (not sent or peer.answered):
                 log.info("kv_endpoint_stale_reconnecting", peer=peer.address)
                 raise _Retry from exc
-            raise error(Code.PEER_GONE, f"lost connection to {peer.address}: {exc!r}") from exc
+            raise error(ErrorCode.KV_PEER_GONE,
+                        f"lost connection to {peer.address}: {exc!r}") from exc
         except ProtocolError as exc:
             self.drop(peer)
-            raise error(Code.PEER_GONE, f"lost connection to {peer.address}: {exc!r}") from exc
+            raise error(ErrorCode.KV_PEER_GONE,
+                        f"lost connection to {peer.address}: {exc!r}") from exc
 
     async def _peer(self, address: str, timeout_s: float) -> Peer:
         if self._closed:
-            raise error(Code.CLOSED, "sender is closed")
+            raise error(ErrorCode.KV_CLOSED, "sender is closed")
         peer = self.by_address.get(address)
         if peer is not None and peer.alive:
             if time.monotonic() - peer.last_used <= self._max_idle_s:
@@ -188,7 +190,7 @@ class Peers:
                 )
             except (UCXError, TimeoutError, ValueError, OSError) as exc:
                 raise error(
-                    Code.CONNECT_FAILED, f"cannot connect to KV receiver {address}: {exc!r}"
+                    ErrorCode.KV_CONNECT_FAILED, f"cannot connect to KV receiver {address}: {exc!r}"
                 ) from exc
             peer = Peer(address, ep)
             if self._host_id is not None:

@@ -8,7 +8,7 @@ from typing import Any
 import blake3
 import torch
 
-from pdserve.types import KVLayout
+from pdserve.kv_layout import KVLayout
 
 DIGEST_HEX_CHARS = 64  # BLAKE3-256, hex
 INLINE_DIGEST_BYTES = 1 << 20  # hashed on the event loop up to here (~0.2 ms); above, a thread

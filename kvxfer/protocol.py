@@ -26,14 +26,13 @@ that authenticates the endpoint, which the receiver then lets idle (see kvxfer.r
 from __future__ import annotations
 
 import asyncio
-import enum
 import json
 import struct
 from typing import Any
 
 import ucxx.exceptions
 
-from pdserve.types import KVTransferError
+from pdserve.errors import ErrorCode, KVTransferError
 
 CTRL_TAG = 0
 MAX_FRAME_BYTES = 16 << 20
@@ -44,32 +43,8 @@ _LEN = struct.Struct("<Q")
 UCXError = ucxx.exceptions.UCXError
 
 
-class Code(enum.StrEnum):
-    """Stable `KVTransferError.code` values; the `REJECT_*` ones travel on the wire."""
-
-    STALE_DESCRIPTOR = "kv_stale_descriptor"
-    DESCRIPTOR_NOT_FOUND = "kv_descriptor_not_found"
-    DESCRIPTOR_LOOKUP_FAILED = "kv_descriptor_lookup_failed"
-    UNKNOWN_TRANSFER = "kv_unknown_transfer"
-    DUPLICATE_TRANSFER = "kv_duplicate_transfer"
-    BLOCK_OUT_OF_RANGE = "kv_block_out_of_range"
-    BLOCK_MISMATCH = "kv_block_mismatch"
-    LAYOUT_MISMATCH = "kv_layout_mismatch"
-    PROTOCOL_ERROR = "kv_protocol_error"
-    INVALID_ARGUMENT = "kv_invalid_argument"
-    CONNECT_FAILED = "kv_connect_failed"
-    PEER_GONE = "kv_peer_gone"
-    TIMEOUT = "kv_timeout"
-    CANCELLED = "kv_cancelled"
-    FENCE_FAILED = "kv_fence_failed"
-    CLOSED = "kv_closed"
-    UNAUTHENTICATED = "kv_unauthenticated"  # see kvxfer.auth
-    TOO_MANY_CONNECTIONS = "kv_too_many_connections"
-    INTEGRITY = "kv_integrity_failed"  # a run's bytes do not match the signed digest
-
-
-def error(code: Code, message: str) -> KVTransferError:
-    return KVTransferError(message, code=code.value)
+def error(code: ErrorCode, message: str) -> KVTransferError:
+    return KVTransferError(message, code=code)
 
 
 class ProtocolError(Exception):

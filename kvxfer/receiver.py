@@ -55,18 +55,12 @@ from kvxfer.auth import MAC_FIELD, KVAuth
 from kvxfer.connections import ConnectionGate, Idle
 from kvxfer.inbound import Connection, Expectation, Transfer, fence, wait_recvs
 from kvxfer.pool import PoolBytes
-from kvxfer.protocol import (
-    SEQ_LIMIT,
-    Code,
-    ProtocolError,
-    UCXError,
-    data_tag,
-    error,
-)
+from kvxfer.protocol import SEQ_LIMIT, ProtocolError, UCXError, data_tag, error
 from kvxfer.rings import StagingRings
 from kvxfer.transfers import TransferTable
+from pdserve.errors import ErrorCode, KVTransferError
+from pdserve.kv_layout import KVLayout
 from pdserve.ratelog import RateLimitedLog
-from pdserve.types import KVLayout, KVTransferError
 
 __all__ = ["Expectation", "KVReceiver"]
 
@@ -215,7 +209,7 @@ class KVReceiver:
         transfer id already in use.
         """
         if self._closing:
-            raise error(Code.CLOSED, "receiver is closed")
+            raise error(ErrorCode.KV_CLOSED, "receiver is closed")
         return self._table.expect(transfer_id, dst_block_ids, timeout_s)
 
     async def cancel(self, transfer_id: str, *, reason: str = "cancelled") -> None:
@@ -272,7 +266,7 @@ class KVReceiver:
                 else:
                     reject = {
                         "op": "reject",
-                        "code": Code.PROTOCOL_ERROR,
+                        "code": ErrorCode.KV_PROTOCOL_ERROR,
                         "message": f"bad op {op!r:.40}",
                     }
                     await conn.reply(seq, reject, self._frame_timeout_s)
@@ -319,7 +313,7 @@ class KVReceiver:
         descriptor_id = msg.get("descriptor_id")
         if descriptor_id != self.descriptor_id:
             raise error(
-                Code.STALE_DESCRIPTOR,
+                ErrorCode.KV_STALE_DESCRIPTOR,
                 f"descriptor {descriptor_id!r} does not name this KV pool (now "
                 f"{self.descriptor_id!r}); the decode worker restarted or the descriptor is "
                 "forged. Look the descriptor up again.",
@@ -330,7 +324,7 @@ class KVReceiver:
     async def _run_transfer(self, conn: Connection, seq: int, transfer: Transfer) -> None:
         accept = {"op": "accept"}
         err: KVTransferError | None
-        gone = error(Code.PEER_GONE, f"writer of {transfer.transfer_id!r} went away")
+        gone = error(ErrorCode.KV_PEER_GONE, f"writer of {transfer.transfer_id!r} went away")
         try:
             if transfer.shm and self._rings is not None:  # fenced when it returns
                 # Same host: start at once, while the accept goes out (the writer's first
@@ -353,7 +347,7 @@ class KVReceiver:
                 self._table.finish(transfer, err)
         finally:
             conn.active -= 1
-        if err is not None and err.code == Code.INTEGRITY:
+        if err is not None and err.code == ErrorCode.KV_INTEGRITY_FAILED:
             log.error("kv_integrity_failed", peer=conn.peer, transfer_id=transfer.transfer_id,
                       reason=err.message)
         reply = {"op": "done"} if err is None else {"op": "failed", "code": err.code}

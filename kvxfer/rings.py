@@ -14,9 +14,9 @@ from kvxfer import cma
 from kvxfer.cma import lanes as cma_lanes
 from kvxfer.inbound import Connection, Transfer
 from kvxfer.pool import PoolBytes
-from kvxfer.protocol import Code, error
+from kvxfer.protocol import error
 from kvxfer.shm import Ring, SenderRing, chunks, host_id, receive_chunks
-from pdserve.types import KVTransferError
+from pdserve.errors import ErrorCode, KVTransferError
 
 log = structlog.get_logger(__name__)
 
@@ -30,7 +30,7 @@ async def open_ring(exchange: Callable[[dict[str, Any]], Awaitable[dict[str, Any
     offer = await exchange({"op": "shm_open", "host": host, **probe.offer()})
     if offer.get("op") == "reject":  # the connection itself is refused (not signed, full)
         raise KVTransferError(f"receiver refused the connection: {offer.get('message', '')}",
-                              code=str(offer.get("code", Code.PROTOCOL_ERROR)))
+                              code=str(offer.get("code", ErrorCode.KV_PROTOCOL_ERROR)))
     if offer.get("op") != "shm_offer":
         log.info("kv_shm_unavailable", reason=str(offer.get("reason"))[:200])
         return False
@@ -123,7 +123,8 @@ class StagingRings:
                 work = cma.pieces([(start * block, count * block)
                                    for start, count in transfer.runs], src, cma.PIECE_BYTES)
             except ValueError as exc:
-                return error(Code.PROTOCOL_ERROR, f"transfer {transfer.transfer_id!r}: {exc}")
+                return error(ErrorCode.KV_PROTOCOL_ERROR,
+                             f"transfer {transfer.transfer_id!r}: {exc}")
             if self._cma_copier is None:
                 self._cma_copier = ThreadPoolExecutor(2 * self._cma_lanes,
                                                       thread_name_prefix="kv-cma-copy")
@@ -133,7 +134,7 @@ class StagingRings:
                                      parallel=self._cma_lanes)
         ring = conn.ring
         if ring is None:  # the connection closed meanwhile
-            return error(Code.PEER_GONE, f"writer of {transfer.transfer_id!r} went away")
+            return error(ErrorCode.KV_PEER_GONE, f"writer of {transfer.transfer_id!r} went away")
         segments = chunks([(start * block, count * block) for start, count in transfer.runs],
                           ring.slot_bytes)
 

@@ -25,19 +25,12 @@ import torch
 from kvxfer.auth import KVAuth
 from kvxfer.peers import Peer, Peers, Unreachable
 from kvxfer.pool import DIGEST_RUN_BYTES, INLINE_DIGEST_BYTES, PoolBytes, check_blocks, digest
-from kvxfer.protocol import (
-    Code,
-    ProtocolError,
-    UCXError,
-    data_tag,
-    error,
-    recv_frame,
-    reply_tag,
-)
+from kvxfer.protocol import ProtocolError, UCXError, data_tag, error, recv_frame, reply_tag
 from kvxfer.runs import merge_pairs, split_runs
 from kvxfer.shm import SenderRing, chunks, host_id, send_chunks
 from pdserve.control.descriptors import KVDescriptor
-from pdserve.types import KVLayout, KVTransferError
+from pdserve.errors import ErrorCode, KVTransferError
+from pdserve.kv_layout import KVLayout
 
 log = structlog.get_logger(__name__)
 
@@ -140,7 +133,7 @@ class KVSender:
             if descriptor_id is not None and reply.get("descriptor_id") != descriptor_id:
                 self.forget_descriptor(descriptor_id)
                 raise error(
-                    Code.STALE_DESCRIPTOR,
+                    ErrorCode.KV_STALE_DESCRIPTOR,
                     f"receiver at {address} now serves descriptor "
                     f"{reply.get('descriptor_id')!r}, not {descriptor_id!r}",
                 )
@@ -165,7 +158,7 @@ class KVSender:
         same `transfer_id` follow, one at a time, and the one without `part` completes it
         (it may resend blocks a part sent; with the parts it must cover every expected block).
         Returns once the receiver confirmed every byte landed. Raises KVTransferError (see
-        `kvxfer.protocol.Code` for codes) on invalid arguments, an unknown or stale
+        `pdserve.errors.ErrorCode.KV_*` for codes) on invalid arguments, an unknown or stale
         descriptor, a rejection by the receiver, a lost peer, or when `timeout_s` runs out.
         When it returns or raises, UCX no longer reads the source blocks, so they may be
         freed. For a CUDA pool the caller must make sure the kernels writing the source
@@ -189,20 +182,21 @@ class KVSender:
                 notice = dict(notice)
                 json.dumps(notice)  # fail here, not halfway through the protocol
         except (ValueError, TypeError) as exc:
-            raise error(Code.INVALID_ARGUMENT, f"transfer {transfer_id!r}: {exc}") from None
+            raise error(ErrorCode.KV_INVALID_ARGUMENT, f"transfer {transfer_id!r}: {exc}") from exc
 
         async with self._deadline(timeout_s, f"transfer {transfer_id!r}") as remaining:
             desc = await self._descriptor(descriptor_id, remaining())
             if not desc.layout.compatible_with(self.layout):
                 raise error(
-                    Code.LAYOUT_MISMATCH,
+                    ErrorCode.KV_LAYOUT_MISMATCH,
                     f"transfer {transfer_id!r}: local layout {self.layout} is not compatible "
                     f"with {descriptor_id!r} layout {desc.layout}",
                 )
             try:
                 check_blocks(dst_ids, desc.layout.num_blocks, "destination")
             except ValueError as exc:
-                raise error(Code.BLOCK_OUT_OF_RANGE, f"transfer {transfer_id!r}: {exc}") from None
+                raise error(ErrorCode.KV_BLOCK_OUT_OF_RANGE,
+                            f"transfer {transfer_id!r}: {exc}") from exc
 
             request: dict[str, Any] = {
                 "op": "write",
@@ -236,8 +230,8 @@ class KVSender:
                 self.forget_descriptor(descriptor_id)  # the worker may have moved
                 raise
             if reply.get("op") == "reject":
-                code = str(reply.get("code", Code.PROTOCOL_ERROR))
-                if code == Code.STALE_DESCRIPTOR:
+                code = str(reply.get("code", ErrorCode.KV_PROTOCOL_ERROR))
+                if code == ErrorCode.KV_STALE_DESCRIPTOR:
                     self.forget_descriptor(descriptor_id)
                 raise KVTransferError(
                     f"receiver {desc.ucx_address} rejected transfer {transfer_id!r}: "
@@ -259,14 +253,14 @@ class KVSender:
             except (UCXError, ProtocolError) as exc:
                 self._endpoints.drop(peer)
                 raise error(
-                    Code.PEER_GONE,
+                    ErrorCode.KV_PEER_GONE,
                     f"transfer {transfer_id!r}: lost {peer.address} before its ack: {exc!r}",
                 ) from exc
             if reply.get("op") == "failed":
                 raise KVTransferError(
                     f"receiver {peer.address} failed transfer {transfer_id!r}: "
                     f"{reply.get('message', '')}",
-                    code=str(reply.get("code", Code.PEER_GONE)),
+                    code=str(reply.get("code", ErrorCode.KV_PEER_GONE)),
                 )
             if reply.get("op") != "done":
                 raise self._unexpected(peer, "done", reply)
@@ -325,7 +319,7 @@ class KVSender:
                     log.error("kv_send_fence_failed", transfer_id=transfer_id, pending=len(still))
         if failure is not None:
             raise error(
-                Code.PEER_GONE,
+                ErrorCode.KV_PEER_GONE,
                 f"transfer {transfer_id!r}: sending to {peer.address} failed: {failure!r}",
             ) from failure
         raise TimeoutError
@@ -363,18 +357,18 @@ class KVSender:
             raise
         except Exception as exc:
             raise error(
-                Code.DESCRIPTOR_LOOKUP_FAILED,
+                ErrorCode.KV_DESCRIPTOR_LOOKUP_FAILED,
                 f"looking up descriptor {descriptor_id!r} failed: {exc}",
             ) from exc
         if desc is None:
             raise error(
-                Code.DESCRIPTOR_NOT_FOUND,
+                ErrorCode.KV_DESCRIPTOR_NOT_FOUND,
                 f"descriptor {descriptor_id!r} does not exist (the decode worker restarted or "
                 "its lease expired)",
             )
         if desc.descriptor_id != descriptor_id:
             raise error(
-                Code.STALE_DESCRIPTOR,
+                ErrorCode.KV_STALE_DESCRIPTOR,
                 f"looked up {descriptor_id!r} but got {desc.descriptor_id!r}",
             )
         self._descriptors[descriptor_id] = desc
@@ -401,5 +395,6 @@ class KVSender:
 
         try:
             yield remaining
-        except TimeoutError:
-            raise error(Code.TIMEOUT, f"{what} did not complete within {timeout_s}s") from None
+        except TimeoutError as exc:
+            raise error(ErrorCode.KV_TIMEOUT,
+                        f"{what} did not complete within {timeout_s}s") from exc

@@ -59,7 +59,6 @@ import numpy as np
 
 from kvxfer.protocol import (
     MAX_FRAME_BYTES,
-    Code,
     check_open,
     data_tag,
     error,
@@ -67,7 +66,7 @@ from kvxfer.protocol import (
     recv_payload,
     reply_tag,
 )
-from pdserve.types import KVTransferError
+from pdserve.errors import ErrorCode, KVTransferError
 
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"pdserve-kv-[0-9a-f]{32}")
@@ -366,9 +365,11 @@ async def receive_chunks(ep: Any, seq: int, ring: Ring, pool: np.ndarray[Any, An
                                        return_when=asyncio.FIRST_COMPLETED))[0] \
                 if left > 0 else set()
             if halt in done:
-                return stop_reason() or error(Code.CANCELLED, f"transfer {transfer_id!r} stopped")
+                return stop_reason() or error(ErrorCode.KV_CANCELLED,
+                                              f"transfer {transfer_id!r} stopped")
             if not done:
-                return error(Code.TIMEOUT, f"transfer {transfer_id!r} did not complete in time")
+                return error(ErrorCode.KV_TIMEOUT,
+                             f"transfer {transfer_id!r} did not complete in time")
             while copies and copies[0][0].done():
                 fut, slot = copies.popleft()
                 fut.result()
@@ -379,7 +380,7 @@ async def receive_chunks(ep: Any, seq: int, ring: Ring, pool: np.ndarray[Any, An
                 credits[-1].add_done_callback(lambda f: f.cancelled() or f.exception())
             if incoming is not None and incoming.done():
                 if (exc := incoming.exception()) is not None:
-                    return error(Code.PEER_GONE,
+                    return error(ErrorCode.KV_PEER_GONE,
                                  f"transfer {transfer_id!r}: writer lost: {exc!r}")
                 incoming = None
                 pieces = segments[nxt]
@@ -390,7 +391,7 @@ async def receive_chunks(ep: Any, seq: int, ring: Ring, pool: np.ndarray[Any, An
                         raise ValueError(f"chunk {chunk} in slot {slot} ({nbytes} bytes) is "
                                          f"not chunk {nxt} in a free slot")
                 except ValueError as exc:
-                    return error(Code.PROTOCOL_ERROR, f"transfer {transfer_id!r}: {exc}")
+                    return error(ErrorCode.KV_PROTOCOL_ERROR, f"transfer {transfer_id!r}: {exc}")
                 ring.busy.add(slot)
                 copies.append((loop.run_in_executor(executor, copy_in, pool, ring.slot(slot),
                                                     pieces, lambda: stopped), slot))
@@ -398,7 +399,7 @@ async def receive_chunks(ep: Any, seq: int, ring: Ring, pool: np.ndarray[Any, An
         if credits:
             _, late = await asyncio.wait(credits, timeout=max(0.0, deadline - loop.time()))
             if late or any(c.exception() is not None for c in credits):
-                return error(Code.PEER_GONE, f"writer of {transfer_id!r} took no credits")
+                return error(ErrorCode.KV_PEER_GONE, f"writer of {transfer_id!r} took no credits")
         return None
     finally:
         stopped = True  # no copy starts or goes on into the pool from here

@@ -14,8 +14,9 @@ import structlog
 
 from kvxfer.inbound import Expectation, Notice, State, Transfer, check_request
 from kvxfer.pool import check_blocks
-from kvxfer.protocol import Code, error
-from pdserve.types import KVLayout, KVTransferError
+from kvxfer.protocol import error
+from pdserve.errors import ErrorCode, KVTransferError
+from pdserve.kv_layout import KVLayout
 
 log = structlog.get_logger(__name__)
 
@@ -53,7 +54,7 @@ class TransferTable:
             if timeout_s <= 0:
                 raise ValueError("timeout_s must be > 0")
         except ValueError as exc:
-            raise error(Code.INVALID_ARGUMENT, str(exc)) from None
+            raise error(ErrorCode.KV_INVALID_ARGUMENT, str(exc)) from exc
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Notice | None] = loop.create_future()
         # The decode service may cancel and never await: don't warn about unretrieved errors.
@@ -68,7 +69,7 @@ class TransferTable:
         transfer = self.transfers.get(transfer_id)
         if transfer is None:
             return
-        err = error(Code.CANCELLED, f"transfer {transfer_id!r} {reason}")
+        err = error(ErrorCode.KV_CANCELLED, f"transfer {transfer_id!r} {reason}")
         if transfer.state in (State.PENDING, State.PARTIAL):  # no byte is on its way
             self.finish(transfer, err)
         elif transfer.state is State.ACTIVE and transfer.stop_reason is None:
@@ -82,7 +83,7 @@ class TransferTable:
             transfer.fence_ok = False
         if not transfer.fence_ok:
             raise error(
-                Code.FENCE_FAILED,
+                ErrorCode.KV_FENCE_FAILED,
                 f"transfer {transfer_id!r}: UCX did not confirm that its receives ended; "
                 "its blocks must not be reused",
             )
@@ -97,19 +98,20 @@ class TransferTable:
         """
         transfer_id = msg.get("transfer_id")
         if not isinstance(transfer_id, str):
-            raise error(Code.PROTOCOL_ERROR, "write request has no transfer_id")
+            raise error(ErrorCode.KV_PROTOCOL_ERROR, "write request has no transfer_id")
         transfer = self.transfers.get(transfer_id)
         if transfer is None:
             state = self._finished.get(transfer_id)
             detail = f"already {state}" if state else "not expected (never or no longer)"
-            raise error(Code.UNKNOWN_TRANSFER, f"transfer {transfer_id!r} is {detail}")
+            raise error(ErrorCode.KV_UNKNOWN_TRANSFER, f"transfer {transfer_id!r} is {detail}")
         if transfer.state not in (State.PENDING, State.PARTIAL):
-            raise error(Code.DUPLICATE_TRANSFER, f"transfer {transfer_id!r} already has a writer")
+            raise error(ErrorCode.KV_DUPLICATE_TRANSFER,
+                        f"transfer {transfer_id!r} already has a writer")
         try:
             runs = check_request(msg, transfer, self.layout,
                                  digests_required=digests_required, shm_ok=shm_ok)
         except KVTransferError as err:
-            if err.code != Code.DUPLICATE_TRANSFER:  # not another writer's to end
+            if err.code != ErrorCode.KV_DUPLICATE_TRANSFER:  # not another writer's to end
                 self.finish(transfer, err)
             raise
         return transfer, runs
@@ -137,7 +139,7 @@ class TransferTable:
             what = "no writer arrived" if transfer.state is State.PENDING \
                 else f"{len(transfer.landed)} blocks landed, the last part did not arrive"
             msg = f"transfer {transfer.transfer_id!r}: {what} in time"
-            self.finish(transfer, error(Code.TIMEOUT, msg))
+            self.finish(transfer, error(ErrorCode.KV_TIMEOUT, msg))
 
     def finish(self, transfer: Transfer, err: KVTransferError | None) -> None:
         """Record the outcome. Callers guarantee the fence already holds."""
@@ -151,7 +153,7 @@ class TransferTable:
         while len(self._finished) > _FINISHED_MEMORY:
             self._finished.popitem(last=False)
         if err is not None and not transfer.fence_ok:
-            err.code = Code.FENCE_FAILED.value
+            err.code = ErrorCode.KV_FENCE_FAILED.value
         if not transfer.future.done():
             if err is None:
                 transfer.future.set_result(transfer.notice)

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.types import KVTransferError, TokenLogprob
+from pdserve.errors import ErrorCode, KVTransferError
+from pdserve.types import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class FirstToken:
                 logprob = TokenLogprob(token_id, _number(notice["logprob"]), top)
         except (KeyError, TypeError, ValueError) as exc:
             raise KVTransferError(f"the transfer's notice carries no valid first token: {exc}",
-                                  code="kv_protocol") from None
+                                  code=ErrorCode.KV_PROTOCOL) from exc
         return cls(token_id, logprob)
 
 

@@ -23,9 +23,10 @@ import structlog
 from prometheus_client import CollectorRegistry, make_wsgi_app, start_http_server
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from pdserve.errors import InvalidRequestError
 from pdserve.rpc.metadata import request_id_from_context
 from pdserve.rpc.tls import TLSConfig
-from pdserve.types import InvalidRequestError, check_request_id
+from pdserve.types import check_request_id
 
 F = TypeVar("F", bound=Callable[..., Any])
 

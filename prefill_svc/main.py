@@ -15,15 +15,15 @@ from kvxfer.sender import KVSender
 from pdserve.control.directory import WorkerDirectory
 from pdserve.control.kv_events import KVEventPublisher, KVEventStreams
 from pdserve.control.load import WorkerLoad
-from pdserve.control.registry import ControlPlaneError, WorkerRegistry
+from pdserve.control.registry import WorkerRegistry
 from pdserve.control.signing import signer_for
 from pdserve.control.workers import WorkerInfo
 from pdserve.engine.async_engine import AsyncEngine, load_engine
 from pdserve.engine.metrics import labelled_registry
 from pdserve.engine.model_store import resolve_model
+from pdserve.errors import ControlPlaneError, KVTransferError
 from pdserve.rpc import auth, transport
 from pdserve.runtime import metrics_server, start_server
-from pdserve.types import KVTransferError
 from prefill_svc import servicer
 from prefill_svc.config import PrefillConfig
 from prefill_svc.metrics import PrefillMetrics

@@ -15,7 +15,7 @@ import asyncio
 import torch
 
 from kvxfer.sender import KVSender
-from pdserve.types import KVDestination
+from pdserve.kv_layout import KVDestination
 
 MIN_PART_BLOCKS = 4  # a smaller part is not worth its round trip: it waits for the next chunk
 

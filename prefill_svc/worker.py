@@ -17,16 +17,10 @@ from kvxfer.sender import KVSender
 from pdserve.control.load import WorkerLoad
 from pdserve.engine.async_engine import AsyncEngine, PrefillResult
 from pdserve.engine.metrics import engine_load
+from pdserve.errors import CapacityError, ErrorCode, InvalidRequestError, KVTransferError
 from pdserve.handover import FirstToken
-from pdserve.types import (
-    CapacityError,
-    GenerateRequest,
-    InvalidRequestError,
-    KVDestination,
-    KVTransferError,
-    LatencyClass,
-    PrefillReport,
-)
+from pdserve.kv_layout import KVDestination
+from pdserve.types import GenerateRequest, LatencyClass, PrefillReport
 from prefill_svc.metrics import PrefillMetrics
 from prefill_svc.parts import PartSender
 
@@ -129,11 +123,11 @@ class PrefillWorker:
         if not self.accepting:
             self.metrics.requests.labels("rejected").inc()
             raise CapacityError(f"prefill worker {self.worker_id} is shutting down",
-                                code="worker_draining")
+                                code=ErrorCode.WORKER_DRAINING)
         if self.inflight >= self.max_requests:  # the router prefills locally instead
             self.metrics.requests.labels("rejected").inc()
             raise CapacityError(f"prefill worker {self.worker_id} holds {self.inflight} "
-                                "requests, its limit", code="worker_full")
+                                "requests, its limit", code=ErrorCode.WORKER_FULL)
         arrived = time.monotonic()
         n = len(req.token_ids)
         lc = req.latency_class.value

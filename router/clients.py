@@ -22,20 +22,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.control.workers import WorkerInfo
-from pdserve.errors import WorkerTimeoutError
+from pdserve.errors import CapacityError, ErrorCode, WorkerTimeoutError
+from pdserve.kv_layout import KVDestination, KVLayout
 from pdserve.rpc import convert
 from pdserve.rpc.errors import error_from_rpc
 from pdserve.rpc.metadata import request_id_metadata
 from pdserve.rpc.tls import TLSConfig
 from pdserve.rpc.transport import channel
-from pdserve.types import (
-    CapacityError,
-    GenerateRequest,
-    KVDestination,
-    KVLayout,
-    PrefillReport,
-    TokenEvent,
-)
+from pdserve.types import GenerateRequest, PrefillReport, TokenEvent
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 Metadata = tuple[tuple[str, str], ...]
@@ -191,7 +185,7 @@ def _remote_chunk(msg: object) -> decode_pb2.TokenChunk:
     resp = cast(decode_pb2.AllocateAndGenerateResponse, msg)
     if resp.WhichOneof("kind") != "token":
         raise CapacityError("decode stream sent an allocation where a token was due",
-                            code="worker_unavailable")
+                            code=ErrorCode.WORKER_UNAVAILABLE)
     return resp.token
 
 
@@ -224,7 +218,7 @@ async def _read(call: grpc.aio.UnaryStreamCall, timeout_s: float) -> object:
         raise WorkerTimeoutError(f"decode worker sent nothing for {timeout_s:.0f}s") from exc
     if msg is grpc.aio.EOF:
         raise CapacityError("decode stream ended without a final token",
-                            code="worker_unavailable")
+                            code=ErrorCode.WORKER_UNAVAILABLE)
     return msg
 
 
@@ -252,11 +246,11 @@ class RemoteStream:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 raise CapacityError("decode worker does not serve AllocateAndGenerate",
-                                    code="remote_unsupported") from exc
+                                    code=ErrorCode.REMOTE_UNSUPPORTED) from exc
             raise error_from_rpc(exc) from exc
         if msg.WhichOneof("kind") != "allocation":
             raise CapacityError("decode stream did not start with its allocation",
-                                code="worker_unavailable")
+                                code=ErrorCode.WORKER_UNAVAILABLE)
         return convert.destination_from_allocate_response(self.request_id, msg.allocation)
 
     def events(self) -> AsyncIterator[TokenEvent]:

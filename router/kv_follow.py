@@ -19,7 +19,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.control.kv_events import KVEventStreams
-from pdserve.control.registry import ControlPlaneError
+from pdserve.errors import ControlPlaneError
 from router.kv_index import Applied, KVIndex
 
 log = structlog.get_logger(__name__)

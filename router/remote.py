@@ -11,14 +11,11 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.types import CapacityError, GenerateRequest, PdserveError, PrefillReport, TokenEvent
+from pdserve.errors import CapacityError, ErrorCode, PdserveError, RemotePrefillFailed
+from pdserve.types import GenerateRequest, PrefillReport, TokenEvent
 from router.clients import DecodeClient, PrefillClient
 from router.liveness import Liveness
 from router.timings import StageClock
-
-
-class RemotePrefillFailed(PdserveError):
-    code = "remote_prefill_failed"
 
 
 @dataclass(frozen=True)
@@ -55,7 +52,7 @@ async def remote_prefill(req: GenerateRequest, decode: DecodeClient, prefill: Pr
     except CapacityError as exc:
         remote.close()
         raise RemotePrefillFailed(f"decode allocation failed: {exc}",
-                                  code="allocate_failed") from exc
+                                  code=ErrorCode.ALLOCATE_FAILED) from exc
     except BaseException:
         remote.close()  # the worker frees whatever it had reserved
         raise
@@ -69,18 +66,18 @@ async def remote_prefill(req: GenerateRequest, decode: DecodeClient, prefill: Pr
         await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
         if not first_task.done() and prefill_lost.done():
             raise RemotePrefillFailed(f"prefill worker {prefill.worker_id} is lost",
-                                      code="prefill_worker_lost")
+                                      code=ErrorCode.PREFILL_WORKER_LOST)
         if not first_task.done() and prefill_task.exception() is not None:
             raise RemotePrefillFailed(f"prefill worker {prefill.worker_id} failed: "
                                       f"{describe(prefill_task.exception())}",
-                                      code="prefill_failed")
+                                      code=ErrorCode.PREFILL_FAILED)
         try:
             first = await first_task
         except (PdserveError, TimeoutError) as exc:
             if decode_lost.done():
                 raise  # the decode worker itself is gone: another one takes the request
             raise RemotePrefillFailed(f"KV never arrived: {describe(exc)}",
-                                      code="transfer_failed") from exc
+                                      code=ErrorCode.TRANSFER_FAILED) from exc
         if timed:
             clock.first_token()
         yield first

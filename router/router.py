@@ -21,14 +21,17 @@ from pdserve.control.registry import WorkerRegistry
 from pdserve.control.workers import WorkerInfo
 from pdserve.engine.metrics import WorkerLoadCollector
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.errors import OverloadedError, WorkerTimeoutError
-from pdserve.types import (
+from pdserve.errors import (
     CapacityError,
-    FinishReason,
-    GenerateRequest,
+    ErrorCode,
+    OverloadedError,
     PdserveError,
-    TokenEvent,
+    RemotePrefillFailed,
+    WorkerLostError,
+    WorkerTimeoutError,
+    code_of,
 )
+from pdserve.types import FinishReason, GenerateRequest, TokenEvent
 from router import placement
 from router.admission import AdmissionController, Ticket
 from router.clients import (
@@ -44,16 +47,10 @@ from router.liveness import Liveness
 from router.metrics import RouterMetrics
 from router.placement import DecodeTable
 from router.policy import Decision, Route
-from router.remote import RemotePrefillFailed, describe, remote_prefill
+from router.remote import describe, remote_prefill
 from router.timings import StageClock
 
 log = structlog.get_logger(__name__)
-
-
-class WorkerLostError(CapacityError):
-    """The worker's lease lapsed and it did not answer a probe: dead, hung or cut off."""
-
-    code = "worker_lost"
 
 
 # Failures of the decode worker, not of the request: the request moves to another worker.
@@ -186,7 +183,7 @@ class Router:
         if exclude:
             decoders = [w for w in decoders if w.worker_id not in exclude]
         if not decoders:
-            raise CapacityError("no decode worker is available", code="no_decode_worker")
+            raise CapacityError("no decode worker is available", code=ErrorCode.NO_DECODE_WORKER)
         # A migrated request's output counts too: it is prefilled with it.
         p = placement.place(req.token_ids, req.latency_class, decoders, prefills,
                             self.kv_index, self.ledger.placed, self.config.policy,
@@ -283,10 +280,9 @@ class Router:
                         yield ev
                 return
             except _WORKER_FAILURES as exc:
-                if isinstance(exc, OverloadedError) or getattr(exc, "code", "") == \
-                        "first_token_deadline":
+                code = code_of(exc)
+                if isinstance(exc, OverloadedError) or code == ErrorCode.FIRST_TOKEN_DEADLINE:
                     raise  # refused, or its deadline is spent: another placement cannot help
-                code = getattr(exc, "code", "timeout")
                 if not streamed:
                     retries += 1
                     if retries >= cfg.max_decode_attempts:
@@ -306,7 +302,7 @@ class Router:
                     raise CapacityError(
                         f"decode worker {decode.worker_id} failed mid-stream after "
                         f"{len(streamed)} tokens and the request already moved {migrations} "
-                        f"times: {describe(exc)}", code="migration_exhausted") from exc
+                        f"times: {describe(exc)}", code=ErrorCode.MIGRATION_EXHAUSTED) from exc
                 migrations += 1
                 self.metrics.migrations.labels(code).inc()
                 log.warning("stream_migrating", request_id=req.request_id,
@@ -331,7 +327,7 @@ class Router:
             if left <= 0:
                 raise WorkerTimeoutError(
                     f"no first token within {first_token_timeout_s:.0f}s, the request's "
-                    "deadline", code="first_token_deadline")
+                    "deadline", code=ErrorCode.FIRST_TOKEN_DEADLINE)
             return left
 
         dclient = self._channels.decode(decode)

@@ -21,17 +21,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from pdserve.errors import InvalidRequestError
 from pdserve.rpc import convert
 from pdserve.rpc.auth import AUTHORIZATION_KEY
 from pdserve.rpc.metadata import metadata_value
 from pdserve.tenants import Tenant, Tenants
-from pdserve.types import (
-    GenerateRequest,
-    InvalidRequestError,
-    TokenEvent,
-    check_request_id,
-    fit_max_tokens,
-)
+from pdserve.types import GenerateRequest, TokenEvent, check_request_id, fit_max_tokens
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.router import Router
 

@@ -25,7 +25,7 @@ import torch
 
 from kvxfer import KVReceiver, KVSender, cma, shm
 from pdserve.control import KVDescriptor
-from pdserve.types import KVLayout
+from pdserve.kv_layout import KVLayout
 
 DESC_ID = "shm-peer:1"
 _calls = 0

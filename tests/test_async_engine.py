@@ -11,15 +11,10 @@ from collections.abc import AsyncIterator
 import pytest
 from engine_util import greedy, run_to_end, tokens
 
-from pdserve.engine.async_engine import AsyncEngine, EngineClosedError
+from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import EngineStats
-from pdserve.types import (
-    FinishReason,
-    GenerateRequest,
-    InvalidRequestError,
-    PromptTooLongError,
-    TokenEvent,
-)
+from pdserve.errors import EngineClosedError, InvalidRequestError, PromptTooLongError
+from pdserve.types import FinishReason, GenerateRequest, TokenEvent
 
 NEW_TOKENS = 16
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from pdserve.control import (
-    ControlPlaneError,
     KVDescriptor,
     WorkerDirectory,
     WorkerInfo,
@@ -23,7 +22,8 @@ from pdserve.control import (
     WorkerRegistry,
     make_descriptor_id,
 )
-from pdserve.types import KVLayout
+from pdserve.errors import ControlPlaneError
+from pdserve.kv_layout import KVLayout
 
 LAYOUT = KVLayout(16, 2, 4, 2, 8, "float32", "tiny-model")
 REPO = Path(__file__).resolve().parents[1]

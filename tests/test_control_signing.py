@@ -24,9 +24,10 @@ from kvxfer.sender import KVSender
 from pdserve.control import WorkerDirectory, WorkerInfo, WorkerRegistry
 from pdserve.control.kv_events import KVEventStreams
 from pdserve.control.signing import RecordSigner, SignatureError, signer_for
+from pdserve.errors import KVTransferError
 from pdserve.kv_events import KVEventBatch, KVOp
+from pdserve.kv_layout import KVLayout
 from pdserve.rpc.auth import ClusterSecret
-from pdserve.types import KVLayout, KVTransferError
 
 SECRET = ClusterSecret(b"control-signing-test-" + uuid.uuid4().hex.encode())
 OTHER = ClusterSecret(b"an-attackers-own-secret-" + uuid.uuid4().hex.encode())

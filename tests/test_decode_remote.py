@@ -23,18 +23,13 @@ import pytest
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 from decode_svc.worker import DecodeWorker
-from kvxfer import Code, KVReceiver, KVSender
+from kvxfer import KVReceiver, KVSender
 from pdserve.control import KVDescriptor, make_descriptor_id
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.errors import CapacityError, ErrorCode, KVTransferError
 from pdserve.handover import FirstToken
-from pdserve.types import (
-    CapacityError,
-    GenerateRequest,
-    KVDestination,
-    KVTransferError,
-    SamplingParams,
-    TokenEvent,
-)
+from pdserve.kv_layout import KVDestination
+from pdserve.types import GenerateRequest, SamplingParams, TokenEvent
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # real engine + UCX: seconds
 
@@ -149,7 +144,7 @@ async def test_no_writer_within_the_lease_is_kv_timeout(decode: DecodeWorker,
         async with asyncio.timeout(5):
             async for _ in stream:
                 pytest.fail("a token without KV")
-    assert failed.value.code == Code.TIMEOUT
+    assert failed.value.code == ErrorCode.KV_TIMEOUT
     await _until(lambda: _all_free(decode))
 
 

@@ -20,7 +20,8 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model
 from pdserve.engine.models.llama import LlamaForCausalLM
-from pdserve.types import GenerateRequest, UnsupportedArchitectureError
+from pdserve.errors import UnsupportedArchitectureError
+from pdserve.types import GenerateRequest
 
 SMALL = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, num_hidden_layers=2, intermediate_size=128, initializer_range=0.2,

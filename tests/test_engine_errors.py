@@ -7,14 +7,8 @@ import math
 import pytest
 from engine_util import greedy, run_to_end, tokens
 
-from pdserve.types import (
-    GenerateRequest,
-    InvalidRequestError,
-    LatencyClass,
-    PdserveError,
-    PromptTooLongError,
-    SamplingParams,
-)
+from pdserve.errors import InvalidRequestError, PdserveError, PromptTooLongError
+from pdserve.types import GenerateRequest, LatencyClass, SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -126,7 +120,7 @@ def test_prompt_larger_than_kv_pool(make_engine) -> None:
 
 
 def test_remote_allocation_without_capacity(make_engine) -> None:
-    from pdserve.types import CapacityError
+    from pdserve.errors import CapacityError
 
     engine = make_engine(num_kv_blocks=4)
     engine.allocate_remote(GenerateRequest("a", (1,) * 40, greedy()))  # 3 of 4 blocks

@@ -19,16 +19,11 @@ import pytest
 from engine_util import serving_engine
 
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.errors import CapacityError, KVTransferError
 from pdserve.gateway.app import GatewayConfig, create_app
 from pdserve.gateway.local_backend import EngineBackend
 from pdserve.gateway.server import running_server
-from pdserve.types import (
-    CapacityError,
-    FinishReason,
-    GenerateRequest,
-    KVTransferError,
-    TokenEvent,
-)
+from pdserve.types import FinishReason, GenerateRequest, TokenEvent
 
 MODEL = "smol-test"
 PROMPT = "The capital of France is"

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from pdserve.errors import KVTransferError
 from pdserve.handover import FirstToken
-from pdserve.types import KVTransferError, TokenLogprob
+from pdserve.types import TokenLogprob
 
 
 @pytest.mark.parametrize("first", [

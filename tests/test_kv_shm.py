@@ -34,10 +34,11 @@ import torch
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
-from kvxfer import Code, KVReceiver, KVSender, cma, shm
+from kvxfer import KVReceiver, KVSender, cma, shm
 from kvxfer.auth import KVAuth
 from pdserve.control import KVDescriptor, make_descriptor_id
-from pdserve.types import KVLayout, KVTransferError
+from pdserve.errors import ErrorCode, KVTransferError
+from pdserve.kv_layout import KVLayout
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -200,10 +201,10 @@ async def test_a_bad_chunk_frame_fails_the_transfer_fenced(rx: KVReceiver,
     async with KVSender(LAYOUT, resolver(rx.address), auth=signed()) as tx:
         with pytest.raises(KVTransferError) as sent:
             await tx.send(DESC_ID, pool(4), [0, 1, 2], [1, 2, 3], xid, 10)
-        assert sent.value.code == Code.PROTOCOL_ERROR
+        assert sent.value.code == ErrorCode.KV_PROTOCOL_ERROR
         with pytest.raises(KVTransferError) as outcome:
             await landed
-        assert outcome.value.code == Code.PROTOCOL_ERROR
+        assert outcome.value.code == ErrorCode.KV_PROTOCOL_ERROR
         after = rx._pool.tensor.clone()
         ring = ring_of(tx).ring
         for slot in range(ring.slots):
@@ -254,7 +255,7 @@ async def test_receiver_killed_mid_transfer(path: str) -> None:
             proc.send_signal(signal.SIGKILL)
             with pytest.raises(KVTransferError) as failed:
                 await asyncio.wait_for(sending, 30)  # well before the transfer's 60 s
-            assert failed.value.code == Code.PEER_GONE
+            assert failed.value.code == ErrorCode.KV_PEER_GONE
             assert not tx._peers  # dropped, ring and all
             assert torch.equal(src, pool(5))
     finally:
@@ -308,7 +309,7 @@ async def test_sender_killed_mid_transfer(path: str, make_engine: Any,
                 proc.send_signal(signal.SIGKILL)
                 with pytest.raises(KVTransferError) as failed:
                     await asyncio.wait_for(stream, 30)  # well before the KV wait's limit
-                assert failed.value.code == Code.PEER_GONE
+                assert failed.value.code == ErrorCode.KV_PEER_GONE
             finally:
                 proc.kill()
                 proc.wait()
@@ -354,7 +355,7 @@ async def test_a_signed_transfer_in_parts_lands_on_every_path(path: str) -> None
         await tx.send(DESC_ID, src, src_ids[:4], dst_ids[:4], xid, 10, part=True)
         with pytest.raises(KVTransferError) as info:
             await other.send(DESC_ID, src, [0], [dst_ids[4]], xid, 10, part=True)
-        assert info.value.code == Code.DUPLICATE_TRANSFER
+        assert info.value.code == ErrorCode.KV_DUPLICATE_TRANSFER
         await tx.send(DESC_ID, src, src_ids[4:8], dst_ids[4:8], xid, 10, part=True)
         assert not landed.done()
         await tx.send(DESC_ID, src, src_ids[8:], dst_ids[8:], xid, 10, notice={"k": 2})

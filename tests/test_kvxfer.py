@@ -16,18 +16,12 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 import ucxx
 
-from kvxfer import (
-    Code,
-    KVReceiver,
-    KVSender,
-    expand_runs,
-    merge_pairs,
-    merge_runs,
-)
+from kvxfer import KVReceiver, KVSender, expand_runs, merge_pairs, merge_runs
 from kvxfer.protocol import CTRL_TAG, data_tag, recv_frame, reply_tag, send_frame
 from kvxfer.runs import split_runs
 from pdserve.control import KVDescriptor, WorkerRegistry, make_descriptor_id
-from pdserve.types import KVLayout, KVTransferError
+from pdserve.errors import ErrorCode, KVTransferError
+from pdserve.kv_layout import KVLayout
 
 # 64 KiB blocks: large enough that UCX uses its rendezvous (zero-copy) protocol.
 LAYOUT = KVLayout(
@@ -189,7 +183,7 @@ async def test_a_transfer_in_parts_lands_with_its_last_write(
     with pytest.raises(KVTransferError, match="notice") as info:
         await sender.send(DESC_ID, src_pool, src_ids[4:], dst_ids[4:], xid, 10,
                           notice={"first_token": 1}, part=True)
-    assert info.value.code == Code.INVALID_ARGUMENT  # refused before anything is sent
+    assert info.value.code == ErrorCode.KV_INVALID_ARGUMENT  # refused before anything is sent
     await sender.send(DESC_ID, src_pool, src_ids[3:], dst_ids[3:], xid, 10,
                       notice={"first_token": 7})
     assert await landed == {"first_token": 7}
@@ -204,14 +198,14 @@ async def test_a_last_write_that_leaves_a_block_unwritten_fails_the_transfer(
     await sender.send(DESC_ID, src_pool, [5, 6], [0, 1], xid, 10, part=True)
     with pytest.raises(KVTransferError, match="2 landed") as info:
         await sender.send(DESC_ID, src_pool, [8], [3], xid, 10)  # block 2 never written
-    assert info.value.code == Code.BLOCK_MISMATCH
+    assert info.value.code == ErrorCode.KV_BLOCK_MISMATCH
     with pytest.raises(KVTransferError, match="expects blocks"):
         await landed
     xid = tid()
     landed = receiver.expect(xid, [4, 5], timeout_s=10)
     with pytest.raises(KVTransferError) as info:  # a part outside the expected blocks
         await sender.send(DESC_ID, src_pool, [5, 6], [5, 6], xid, 10, part=True)
-    assert info.value.code == Code.BLOCK_MISMATCH
+    assert info.value.code == ErrorCode.KV_BLOCK_MISMATCH
     with pytest.raises(KVTransferError):
         await landed
 
@@ -227,18 +221,18 @@ async def test_between_parts_cancel_and_deadline_end_the_transfer_at_once(
     assert time.monotonic() - t0 < 1.0
     with pytest.raises(KVTransferError) as info:
         await landed
-    assert info.value.code == Code.CANCELLED
+    assert info.value.code == ErrorCode.KV_CANCELLED
     before = dst_pool.clone()
     with pytest.raises(KVTransferError, match="already failed") as info:
         await sender.send(DESC_ID, src_pool, [6, 7], [1, 2], xid, 10)
-    assert info.value.code == Code.UNKNOWN_TRANSFER
+    assert info.value.code == ErrorCode.KV_UNKNOWN_TRANSFER
     assert torch.equal(dst_pool, before)
     xid = tid()
     landed = receiver.expect(xid, [3, 4], timeout_s=0.5)  # the deadline spans every part
     await sender.send(DESC_ID, src_pool, [5], [3], xid, 10, part=True)
     with pytest.raises(KVTransferError, match="last part did not arrive") as info:
         await landed
-    assert info.value.code == Code.TIMEOUT
+    assert info.value.code == ErrorCode.KV_TIMEOUT
     assert xid not in receiver._transfers
 
 
@@ -273,7 +267,7 @@ async def test_warmup_opens_the_endpoint_used_by_send(
     assert list(sender._peers.values()) == [peer]
     with pytest.raises(KVTransferError) as info:
         await sender.send(DESC_ID, src_pool, [1], [0], tid(), 10, notice={"x": object()})
-    assert info.value.code == Code.INVALID_ARGUMENT
+    assert info.value.code == ErrorCode.KV_INVALID_ARGUMENT
 
 
 async def test_registry_published_descriptor(
@@ -307,7 +301,7 @@ async def test_stale_epoch_is_rejected_before_any_byte_moves(
     before = receiver._pool.tensor.clone()
     with pytest.raises(KVTransferError, match="restarted") as info:
         await sender.send(stale_id, src_pool, [4, 5], [0, 1], xid, 10)
-    assert info.value.code == Code.STALE_DESCRIPTOR
+    assert info.value.code == ErrorCode.KV_STALE_DESCRIPTOR
     assert torch.equal(receiver._pool.tensor, before)
     assert not landed.done()  # the transfer may still come from a writer with the right id
     calls = resolver.calls
@@ -323,10 +317,10 @@ async def test_out_of_range_blocks(
 ) -> None:
     with pytest.raises(KVTransferError, match="outside the pool") as info:
         await sender.send(DESC_ID, src_pool, [0], [LAYOUT.num_blocks], tid(), 10)
-    assert info.value.code == Code.BLOCK_OUT_OF_RANGE
+    assert info.value.code == ErrorCode.KV_BLOCK_OUT_OF_RANGE
     with pytest.raises(KVTransferError, match="source block") as info:
         await sender.send(DESC_ID, src_pool, [-1], [0], tid(), 10)
-    assert info.value.code == Code.INVALID_ARGUMENT
+    assert info.value.code == ErrorCode.KV_INVALID_ARGUMENT
     assert sender._peers == {}  # rejected locally, before connecting
 
     # A descriptor that lies about the pool size gets past the sender; the receiver refuses.
@@ -338,11 +332,11 @@ async def test_out_of_range_blocks(
     before = receiver._pool.tensor.clone()
     with pytest.raises(KVTransferError, match="outside the pool") as info:
         await sender.send(DESC_ID, src_pool, [0], [40], xid, 10)
-    assert info.value.code == Code.BLOCK_OUT_OF_RANGE
+    assert info.value.code == ErrorCode.KV_BLOCK_OUT_OF_RANGE
     assert torch.equal(receiver._pool.tensor, before)
     with pytest.raises(KVTransferError) as info:
         await landed
-    assert info.value.code == Code.BLOCK_OUT_OF_RANGE
+    assert info.value.code == ErrorCode.KV_BLOCK_OUT_OF_RANGE
 
 
 async def test_unexpected_blocks_and_transfers(
@@ -350,12 +344,12 @@ async def test_unexpected_blocks_and_transfers(
 ) -> None:
     with pytest.raises(KVTransferError, match="not expected") as info:
         await sender.send(DESC_ID, src_pool, [0], [0], "never-expected", 10)
-    assert info.value.code == Code.UNKNOWN_TRANSFER
+    assert info.value.code == ErrorCode.KV_UNKNOWN_TRANSFER
     xid = tid()
     landed = receiver.expect(xid, [2, 3], 10)
     with pytest.raises(KVTransferError, match="expects blocks") as info:
         await sender.send(DESC_ID, src_pool, [0, 1], [3, 4], xid, 10)
-    assert info.value.code == Code.BLOCK_MISMATCH
+    assert info.value.code == ErrorCode.KV_BLOCK_MISMATCH
     with pytest.raises(KVTransferError, match="expects blocks"):
         await landed
 
@@ -367,7 +361,7 @@ async def test_layout_mismatch(
     async with KVSender(other_model, resolver) as tx:
         with pytest.raises(KVTransferError, match="not compatible") as info:
             await tx.send(DESC_ID, src_pool, [0], [0], tid(), 10)
-        assert info.value.code == Code.LAYOUT_MISMATCH
+        assert info.value.code == ErrorCode.KV_LAYOUT_MISMATCH
         assert tx._peers == {}
 
     # A descriptor that lies about the receiver's layout gets past the sender; the receiver
@@ -378,7 +372,7 @@ async def test_layout_mismatch(
     async with KVSender(other_model, resolver) as tx:
         with pytest.raises(KVTransferError, match="not compatible") as info:
             await tx.send(DESC_ID, src_pool, [0], [0], xid, 10)
-        assert info.value.code == Code.LAYOUT_MISMATCH
+        assert info.value.code == ErrorCode.KV_LAYOUT_MISMATCH
     with pytest.raises(KVTransferError, match="not compatible"):
         await landed
 
@@ -390,7 +384,7 @@ async def test_expectation_times_out_without_writer(receiver: KVReceiver) -> Non
     start = time.monotonic()
     with pytest.raises(KVTransferError, match="no writer") as info:
         await receiver.expect(tid(), [0], timeout_s=0.3)
-    assert info.value.code == Code.TIMEOUT
+    assert info.value.code == ErrorCode.KV_TIMEOUT
     assert time.monotonic() - start < 2
 
 
@@ -408,7 +402,7 @@ async def test_send_times_out_when_receiver_never_answers(
         start = time.monotonic()
         with pytest.raises(KVTransferError, match=r"within 0\.5s") as info:
             await tx.send("mute:1", src_pool, [0], [0], tid(), timeout_s=0.5)
-        assert info.value.code == Code.TIMEOUT
+        assert info.value.code == ErrorCode.KV_TIMEOUT
         assert time.monotonic() - start < 3
     listener.close()
 
@@ -418,11 +412,11 @@ async def test_unknown_descriptor_and_unreachable_receiver(
 ) -> None:
     with pytest.raises(KVTransferError, match="does not exist") as info:
         await sender.send("nobody:1", src_pool, [0], [0], tid(), 5)
-    assert info.value.code == Code.DESCRIPTOR_NOT_FOUND
+    assert info.value.code == ErrorCode.KV_DESCRIPTOR_NOT_FOUND
     resolver.add(KVDescriptor("gone:1", "gone", 1, "127.0.0.1:1", LAYOUT))
     with pytest.raises(KVTransferError) as info:
         await sender.send("gone:1", src_pool, [0], [0], tid(), 5)
-    assert info.value.code == Code.CONNECT_FAILED
+    assert info.value.code == ErrorCode.KV_CONNECT_FAILED
 
 
 # --------------------------------------------------------------------------- cancel fence
@@ -436,11 +430,11 @@ async def test_cancel_pending_transfer(
     await receiver.cancel(xid)
     with pytest.raises(KVTransferError) as info:
         await landed
-    assert info.value.code == Code.CANCELLED
+    assert info.value.code == ErrorCode.KV_CANCELLED
     before = dst_pool.clone()
     with pytest.raises(KVTransferError, match="already failed") as info:
         await sender.send(DESC_ID, src_pool, [4, 5], [0, 1], xid, 10)
-    assert info.value.code == Code.UNKNOWN_TRANSFER
+    assert info.value.code == ErrorCode.KV_UNKNOWN_TRANSFER
     assert torch.equal(dst_pool, before)
 
 
@@ -472,7 +466,7 @@ async def test_cancel_fences_posted_receives(
     assert time.monotonic() - start < 5
     with pytest.raises(KVTransferError) as info:
         await landed
-    assert info.value.code == Code.CANCELLED
+    assert info.value.code == ErrorCode.KV_CANCELLED
 
     # The late data must not land: the receiver aborted the endpoint to fence its recvs.
     late = src_pool[0:2].contiguous().view(-1).view(torch.uint8).numpy()
@@ -506,11 +500,11 @@ async def test_receiver_restart(resolver: Resolver, src_pool: torch.Tensor) -> N
             landed = new.expect(xid, [1], 10)
             with pytest.raises(KVTransferError) as info:
                 await tx.send(old_id, src_pool, [4], [1], xid, 10)
-            assert info.value.code == Code.CONNECT_FAILED
+            assert info.value.code == ErrorCode.KV_CONNECT_FAILED
             del resolver.descriptors[old_id]  # the old lease is gone from the registry
             with pytest.raises(KVTransferError) as info:
                 await tx.send(old_id, src_pool, [4], [1], xid, 10)
-            assert info.value.code == Code.DESCRIPTOR_NOT_FOUND
+            assert info.value.code == ErrorCode.KV_DESCRIPTOR_NOT_FOUND
             await tx.send(new_id, src_pool, [4], [1], xid, 10)
             await landed
     assert torch.equal(pool[[0, 1]], src_pool[[3, 4]])

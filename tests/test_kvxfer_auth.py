@@ -20,15 +20,16 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 import ucxx
 
 from decode_svc.main import DecodeConfig, _kv_auth
-from kvxfer import Code, KVReceiver, KVSender
+from kvxfer import KVReceiver, KVSender
 from kvxfer.auth import KVAuth, mac_of
 from kvxfer.pool import digest
 from kvxfer.protocol import CTRL_TAG, data_tag, recv_frame, reply_tag, send_frame
 from pdserve.control import KVDescriptor, WorkerRegistry, make_descriptor_id
 from pdserve.control.directory import WorkerDirectory
 from pdserve.control.workers import WorkerInfo
+from pdserve.errors import ErrorCode, KVTransferError
+from pdserve.kv_layout import KVLayout
 from pdserve.rpc.auth import ClusterSecret
-from pdserve.types import KVLayout, KVTransferError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,7 +96,7 @@ async def _refused(cluster: dict[str, object], auth: KVAuth | None) -> str:
     landed = rx.expect(xid, [4, 5], timeout_s=30)
     with pytest.raises(KVTransferError) as refused:
         await _send(cluster, auth, xid, [4, 5])
-    assert refused.value.code == Code.UNAUTHENTICATED
+    assert refused.value.code == ErrorCode.KV_UNAUTHENTICATED
     assert torch.equal(dst, before)  # not one byte landed
     assert not landed.done()  # the forger could not fail someone else's transfer
     # The receiver keeps serving: the registered prefill worker writes the same transfer.
@@ -189,7 +190,7 @@ async def test_tampered_or_stale_frames_are_refused_and_no_data_lands(
         try:
             await send_frame(ep, CTRL_TAG, frame, 5)
             reply = await recv_frame(ep, reply_tag(1), 5)
-            assert reply["op"] == "reject" and reply["code"] == Code.UNAUTHENTICATED
+            assert reply["op"] == "reject" and reply["code"] == ErrorCode.KV_UNAUTHENTICATED
             assert why in reply["message"]
             with pytest.raises((ucxx.exceptions.UCXError, TimeoutError)):  # disconnected
                 await asyncio.wait_for(ep.send(data, tag=data_tag(1, 0)), 2)

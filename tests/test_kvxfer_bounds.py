@@ -27,13 +27,14 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 import ucxx
 
-from kvxfer import Code, KVReceiver, KVSender
+from kvxfer import KVReceiver, KVSender
 from kvxfer.auth import KVAuth
 from kvxfer.pool import PoolBytes
 from kvxfer.protocol import CTRL_TAG, recv_frame, reply_tag, send_frame
 from pdserve.control import KVDescriptor, make_descriptor_id
+from pdserve.errors import ErrorCode, KVTransferError
+from pdserve.kv_layout import KVLayout
 from pdserve.rpc.auth import ClusterSecret
-from pdserve.types import KVLayout, KVTransferError
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -186,10 +187,11 @@ async def test_idle_pinging_and_refused_peers_do_not_lock_out_a_prefill_worker(
           f"unauthenticated connections peaked at {peak_unauth}; "
           f"refusals { {e: n.total for e, n in rx._peer_logs.items()} }")
     # Refused, or evicted by newer connections before the refusal came: none wrote a byte.
-    assert set(codes) <= {Code.UNAUTHENTICATED, "dropped"}
+    assert set(codes) <= {ErrorCode.KV_UNAUTHENTICATED, "dropped"}
     assert not victim.done() and torch.equal(rx._pool.tensor[0], block0)
-    assert codes.count(Code.UNAUTHENTICATED) >= 700  # 986-1,000 here; evictions drop some
-    assert rx._peer_logs["kv_write_unauthenticated"].total >= codes.count(Code.UNAUTHENTICATED)
+    assert codes.count(ErrorCode.KV_UNAUTHENTICATED) >= 700  # 986-1,000 here; evictions drop some
+    assert (rx._peer_logs["kv_write_unauthenticated"].total
+            >= codes.count(ErrorCode.KV_UNAUTHENTICATED))
     assert peak_unauth <= 32
     by_event = {e["event"] for e in warnings}
     assert len(warnings) <= 2 * len(by_event) <= 8, warnings  # one line per event per 30 s
@@ -289,10 +291,10 @@ async def test_bytes_altered_in_flight_are_refused(signed: bool) -> None:
             with pytest.raises(KVTransferError) as failed:
                 await tx.send(DESC_ID, pool(3), [0, 1, 2], [8, 9, 11], xid, 10,
                               notice={"first_token": 1})
-        assert failed.value.code == Code.INTEGRITY
+        assert failed.value.code == ErrorCode.KV_INTEGRITY_FAILED
         with pytest.raises(KVTransferError) as outcome:
             await landed
-        assert outcome.value.code == Code.INTEGRITY
+        assert outcome.value.code == ErrorCode.KV_INTEGRITY_FAILED
         assert "altered in flight" in outcome.value.message
         assert not rx._transfers  # finished (fenced): nothing may land in them any more
         async with KVSender(LAYOUT, resolver(rx), auth=auth) as clean:
@@ -313,7 +315,7 @@ async def test_a_signed_write_must_carry_digests(rx: KVReceiver) -> None:
     try:
         await send_frame(ep, CTRL_TAG, frame, 5)
         reply = await recv_frame(ep, reply_tag(1), 5)
-        assert reply["op"] == "reject" and reply["code"] == Code.PROTOCOL_ERROR
+        assert reply["op"] == "reject" and reply["code"] == ErrorCode.KV_PROTOCOL_ERROR
         assert "digests" in reply["message"]
     finally:
         ep.abort()
@@ -332,7 +334,8 @@ async def test_a_decode_worker_never_admits_altered_kv_and_frees_its_blocks(
     from decode_svc.worker import DecodeWorker
     from pdserve.engine.async_engine import AsyncEngine
     from pdserve.handover import FirstToken
-    from pdserve.types import GenerateRequest, KVDestination, SamplingParams
+    from pdserve.kv_layout import KVDestination
+    from pdserve.types import GenerateRequest, SamplingParams
 
     async with AsyncEngine(make_engine()) as engine, \
             KVReceiver(engine.kv_pool, engine.layout, DESC_ID, auth=receiver_auth(),
@@ -354,11 +357,11 @@ async def test_a_decode_worker_never_admits_altered_kv_and_frees_its_blocks(
             with pytest.raises(KVTransferError) as sent:
                 await tx.send(DESC_ID, src, list(range(len(dst))), dst, slot.transfer_id, 10,
                               notice=FirstToken(5).to_notice())
-        assert sent.value.code == Code.INTEGRITY
+        assert sent.value.code == ErrorCode.KV_INTEGRITY_FAILED
         with pytest.raises(KVTransferError) as failed:
             async for _ in stream:
                 pytest.fail("a token came from KV that failed its digest")
-        assert failed.value.code == Code.INTEGRITY
+        assert failed.value.code == ErrorCode.KV_INTEGRITY_FAILED
         assert await worker.drained(10)
         for _ in range(200):  # the engine thread publishes its stats after the abort
             if engine.last_stats.free_blocks == engine.last_stats.total_blocks:

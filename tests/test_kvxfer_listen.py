@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvxfer import KVReceiver, listen
-from pdserve.types import KVLayout
+from pdserve.kv_layout import KVLayout
 
 LAYOUT = KVLayout(num_blocks=4, num_layers=2, block_size=16, num_kv_heads=2, head_dim=8,
                   dtype="float32", model_id="m")

@@ -22,7 +22,7 @@ from pdserve.engine.model_store import (
     pull_default_model,
     resolve_model,
 )
-from pdserve.types import ModelLoadError
+from pdserve.errors import ModelLoadError
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.cli_args import add_admission_args, admission_argv, admission_config_from_args
 from pdserve.cluster import LocalCluster
 from pdserve.control.load import WorkerLoad
-from pdserve.errors import ERROR_CLASSES, ErrorKind, OverloadedError, kind_of, rebuild
+from pdserve.errors import (
+    ERROR_CLASSES,
+    CapacityError,
+    ErrorKind,
+    OverloadedError,
+    kind_of,
+    rebuild,
+)
 from pdserve.gateway.errors import from_pdserve
 from pdserve.rpc.errors import RETRY_AFTER_KEY, _error_metadata, status_for
-from pdserve.types import CapacityError, LatencyClass
+from pdserve.types import LatencyClass
 from router.admission import AdmissionConfig, AdmissionController, parse_deadlines
 from router.cost import CostModel, prefill_capacity
 

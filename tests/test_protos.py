@@ -12,21 +12,23 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.rpc import convert, metadata, transport
-from pdserve.rpc import errors as rpc_errors
-from pdserve.rpc.transport import HealthServicer
-from pdserve.types import (
+from pdserve.errors import (
     CapacityError,
-    FinishReason,
-    GenerateRequest,
     InvalidRequestError,
-    KVLayout,
     KVTransferError,
-    LatencyClass,
     ModelLoadError,
     PdserveError,
     PromptTooLongError,
     RequestAbortedError,
+)
+from pdserve.kv_layout import KVLayout
+from pdserve.rpc import convert, metadata, transport
+from pdserve.rpc import errors as rpc_errors
+from pdserve.rpc.transport import HealthServicer
+from pdserve.types import (
+    FinishReason,
+    GenerateRequest,
+    LatencyClass,
     SamplingParams,
     TokenEvent,
     TokenLogprob,

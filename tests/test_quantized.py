@@ -11,7 +11,7 @@ from bench.quality import measure
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu import cpu_info
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.types import InvalidRequestError
+from pdserve.errors import InvalidRequestError
 
 
 def test_int8_stays_close_to_float32(model_dir: Path) -> None:

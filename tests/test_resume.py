@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 from engine_util import remote_prefill, run_to_end, tokens
 
-from pdserve.types import GenerateRequest, InvalidRequestError, SamplingParams
+from pdserve.errors import InvalidRequestError
+from pdserve.types import GenerateRequest, SamplingParams
 
 PARAMS = {
     "greedy": SamplingParams(max_tokens=40),

@@ -18,7 +18,8 @@ from transformers.generation.logits_process import (
 )
 
 from pdserve.engine.sampler import Sampler, apply_processors
-from pdserve.types import GenerateRequest, InvalidRequestError, SamplingParams
+from pdserve.errors import InvalidRequestError
+from pdserve.types import GenerateRequest, SamplingParams
 
 VOCAB = 64
 EOS = 3

@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.engine.model_store import pull_default_model
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from pdserve.types import InvalidRequestError
+from pdserve.errors import InvalidRequestError
 
 TEXTS = [
     "Hello, world!",

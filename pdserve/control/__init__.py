@@ -9,12 +9,11 @@ from pdserve.control.descriptors import (
 )
 from pdserve.control.directory import WorkerDirectory, WorkerEvent
 from pdserve.control.load import WorkerLoad, WorkerLoadError
-from pdserve.control.registry import ControlPlaneError, LoadFn, WorkerRegistry
+from pdserve.control.registry import LoadFn, WorkerRegistry
 from pdserve.control.workers import ROLES, Role, WorkerInfo, WorkerInfoError
 
 __all__ = [
     "ROLES",
-    "ControlPlaneError",
     "DescriptorFormatError",
     "KVDescriptor",
     "LoadFn",

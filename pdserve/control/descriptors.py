@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from pdserve.types import KVLayout
+from pdserve.kv_layout import KVLayout
 
 
 class DescriptorFormatError(ValueError):

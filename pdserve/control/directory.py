@@ -12,8 +12,9 @@ from typing import Literal, Self
 
 import structlog
 
-from pdserve.control.registry import ControlPlaneError, WorkerRegistry
+from pdserve.control.registry import WorkerRegistry
 from pdserve.control.workers import Role, WorkerInfo
+from pdserve.errors import ControlPlaneError
 
 log = structlog.get_logger(__name__)
 

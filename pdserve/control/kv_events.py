@@ -24,8 +24,9 @@ from typing import Any, Protocol, cast
 
 import structlog
 
-from pdserve.control.registry import ControlPlaneError, WorkerRegistry
+from pdserve.control.registry import WorkerRegistry
 from pdserve.control.signing import SignatureError
+from pdserve.errors import ControlPlaneError
 from pdserve.kv_events import KVEventBatch, KVEventError, KVOp
 
 log = structlog.get_logger(__name__)

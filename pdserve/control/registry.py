@@ -36,21 +36,16 @@ from pdserve.control.descriptors import DescriptorFormatError, KVDescriptor
 from pdserve.control.load import WorkerLoad
 from pdserve.control.signing import RecordSigner, SignatureError
 from pdserve.control.workers import Role, WorkerInfo, WorkerInfoError
+from pdserve.errors import ControlPlaneError, ErrorCode
+from pdserve.kv_layout import KVLayout
 from pdserve.ratelog import RateLimitedLog
-from pdserve.types import KVLayout, PdserveError
 
-__all__ = ["ControlPlaneError", "LoadFn", "WorkerInfo", "WorkerRegistry"]
+__all__ = ["LoadFn", "WorkerInfo", "WorkerRegistry"]
 
 log = structlog.get_logger(__name__)
 
 LoadFn = Callable[[], WorkerLoad | Mapping[str, float]]
 T = TypeVar("T")
-
-
-class ControlPlaneError(PdserveError):
-    """Redis is unreachable, too slow, or holds records we cannot read."""
-
-    code = "control_plane_unavailable"
 
 
 # KEYS[1] worker key, KEYS[2] workers set, KEYS[3] epoch counter, KEYS[4..] descriptor keys.
@@ -276,7 +271,7 @@ class WorkerRegistry:
         if not await self._write_lease(info):
             raise ControlPlaneError(
                 f"worker {info.worker_id!r} epoch {info.epoch} is superseded by a newer epoch",
-                code="lease_superseded",
+                code=ErrorCode.LEASE_SUPERSEDED,
             )
         self._info = info
         self._heartbeat_task = asyncio.create_task(

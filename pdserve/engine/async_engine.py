@@ -27,15 +27,10 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import EngineStats, LLMEngine, RemoteAllocation
+from pdserve.errors import EngineClosedError, InvalidRequestError, PdserveError
 from pdserve.kv_events import KVOp
-from pdserve.types import (
-    GenerateRequest,
-    InvalidRequestError,
-    KVLayout,
-    PdserveError,
-    TokenEvent,
-    TokenLogprob,
-)
+from pdserve.kv_layout import KVLayout
+from pdserve.types import GenerateRequest, TokenEvent, TokenLogprob
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -72,10 +67,6 @@ async def load_engine(model_dir: Path, config: EngineConfig) -> LLMEngine:
 
     threading.Thread(target=load, name="pdserve-load", daemon=True).start()
     return await done
-
-
-class EngineClosedError(PdserveError):
-    code = "engine_closed"
 
 
 @dataclass(frozen=True)

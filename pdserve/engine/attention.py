@@ -1,7 +1,7 @@
 """Paged attention over the block-major KV pool.
 
 The pool is one tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``
-(see engine.types.KVLayout). Each step writes the new tokens' K/V into their slots, then
+(see pdserve.kv_layout.KVLayout). Each step writes the new tokens' K/V into their slots, then
 attends over each sequence's whole context read back through its block table.
 
 Two implementations share that contract: a torch CPU/any-device path that is always

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.types import InvalidRequestError, ModelLoadError, UnsupportedArchitectureError
+from pdserve.errors import InvalidRequestError, ModelLoadError, UnsupportedArchitectureError
 
 # Architectures the model code implements. Each is a Llama-style decoder; the differences are
 # captured by ModelConfig flags (qkv bias, QK-norm, RoPE scaling, tied embeddings).

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pdserve.types import InvalidRequestError
+from pdserve.errors import ErrorCode, InvalidRequestError
 
 _CACHE_SIZE = 64  # compiled schemas kept per engine
 # _BYTE_BITS[b, j]: bit j of byte b (bitmask words are little-endian int32: token 32w + k is
@@ -35,7 +35,7 @@ class GrammarCompiler:
         except ImportError as exc:
             raise InvalidRequestError(
                 "structured output needs xgrammar (pip install 'pdserve[structured]')",
-                code="unsupported_parameter", param="response_format") from exc
+                code=ErrorCode.UNSUPPORTED_PARAMETER, param="response_format") from exc
         self._xgr = xgrammar
         self.vocab_size = vocab_size
         info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
@@ -52,8 +52,8 @@ class GrammarCompiler:
             compiled = self._compiler.compile_json_schema(schema, any_whitespace=False)
         except Exception as exc:  # xgrammar raises plain RuntimeErrors for bad schemas
             raise InvalidRequestError(f"invalid JSON schema: {str(exc)[:300]}",
-                                      code="invalid_json_schema",
-                                      param="response_format") from None
+                                      code=ErrorCode.INVALID_JSON_SCHEMA,
+                                      param="response_format") from exc
         self._cache[schema] = compiled
         if len(self._cache) > _CACHE_SIZE:
             self._cache.popitem(last=False)

@@ -21,16 +21,14 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import SeqMode, SeqStatus, Sequence
 from pdserve.engine.step_rates import StepRates
+from pdserve.errors import CapacityError, ErrorCode, InvalidRequestError, PromptTooLongError
+from pdserve.kv_layout import KVLayout
 from pdserve.types import (
     QUEUE_TIME_BUCKETS,
-    CapacityError,
     DurationHistogram,
     EngineStats,
     FinishReason,
     GenerateRequest,
-    InvalidRequestError,
-    KVLayout,
-    PromptTooLongError,
     TokenEvent,
     TokenLogprob,
 )
@@ -332,7 +330,7 @@ class LLMEngine:
         if self._grammar_compiler is None:
             if self.tokenizer is None:
                 raise InvalidRequestError("structured output needs the engine's tokenizer",
-                                          code="unsupported_parameter",
+                                          code=ErrorCode.UNSUPPORTED_PARAMETER,
                                           param="response_format")
             from pdserve.engine.grammar import GrammarCompiler
 

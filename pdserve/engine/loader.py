@@ -11,7 +11,7 @@ from safetensors import safe_open
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.linear import QUANT_FORMATS, attach_gguf_blocks
 from pdserve.engine.models.llama import LlamaForCausalLM
-from pdserve.types import ModelLoadError
+from pdserve.errors import ModelLoadError
 
 log = structlog.get_logger(__name__)
 

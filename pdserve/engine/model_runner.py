@@ -10,7 +10,7 @@ from pdserve.engine.attention import HAVE_FLASH_ATTN, AttentionMetadata
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
-from pdserve.types import KVLayout
+from pdserve.kv_layout import KVLayout
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

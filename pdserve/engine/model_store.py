@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from pdserve.types import ModelLoadError, UnsupportedArchitectureError
+from pdserve.errors import ErrorCode, ModelLoadError, UnsupportedArchitectureError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = frozenset({"default", DEFAULT_MODEL_NAME})
@@ -179,7 +179,7 @@ def resolve_model(
     raise ModelLoadError(
         f"model {str(spec)!r} is not a local directory or .gguf file, and no model hub is "
         f"reachable from here; pass a local path, or 'default' for {DEFAULT_MODEL_NAME}",
-        code="model_not_found",
+        code=ErrorCode.MODEL_NOT_FOUND,
     )
 
 

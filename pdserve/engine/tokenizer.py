@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.engine.model_store import import_transformers_offline
-from pdserve.types import InvalidRequestError, ModelLoadError
+from pdserve.errors import ErrorCode, InvalidRequestError, ModelLoadError
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -86,7 +86,7 @@ class Tokenizer:
         if not self.has_chat_template:
             raise InvalidRequestError(
                 f"model {self.name} has no chat template; send a plain prompt instead",
-                code="chat_template_missing",
+                code=ErrorCode.CHAT_TEMPLATE_MISSING,
                 param="messages",
             )
         import jinja2
@@ -96,7 +96,7 @@ class Tokenizer:
         except jinja2.TemplateError as exc:  # templates raise to reject e.g. role order
             raise InvalidRequestError(
                 f"the chat template rejected the messages: {exc}",
-                code="invalid_messages",
+                code=ErrorCode.INVALID_MESSAGES,
                 param="messages",
             ) from exc
         return text
@@ -111,7 +111,7 @@ def validate_chat_messages(messages: Any) -> list[dict[str, str]]:
     holding only those two keys. Raises InvalidRequestError otherwise."""
 
     def bad(message: str) -> InvalidRequestError:
-        return InvalidRequestError(message, code="invalid_messages", param="messages")
+        return InvalidRequestError(message, code=ErrorCode.INVALID_MESSAGES, param="messages")
 
     if not isinstance(messages, list):
         raise bad(f"messages must be a list, got {type(messages).__name__}")

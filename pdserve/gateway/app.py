@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.engine.metrics import MODEL_LABEL, labelled_registry
+from pdserve.errors import ErrorCode
 from pdserve.gateway.backend import GenerationBackend, ListsWorkers
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.errors import PERMISSION, SERVER_ERROR, APIError, bad_request
@@ -110,7 +111,7 @@ class _Routes:
     async def health(self) -> JSONResponse:
         ok, reason = self.backend.ready()
         if not ok:
-            return APIError(503, reason, type=SERVER_ERROR, code="not_ready",
+            return APIError(503, reason, type=SERVER_ERROR, code=ErrorCode.NOT_READY,
                             headers={"Retry-After": str(self.config.retry_after_s)}).response()
         return JSONResponse(Health(status="ok").body())
 
@@ -118,7 +119,7 @@ class _Routes:
         assert isinstance(self.backend, ListsWorkers)  # the route exists only then
         if not tenant_of(request.scope).policy.admin:  # internal addresses: operators only
             raise APIError(403, "listing workers needs an admin API key", type=PERMISSION,
-                           code="permission_denied")
+                           code=ErrorCode.PERMISSION_DENIED)
         found = [w for role in _ROLES for w in self.backend.workers(role)]
         return JSONResponse(WorkerList(workers=[
             dataclasses.asdict(w) if dataclasses.is_dataclass(w) and not isinstance(w, type)
@@ -136,11 +137,11 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     where = f"{request.method} {request.url.path}"
     if exc.status_code == 404:
-        return APIError(404, f"no such route: {where}", code="not_found").response()
+        return APIError(404, f"no such route: {where}", code=ErrorCode.NOT_FOUND).response()
     if exc.status_code == 405:
-        return APIError(405, f"method not allowed: {where}", code="method_not_allowed",
+        return APIError(405, f"method not allowed: {where}", code=ErrorCode.METHOD_NOT_ALLOWED,
                         headers=dict(exc.headers or {})).response()
-    return APIError(exc.status_code, str(exc.detail), code="http_error",
+    return APIError(exc.status_code, str(exc.detail), code=ErrorCode.HTTP_ERROR,
                     headers=dict(exc.headers or {})).response()
 
 

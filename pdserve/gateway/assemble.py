@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.errors import ErrorCode
 from pdserve.gateway.errors import APIError, internal, unavailable
 from pdserve.gateway.protocol import (
     AssistantMessage,
@@ -165,9 +166,10 @@ ResponseBuilder = CompletionBuilder | ChatBuilder
 def finish_error(ev: TokenEvent, retry_after_s: int) -> APIError | None:
     """The error a final event reports, if it failed."""
     if ev.finish_reason is FinishReason.ERROR:
-        return internal(f"generation failed: {ev.error or 'engine error'}", "engine_error")
+        return internal(f"generation failed: {ev.error or 'engine error'}",
+                        ErrorCode.ENGINE_ERROR)
     if ev.finish_reason is FinishReason.ABORT:
-        return unavailable("the server aborted the request", code="aborted",
+        return unavailable("the server aborted the request", code=ErrorCode.ABORTED,
                            retry_after_s=retry_after_s)
     return None
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import from_json
 from starlette.requests import Request
 
+from pdserve.errors import ErrorCode
 from pdserve.gateway.errors import APIError, bad_request
 from pdserve.gateway.protocol import Neutral
 
@@ -27,7 +28,7 @@ PARSER_MAX_DEPTH = 200
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
     too_large = APIError(413, f"the request body exceeds {limit} bytes",
-                         code="request_too_large")
+                         code=ErrorCode.REQUEST_TOO_LARGE)
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -51,12 +52,12 @@ def parse_json_object(raw: bytes, max_depth: int = 32) -> dict[str, Any]:
         body = from_json(raw, allow_inf_nan=False)
     except ValueError as exc:
         if "recursion limit" in str(exc):
-            raise _too_deep(max_depth) from None
+            raise _too_deep(max_depth) from exc
         raise bad_request(f"the request body is not valid JSON: {exc}",
-                          code="invalid_json") from None
+                          code=ErrorCode.INVALID_JSON) from exc
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}",
-                          code="invalid_json")
+                          code=ErrorCode.INVALID_JSON)
     if json_depth(body) > max_depth:
         raise _too_deep(max_depth)
     return body
@@ -64,7 +65,7 @@ def parse_json_object(raw: bytes, max_depth: int = 32) -> dict[str, Any]:
 
 def _too_deep(max_depth: int) -> APIError:
     return bad_request(f"the request body is nested deeper than {max_depth} levels",
-                       code="json_too_deep")
+                       code=ErrorCode.JSON_TOO_DEEP)
 
 
 def json_depth(value: Any) -> int:
@@ -86,7 +87,7 @@ def validate(body: dict[str, Any], model: type[M], unsupported: Mapping[str, Neu
         if name in body:
             if not neutral(body[name]):
                 raise bad_request(f"'{name}' is not supported by this server", param=name,
-                                  code="unsupported_parameter")
+                                  code=ErrorCode.UNSUPPORTED_PARAMETER)
             body = {k: v for k, v in body.items() if k != name}
     ignored = sorted(k for k in body if k not in model.model_fields)
     if ignored:
@@ -94,7 +95,7 @@ def validate(body: dict[str, Any], model: type[M], unsupported: Mapping[str, Neu
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        raise _from_validation(exc) from None
+        raise _from_validation(exc) from exc
 
 
 def _from_validation(exc: ValidationError) -> APIError:
@@ -106,10 +107,11 @@ def _from_validation(exc: ValidationError) -> APIError:
     param = str(err["loc"][0]) if err["loc"] else None
     if err["type"] == "extra_forbidden":
         return bad_request(f"unrecognized request argument: {param}", param=param,
-                           code="unknown_parameter")
+                           code=ErrorCode.UNKNOWN_PARAMETER)
     if err["type"] == "missing":
         return bad_request(f"missing required argument: {param}", param=param,
-                           code="missing_parameter")
+                           code=ErrorCode.MISSING_PARAMETER)
     # Union errors repeat per member type; the first tells the client enough.
     return bad_request(f"invalid value for {param}: {err['msg']}", param=param,
-                       code="invalid_type" if err["type"].endswith("_type") else "invalid_value")
+                       code=ErrorCode.INVALID_TYPE if err["type"].endswith("_type")
+                       else ErrorCode.INVALID_VALUE)

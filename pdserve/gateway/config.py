@@ -6,9 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from pdserve.errors import InvalidRequestError
 from pdserve.gateway.body import PARSER_MAX_DEPTH
 from pdserve.tenants import KeyPolicy
-from pdserve.types import InvalidRequestError
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from pdserve.errors import ErrorKind, kind_of
+from pdserve.errors import ErrorCode, ErrorKind, PdserveError, kind_of
 from pdserve.gateway.protocol import ErrorBody, ErrorResponse, ErrorType
-from pdserve.types import PdserveError
 
 INVALID_REQUEST: ErrorType = "invalid_request_error"
 SERVER_ERROR: ErrorType = "server_error"
@@ -49,7 +48,7 @@ class APIError(Exception):
 
 
 def bad_request(message: str, *, param: str | None = None,
-                code: str | None = "invalid_request") -> APIError:
+                code: str | None = ErrorCode.INVALID_REQUEST) -> APIError:
     return APIError(400, message, code=code, param=param)
 
 
@@ -60,10 +59,11 @@ def unavailable(message: str, *, code: str, retry_after_s: int) -> APIError:
 
 def timed_out(timeout_s: float) -> APIError:
     return APIError(504, f"the request did not finish within {timeout_s:g} s",
-                    type=SERVER_ERROR, code="timeout")
+                    type=SERVER_ERROR, code=ErrorCode.TIMEOUT)
 
 
-def internal(message: str = "internal server error", code: str = "internal_error") -> APIError:
+def internal(message: str = "internal server error",
+             code: str = ErrorCode.INTERNAL_ERROR) -> APIError:
     return APIError(500, message, type=SERVER_ERROR, code=code)
 
 

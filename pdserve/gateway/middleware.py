@@ -15,9 +15,10 @@ import structlog
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.errors import ErrorCode, InvalidRequestError
 from pdserve.gateway.errors import APIError, bad_request, internal
 from pdserve.tenants import OPEN, Tenant, Tenants
-from pdserve.types import MAX_REQUEST_ID_LEN, InvalidRequestError, check_request_id
+from pdserve.types import MAX_REQUEST_ID_LEN, check_request_id
 
 log = structlog.get_logger(__name__)
 
@@ -64,10 +65,10 @@ class RequestContextMiddleware:
         scheme, _, token = auth.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
-                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                            code=ErrorCode.INVALID_API_KEY, headers={"WWW-Authenticate": "Bearer"})
         tenant = self._tenants.identify(token.strip())
         if tenant is None:
-            return APIError(401, "incorrect API key provided", code="invalid_api_key",
+            return APIError(401, "incorrect API key provided", code=ErrorCode.INVALID_API_KEY,
                             headers={"WWW-Authenticate": "Bearer"})
         return tenant
 
@@ -81,7 +82,8 @@ class RequestContextMiddleware:
         error = None
         if not _valid_request_id(rid):
             error = bad_request(f"X-Request-Id must be 1-{MAX_REQUEST_ID_LEN} printable ASCII "
-                                "characters", param="X-Request-Id", code="invalid_request_id")
+                                "characters", param="X-Request-Id",
+                                code=ErrorCode.INVALID_REQUEST_ID)
             rid = _new_request_id(scope["path"])
         scope[REQUEST_ID_SCOPE_KEY] = rid
 

@@ -17,6 +17,7 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
+from pdserve.errors import CapacityError, InvalidRequestError, PdserveError
 from pdserve.gateway.assemble import (
     Choice,
     finish_error,
@@ -49,7 +50,7 @@ from pdserve.gateway.translate import (
     parse_latency_class,
 )
 from pdserve.tenants import Lease, Tenant, Tenants
-from pdserve.types import CapacityError, InvalidRequestError, PdserveError, TokenEvent
+from pdserve.types import TokenEvent
 
 log = structlog.get_logger(__name__)
 

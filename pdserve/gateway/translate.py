@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
+from pdserve.errors import ErrorCode
 from pdserve.gateway.assemble import ChatBuilder, CompletionBuilder, ResponseBuilder
 from pdserve.gateway.backend import GenerationBackend
 from pdserve.gateway.body import validate
@@ -85,7 +86,7 @@ class Translator:
                 model not in self.config.model_aliases:
             shown = model if len(model) <= 100 else model[:100] + "..."
             raise APIError(404, f"the model '{shown}' does not exist; this server serves "
-                           f"'{self.model_name}'", code="model_not_found", param="model")
+                           f"'{self.model_name}'", code=ErrorCode.MODEL_NOT_FOUND, param="model")
 
     async def prepare(self, kind: Kind, body: dict[str, Any], request_id: str,
                       header_class: LatencyClass | None, tenant: Tenant) -> Prepared:
@@ -101,7 +102,7 @@ class Translator:
         if header_class is not None and body_class is not None and header_class != body_class:
             raise bad_request(f"the {LATENCY_CLASS_HEADER} header ({header_class}) and the "
                               f"latency_class field ({body_class}) disagree",
-                              param="latency_class", code="invalid_latency_class")
+                              param="latency_class", code=ErrorCode.INVALID_LATENCY_CLASS)
         latency_class = tenant.latency_class(header_class or body_class or LatencyClass.STANDARD)
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true",
@@ -117,7 +118,7 @@ class Translator:
             echo = req.echo
             if echo and logprobs is not None:
                 raise bad_request("echo with logprobs (prompt logprobs) is not supported",
-                                  param="echo", code="unsupported_parameter")
+                                  param="echo", code=ErrorCode.UNSUPPORTED_PARAMETER)
         else:
             prompt_param = "messages"
             ids = await asyncio.to_thread(self.backend.tokenizer.apply_chat_template,
@@ -192,9 +193,9 @@ class Translator:
         for key, value in (bias or {}).items():
             try:
                 token = int(key)
-            except ValueError:
+            except ValueError as exc:
                 raise bad_request(f"logit_bias keys must be token ids, got {key[:32]!r}",
-                                  param="logit_bias") from None
+                                  param="logit_bias") from exc
             if not 0 <= token < vocab:
                 raise bad_request(f"logit_bias token id {token} is outside the vocabulary "
                                   f"[0, {vocab})", param="logit_bias")
@@ -244,7 +245,7 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         extra = sorted(set(msg) - _MESSAGE_KEYS)
         if extra:
             raise bad_request(f"messages[{i}].{extra[0]} is not supported by this server",
-                              param="messages", code="unsupported_parameter")
+                              param="messages", code=ErrorCode.UNSUPPORTED_PARAMETER)
         msg = {k: v for k, v in msg.items() if k != "name"}
         if msg.get("role") == "developer":  # OpenAI's newer name for the system role
             msg["role"] = "system"
@@ -255,7 +256,7 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 if not (isinstance(part, dict) and part.get("type") == "text"
                         and isinstance(part.get("text"), str)):
                     raise bad_request(f"messages[{i}].content: only text parts are supported",
-                                      param="messages", code="unsupported_parameter")
+                                      param="messages", code=ErrorCode.UNSUPPORTED_PARAMETER)
                 texts.append(part["text"])
             msg["content"] = "".join(texts)
         out.append(msg)

@@ -55,6 +55,7 @@ from typing import Any
 import grpc
 import structlog
 
+from pdserve.errors import ErrorCode
 from pdserve.private_file import read_private_text
 from pdserve.ratelog import RateLimitedLog
 from pdserve.rpc.errors import ERROR_CODE_KEY
@@ -66,7 +67,6 @@ CLUSTER_SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 CLUSTER_TOKEN_KEY = "x-pdserve-cluster-token"  # call metadata: hex HMAC(secret, "grpc")
 AUTHORIZATION_KEY = "authorization"  # call metadata: "Bearer <api key>"
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
-UNAUTHENTICATED_CODE = "unauthenticated"  # pdserve-error-code of a refused call
 MIN_SECRET_CHARS = 16
 MIN_SECRET_DISTINCT_CHARS = 8
 MIN_SECRET_BITS = 64.0  # Shannon estimate, see the module docstring
@@ -262,7 +262,7 @@ def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHan
     """A handler that aborts at once, reading no request: a request-streaming one whatever
     `handler` is, since grpc reads a unary request before it calls the handler (a caller
     that never sent it would hold the call open), and with no deserializer."""
-    trailers = ((ERROR_CODE_KEY, UNAUTHENTICATED_CODE),)
+    trailers = ((ERROR_CODE_KEY, str(ErrorCode.UNAUTHENTICATED)),)
 
     async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message, trailing_metadata=trailers)

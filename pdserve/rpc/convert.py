@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from pdserve.errors import ErrorCode, InvalidRequestError
+from pdserve.kv_layout import KVDestination, KVLayout
 from pdserve.types import (
     FinishReason,
     GenerateRequest,
-    InvalidRequestError,
-    KVDestination,
-    KVLayout,
     LatencyClass,
     PrefillReport,
     SamplingParams,
@@ -52,10 +51,10 @@ def latency_from_proto(value: int) -> LatencyClass:
     """UNSPECIFIED means STANDARD; a value this build does not know is an invalid request."""
     try:
         return _LATENCY_FROM_PROTO[value]
-    except KeyError:
-        raise InvalidRequestError(
-            f"unknown latency class {value}", code="invalid_latency_class", param="latency_class"
-        ) from None
+    except KeyError as exc:
+        raise InvalidRequestError(f"unknown latency class {value}",
+                                  code=ErrorCode.INVALID_LATENCY_CLASS,
+                                  param="latency_class") from exc
 
 
 def finish_reason_to_proto(reason: FinishReason | None) -> common_pb2.FinishReason:
@@ -71,9 +70,8 @@ def finish_reason_from_proto(value: int) -> FinishReason | None:
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     if params.seed is not None and not _INT64[0] <= params.seed <= _INT64[1]:
-        raise InvalidRequestError(
-            "seed must fit in a signed 64-bit integer", code="invalid_sampling_params", param="seed"
-        )
+        raise InvalidRequestError("seed must fit in a signed 64-bit integer",
+                                  code=ErrorCode.INVALID_SAMPLING_PARAMS, param="seed")
     return common_pb2.SamplingParams(
         max_tokens=params.max_tokens,
         temperature=params.temperature,

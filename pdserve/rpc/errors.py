@@ -14,9 +14,17 @@ from typing import Any
 
 import grpc
 
-from pdserve.errors import ErrorKind, code_of, kind_of, rebuild
+from pdserve.errors import (
+    ErrorCode,
+    ErrorKind,
+    InvalidRequestError,
+    PdserveError,
+    code_of,
+    kind_of,
+    rebuild,
+)
 from pdserve.rpc.metadata import REQUEST_ID_KEY, invalid_request_id, metadata_value
-from pdserve.types import MAX_REQUEST_ID_LEN, InvalidRequestError, PdserveError
+from pdserve.types import MAX_REQUEST_ID_LEN
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +67,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     Client mistakes that no handler gets to see are INVALID_ARGUMENT too: a request message
     that does not parse (e.g. a string field that is not UTF-8; code `invalid_message`), and
-    an `x-request-id` that breaks the request id rule of `engine.types.check_request_id`
+    an `x-request-id` that breaks the request id rule of `pdserve.types.check_request_id`
     (code `invalid_request_id`; it is then neither logged nor echoed).
     """
 
@@ -79,7 +87,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             request_id = None
             refusal = InvalidRequestError(
                 f"{REQUEST_ID_KEY} metadata must be 1-{MAX_REQUEST_ID_LEN} printable ASCII "
-                "characters", code="invalid_request_id", param=REQUEST_ID_KEY)
+                "characters", code=ErrorCode.INVALID_REQUEST_ID, param=REQUEST_ID_KEY)
 
         def behavior(kind: Callable[..., Any]) -> Callable[..., Any]:
             return kind if refusal is None else _raiser(refusal)
@@ -141,7 +149,7 @@ def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], An
 def _check_decoded(request: Any) -> None:
     if isinstance(request, _Undecodable):
         raise InvalidRequestError(f"the request message does not parse: {request.error}",
-                                  code="invalid_message")
+                                  code=ErrorCode.INVALID_MESSAGE)
 
 
 async def _abort(
@@ -214,7 +222,7 @@ def _wrap_stream(
 
 
 def error_from_rpc(exc: grpc.RpcError) -> PdserveError | TimeoutError:
-    """The engine.types error a failed call stands for; raise it `from exc`.
+    """The `pdserve.errors` exception a failed call stands for; raise it `from exc`.
 
     The class comes from the `pdserve-error-code` trailer when the registry names it, else
     from the status (UNAVAILABLE without a trailer, e.g. a dead worker, becomes CapacityError
@@ -229,7 +237,7 @@ def error_from_rpc(exc: grpc.RpcError) -> PdserveError | TimeoutError:
     code = metadata_value(trailers, ERROR_CODE_KEY)
     param = metadata_value(trailers, ERROR_PARAM_KEY)
     if code is None and status == grpc.StatusCode.UNAVAILABLE:
-        code = "worker_unavailable"
+        code = ErrorCode.WORKER_UNAVAILABLE
     return rebuild(_KIND_BY_STATUS.get(status, ErrorKind.INTERNAL), code, message, param)
 
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import grpc
 
-from pdserve.types import InvalidRequestError, check_request_id
+from pdserve.errors import InvalidRequestError
+from pdserve.types import check_request_id
 
 REQUEST_ID_KEY = "x-request-id"  # invocation metadata; echoed in error trailers
 

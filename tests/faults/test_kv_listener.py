@@ -35,7 +35,7 @@ import ucxx
 from kvxfer import KVReceiver, KVSender
 from kvxfer.protocol import CTRL_TAG, MAX_FRAME_BYTES, data_tag
 from pdserve.control import KVDescriptor, make_descriptor_id
-from pdserve.types import KVLayout
+from pdserve.kv_layout import KVLayout
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -21,9 +21,10 @@ import pytest
 
 from pdserve.cluster import free_port
 from pdserve.control.directory import WorkerDirectory
-from pdserve.control.registry import ControlPlaneError, WorkerRegistry
+from pdserve.control.registry import WorkerRegistry
 from pdserve.control.workers import WorkerInfo
-from pdserve.types import KVLayout
+from pdserve.errors import ControlPlaneError
+from pdserve.kv_layout import KVLayout
 
 pytestmark = pytest.mark.timeout(600)
 
