@@ -203,15 +203,16 @@ def make_model(args: argparse.Namespace, workdir: Path) -> tuple[Path, str]:
 
 
 def hf_reference(model_dir: Path, prompt_ids: list[list[int]], dtype: Any,
-                 device: str) -> tuple[list[list[int]], list[list[float]]]:
+                 device: str) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
     """Greedy outputs of transformers generate on the same weights (as tests/conftest.py),
-    and the log-probability of each token chosen (log-softmax of its float32 logits)."""
+    the log-probability of each token chosen (log-softmax of its float32 logits), and the gap
+    to the runner-up at each step (how near a tie the choice was)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
     hf = hf.to(device)
-    outs, lps = [], []
+    outs, lps, gaps = [], [], []
     with torch.inference_mode():
         for ids in prompt_ids:
             x = torch.tensor([ids], device=device)
@@ -221,22 +222,28 @@ def hf_reference(model_dir: Path, prompt_ids: list[list[int]], dtype: Any,
             logp = torch.log_softmax(torch.stack(y.logits)[:, 0].float(), dim=-1)
             outs.append(new.tolist())
             lps.append(logp[torch.arange(len(new), device=logp.device), new].tolist())
+            top2 = logp.topk(2, dim=-1).values
+            gaps.append((top2[:, 0] - top2[:, 1]).tolist())
     del hf
-    return outs, lps
+    return outs, lps, gaps
 
 
 def agreement(got: list[list[int]], ref: list[list[int]],
               got_lp: list[list[float | None]] | None = None,
-              ref_lp: list[list[float]] | None = None) -> dict[str, Any]:
+              ref_lp: list[list[float]] | None = None,
+              ref_gap: list[list[float]] | None = None) -> dict[str, Any]:
     """How far each output follows the reference: identical outputs, the tokens before the
-    first difference (after one, greedy continuations may part for good), and the largest
-    difference of a chosen token's log-probability up to there."""
-    prefix, lp_diff = [], 0.0
+    first difference (after one, greedy continuations may part for good), the largest
+    difference of a chosen token's log-probability up to there, and at each first difference
+    the reference's gap between its top two log-probabilities."""
+    prefix, lp_diff, tie_gaps = [], 0.0, []
     for i, (g, r) in enumerate(zip(got, ref, strict=True)):
         n = 0
         while n < min(len(g), len(r)) and g[n] == r[n]:
             n += 1
         prefix.append(n)
+        if ref_gap is not None and n < len(r):
+            tie_gaps.append(ref_gap[i][n])
         if got_lp is not None and ref_lp is not None:
             lp_diff = max([lp_diff, *(abs(a - b) for a, b in zip(got_lp[i][:n], ref_lp[i][:n],
                                                                  strict=True) if a is not None)])
@@ -245,6 +252,8 @@ def agreement(got: list[list[int]], ref: list[list[int]],
            "reference_tokens": sum(len(r) for r in ref), "per_prompt_prefix": prefix}
     if got_lp is not None:
         out["max_abs_logprob_diff"] = lp_diff
+    if ref_gap is not None:
+        out["reference_top2_gap_at_first_difference"] = tie_gaps
     return out
 
 
@@ -475,7 +484,7 @@ def check_engine(args: argparse.Namespace, model_dir: Path, record: dict[str, An
         section: dict[str, Any] = {}
         record["engine"][dtype_name] = section
         started = time.perf_counter()
-        ref, ref_lp = hf_reference(model_dir, prompt_ids, dtype, args.device)
+        ref, ref_lp, ref_gap = hf_reference(model_dir, prompt_ids, dtype, args.device)
         section["reference_s"] = round(time.perf_counter() - started, 2)
         section["reference_distinct_tokens"] = len({t for r in ref for t in r})
         section["reference"] = ref
@@ -485,6 +494,8 @@ def check_engine(args: argparse.Namespace, model_dir: Path, record: dict[str, An
         results: dict[str, Any] = {}
         section["scenarios"] = results
         runs = dict(engines.scenarios(prompt_ids))
+        runs["one_at_a_time_again"] = runs["one_at_a_time"]  # run to run: deterministic?
+        logprobs: dict[str, list[list[float | None]]] = {}
         if not args.skip_kv:
             runs["disaggregated_ucx"] = functools.partial(engines.disaggregated_ucx, prompt_ids)
         for name, scenario in runs.items():
@@ -497,7 +508,8 @@ def check_engine(args: argparse.Namespace, model_dir: Path, record: dict[str, An
                 continue
             res["s"] = round(time.perf_counter() - started, 2)
             if "outputs" in res:
-                res["agreement"] = agreement(res["outputs"], ref, res.pop("logprobs"), ref_lp)
+                logprobs[name] = res.pop("logprobs")
+                res["agreement"] = agreement(res["outputs"], ref, logprobs[name], ref_lp, ref_gap)
                 res["identical"] = res["agreement"]["identical"] == len(ref)
             else:  # prefix_cache: the identical prompt again against the reference
                 res["identical"] = (res["outputs_long_again"] == ref[-1]
@@ -511,6 +523,16 @@ def check_engine(args: argparse.Namespace, model_dir: Path, record: dict[str, An
                   f"{a.get('reference_tokens', '-')} tokens before a difference, "
                   f"max |dlogprob| {a.get('max_abs_logprob_diff', float('nan')):.2e}, "
                   f"{res['s']} s", flush=True)
+            if a.get("reference_top2_gap_at_first_difference"):
+                print("    reference's top-2 gap where they part: " + ", ".join(
+                    f"{g:.1e}" for g in a["reference_top2_gap_at_first_difference"]), flush=True)
+        if "one_at_a_time" in logprobs and "one_at_a_time_again" in logprobs:
+            first, again = logprobs["one_at_a_time"], logprobs["one_at_a_time_again"]
+            section["run_to_run"] = {
+                "identical_tokens": results["one_at_a_time"]["outputs"]
+                == results["one_at_a_time_again"]["outputs"],
+                "identical_logprobs": first == again}
+            print(f"[{dtype_name}] run to run: {section['run_to_run']}", flush=True)
         if dtype_name != "float32" and "batched" in results and "outputs" in results.get(
                 "one_at_a_time", {}):
             # Batch invariance in low precision: batched vs alone on the same engine code.
