@@ -34,6 +34,7 @@ from pdserve.engine.block_manager import BlockHash, BlockManager, block_hashes
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import SeqMode, SeqStatus, Sequence
+from pdserve.engine.stats import QUEUE_TIME_BUCKETS, DurationHistogram, EngineStats
 from pdserve.engine.step_rates import StepRates
 from pdserve.errors import (
     CapacityError,
@@ -44,15 +45,7 @@ from pdserve.errors import (
 )
 from pdserve.kv_events import KVOp
 from pdserve.kv_layout import KVLayout
-from pdserve.types import (
-    QUEUE_TIME_BUCKETS,
-    DurationHistogram,
-    EngineStats,
-    FinishReason,
-    GenerateRequest,
-    TokenEvent,
-    TokenLogprob,
-)
+from pdserve.types import FinishReason, GenerateRequest, TokenEvent, TokenLogprob
 
 VOCAB = 49152  # SmolLM2's vocabulary: the router's tokenizer and validation use that model
 
@@ -265,8 +258,8 @@ class EmulatedEngine:
                 continue
             now = time.monotonic()
             for s in out.scheduled:
-                if not s.seq.timings.scheduled:
-                    s.seq.timings.scheduled = now
+                if not s.seq.first_scheduled:
+                    s.seq.first_scheduled = now
                     self.queue_time.observe(now - s.seq.arrival)
             seconds = self.time_scale * self.cost.step_s(
                 [(s.start, s.num_new_tokens) for s in out.scheduled])
@@ -365,8 +358,6 @@ class EmulatedEngine:
 
     def _process_token(self, seq: Sequence, tok: int) -> TokenEvent:
         seq.append_token(tok)
-        if not seq.timings.first_token:
-            seq.timings.first_token = time.monotonic()
         if (seq.num_output_tokens >= seq.sampling.max_tokens
                 or seq.num_tokens >= self.max_model_len):
             return self._finish(seq, FinishReason.LENGTH, token=tok)
@@ -375,7 +366,6 @@ class EmulatedEngine:
     def _finish(self, seq: Sequence, reason: FinishReason, *, token: int | None = None,
                 error: str | None = None) -> TokenEvent:
         self.scheduler.finish(seq, reason)
-        seq.timings.finished = time.monotonic()
         self._seqs.pop(seq.request_id, None)
         return self._event(seq, token, reason, error)
 

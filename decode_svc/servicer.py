@@ -84,13 +84,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
 
     async def Stats(self, request: common_pb2.StatsRequest,
                     context: grpc.aio.ServicerContext) -> decode_pb2.DecodeStats:
-        s = await self.worker.engine.stats()
-        return decode_pb2.DecodeStats(
-            worker_id=self.worker.worker_id, num_running=s.running, num_waiting=s.waiting,
-            num_awaiting_transfer=s.awaiting_kv, num_total_blocks=s.total_blocks,
-            num_free_blocks=s.free_blocks, prefix_query_tokens=s.prefix_cache_queries,
-            prefix_hit_tokens=s.prefix_cache_hits,
-            layout=convert.kv_layout_to_proto(self.worker.engine.layout))
+        load = self.worker.load(await self.worker.engine.stats())
+        return convert.decode_stats_to_proto(self.worker.worker_id, load,
+                                             self.worker.engine.layout)
 
 
 def add_to_server(worker: DecodeWorker, server: grpc.aio.Server) -> None:

@@ -30,6 +30,7 @@ from kvxfer.receiver import KVReceiver
 from pdserve.control.load import WorkerLoad
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.metrics import engine_load
+from pdserve.engine.stats import EngineStats
 from pdserve.errors import (
     CapacityError,
     ErrorCode,
@@ -90,9 +91,10 @@ class DecodeWorker:
     def block_size(self) -> int:
         return self.engine.layout.block_size
 
-    def load(self) -> WorkerLoad:
-        """The record published on every heartbeat (the engine's numbers included)."""
-        s = self.engine.last_stats
+    def load(self, stats: EngineStats | None = None) -> WorkerLoad:
+        """The record published on every heartbeat and served by Stats (the engine's numbers
+        included: `stats`, else its last snapshot)."""
+        s = self.engine.last_stats if stats is None else stats
         return dataclasses.replace(WorkerLoad.from_dict(engine_load(s)), running=s.running,
                                    waiting=s.waiting, streams=self.active_streams)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 
 from pdserve.errors import PdserveError
@@ -96,8 +97,9 @@ def main() -> int:
     if last.error:
         print(f"error: {last.error}", file=sys.stderr)
     if args.timings and last.HasField("timings"):
-        for name, ms in convert.timings_ms(last.timings).items():
-            print(f"  {name:>22} {ms:9.2f} ms", file=sys.stderr)
+        for name, ms in dataclasses.asdict(convert.stage_timings_from_proto(last.timings)).items():
+            if ms is not None:  # kv_bytes is not on the wire
+                print(f"  {name:>22} {ms:9.2f} ms", file=sys.stderr)
     return 1 if last.error else 0
 
 

@@ -7,8 +7,10 @@ import it without cycles.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,7 +267,7 @@ class TokenEvent:
     num_output_tokens: int = 0
     # Set by the router on the last event: how the prompt was prefilled and where time went.
     route: str | None = None  # "local" | "remote" | "fallback"
-    timings_ms: dict[str, float] | None = None
+    timings: StageTimings | None = None
     decode_worker: str | None = None
     prefill_worker: str | None = None
 
@@ -286,18 +288,39 @@ class PrefillReport:
     num_computed_tokens: int  # prompt tokens run there (the rest hit its own prefix cache)
 
 
-@dataclass
+@dataclass(frozen=True)
 class StageTimings:
-    """Wall-clock stage boundaries of one request (time.monotonic seconds; 0 = not reached)."""
+    """Where one request's time went, in ms (None: stage not reached): the router's stages
+    (`router.timings.StageClock`) and the prefill worker's own (`PrefillReport`).
 
-    arrived: float = 0.0
-    scheduled: float = 0.0
-    prefill_done: float = 0.0
-    kv_transferred: float = 0.0
-    admitted: float = 0.0
-    first_token: float = 0.0
-    finished: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
+    The fields are those of the `pdserve.v1.StageTimings` message, copied by name
+    (`pdserve.rpc.convert`; the proto says what each stage covers and how they add up to
+    `first_token_ms`); `kv_bytes` (KV bytes the prefill worker sent) is not a timing and has
+    no place there. `to_json()` is the REST API's `timings_ms` object, in field order.
+    """
+
+    route_ms: float | None = None
+    first_token_ms: float | None = None
+    remote_attempt_ms: float | None = None
+    decode_allocate_ms: float | None = None
+    queued_ms: float | None = None
+    prefill_compute_ms: float | None = None
+    kv_transfer_ms: float | None = None
+    kv_bytes: float | None = None
+    handoff_ms: float | None = None
+    local_prefill_ms: float | None = None
+    total_ms: float | None = None
+
+    def to_json(self) -> dict[str, float]:
+        """The stages reached, under the REST API's names (`TIMINGS_JSON_NAMES`)."""
+        return {TIMINGS_JSON_NAMES.get(f.name, f.name): value
+                for f in dataclasses.fields(self) if (value := getattr(self, f.name)) is not None}
+
+
+# The two stages the REST API (`X-Pdserve-Timings`, `pdserve.timings_ms`) names differently
+# from the proto; every other stage has its field's name there.
+TIMINGS_JSON_NAMES: Mapping[str, str] = {"queued_ms": "prefill_queued_ms",
+                                         "first_token_ms": "ttft_ms"}
 
 
 @dataclass(frozen=True)
@@ -333,83 +356,3 @@ class GenerateRequest:
         if not self.resume_output_ids:
             return self.prompt_token_ids
         return self.prompt_token_ids + self.resume_output_ids
-
-
-@dataclass(frozen=True)
-class HistogramSnapshot:
-    """Cumulative histogram counts: ``counts[i]`` observations were <= ``bounds[i]``; the
-    last bound is +inf, so ``counts[-1]`` is the number of observations."""
-
-    bounds: tuple[float, ...]
-    counts: tuple[int, ...]
-    total: float = 0.0  # the sum of the observations
-
-    @property
-    def count(self) -> int:
-        return self.counts[-1] if self.counts else 0
-
-
-class DurationHistogram:
-    """A histogram kept by the one thread that observes it; readers get `snapshot()`s.
-
-    Plain Python (no prometheus-client) so the engine thread owns it; a collector turns the
-    snapshots into Prometheus histograms.
-    """
-
-    def __init__(self, bounds: tuple[float, ...]):
-        if list(bounds) != sorted(bounds) or not bounds:
-            raise ValueError("histogram bounds must be sorted and non-empty")
-        self.bounds = tuple(bounds) if bounds[-1] == math.inf else (*bounds, math.inf)
-        self._counts = [0] * len(self.bounds)  # per bucket, not cumulative
-        self._total = 0.0
-
-    def observe(self, value: float) -> None:
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                self._counts[i] += 1
-                break
-        self._total += value
-
-    def snapshot(self) -> HistogramSnapshot:
-        cumulative, running = [], 0
-        for n in self._counts:
-            running += n
-            cumulative.append(running)
-        return HistogramSnapshot(self.bounds, tuple(cumulative), self._total)
-
-
-# Seconds a request waits in the engine's queue before its first step (vLLM's buckets).
-QUEUE_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                      50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of one engine, taken on the engine thread (counters are cumulative).
-
-    Prefix-cache queries and hits count prompt tokens, as vLLM does: every admission of a
-    prompt queries its tokens, and the leading tokens found in the cache are hits.
-    """
-
-    running: int
-    waiting: int
-    awaiting_kv: int
-    held: int
-    free_blocks: int
-    total_blocks: int
-    prefix_cache_hit_rate: float
-    steps: int
-    preemptions: int
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    # Measured by the engine (pdserve.engine.step_rates), for the router's cost model.
-    prefill_tokens_per_s: float = 0.0  # 0: no sample yet
-    decode_step_s: float = 0.0
-    waiting_prompt_tokens: int = 0  # prompt tokens admitted and not computed yet
-    queue_time: HistogramSnapshot = field(
-        default_factory=lambda: DurationHistogram(QUEUE_TIME_BUCKETS).snapshot())
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Fraction of KV blocks in use, 0..1."""
-        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0

@@ -30,13 +30,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
 
     async def Stats(self, request: common_pb2.StatsRequest,
                     context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillStats:
-        s = await self.worker.engine.stats()
-        g = self.worker.gate
-        return prefill_pb2.PrefillStats(
-            worker_id=self.worker.worker_id, num_queued=g.num_waiting, num_running=g.active,
-            num_queued_tokens=g.queued_tokens, num_total_blocks=s.total_blocks,
-            num_free_blocks=s.free_blocks,
-            layout=convert.kv_layout_to_proto(self.worker.engine.layout))
+        load = self.worker.load(await self.worker.engine.stats())
+        return convert.prefill_stats_to_proto(self.worker.worker_id, load,
+                                              self.worker.engine.layout)
 
 
 def add_to_server(worker: PrefillWorker, server: grpc.aio.Server) -> None:

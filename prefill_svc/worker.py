@@ -17,6 +17,7 @@ from kvxfer.sender import KVSender
 from pdserve.control.load import WorkerLoad
 from pdserve.engine.async_engine import AsyncEngine, PrefillResult
 from pdserve.engine.metrics import engine_load
+from pdserve.engine.stats import EngineStats
 from pdserve.errors import CapacityError, ErrorCode, InvalidRequestError, KVTransferError
 from pdserve.handover import FirstToken
 from pdserve.kv_layout import KVDestination
@@ -100,10 +101,11 @@ class PrefillWorker:
                            lambda: dict(self.queued_by_class),
                            lambda: self.gate.queued_tokens, lambda: self.gate.active)
 
-    def load(self) -> WorkerLoad:
-        """The record published on every heartbeat (the engine's numbers included)."""
+    def load(self, stats: EngineStats | None = None) -> WorkerLoad:
+        """The record published on every heartbeat and served by Stats (the engine's numbers
+        included: `stats`, else its last snapshot)."""
         return dataclasses.replace(
-            WorkerLoad.from_dict(engine_load(self.engine.last_stats)),
+            WorkerLoad.from_dict(engine_load(self.engine.last_stats if stats is None else stats)),
             queued=self.gate.num_waiting, running=self.gate.active,
             queued_tokens=self.gate.queued_tokens,
             kv_transfer_s_per_token=self.transfer_s_per_token)

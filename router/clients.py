@@ -1,12 +1,12 @@
 """Typed clients for the worker services: the router's only way to talk to a worker.
 
 `DecodeClient` and `PrefillClient` speak domain types (`GenerateRequest`, `TokenEvent`,
-`KVDestination`, `PrefillReport`) and own everything about the wire: protobuf conversion,
-deadlines, call metadata (`x-request-id`, plus any pairs the caller configures, e.g. auth),
-cancelling a stream the caller leaves, and turning gRPC failures into the project's
-exceptions (`pdserve.errors`: CapacityError when a worker is busy or gone, KVTransferError,
-TimeoutError past a deadline, ...). Nothing outside this module and the servicers sees a
-`_pb2` message or a `grpc.aio.AioRpcError`.
+`KVDestination`, `PrefillReport`, `WorkerLoad`) and own everything about the wire: protobuf
+conversion, deadlines, call metadata (`x-request-id`, plus any pairs the caller configures,
+e.g. auth), cancelling a stream the caller leaves, and turning gRPC failures into the
+project's exceptions (`pdserve.errors`: CapacityError when a worker is busy or gone,
+KVTransferError, TimeoutError past a deadline, ...). Nothing outside this module and the
+servicers sees a `_pb2` message or a `grpc.aio.AioRpcError`.
 
 `WorkerChannels` keeps one channel per worker address and hands out clients on it.
 """
@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar, cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.control.load import WorkerLoad
 from pdserve.control.workers import WorkerInfo
 from pdserve.errors import CapacityError, ErrorCode, WorkerTimeoutError
-from pdserve.kv_layout import KVDestination, KVLayout
+from pdserve.kv_layout import KVDestination
 from pdserve.rpc import convert
 from pdserve.rpc.errors import error_from_rpc
 from pdserve.rpc.metadata import request_id_metadata
@@ -34,26 +34,6 @@ from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, pre
 
 Metadata = tuple[tuple[str, str], ...]
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class DecodeStats:
-    running: int
-    waiting: int
-    awaiting_transfer: int
-    total_blocks: int
-    free_blocks: int
-    layout: KVLayout
-
-
-@dataclass(frozen=True)
-class PrefillStats:
-    queued: int
-    running: int
-    queued_tokens: int
-    total_blocks: int
-    free_blocks: int
-    layout: KVLayout
 
 
 class _Client:
@@ -131,12 +111,10 @@ class DecodeClient(_Client):
             return False
         return bool((await _unary(call)).found)
 
-    async def stats(self, *, timeout_s: float = 10.0) -> DecodeStats:
-        s = await _unary(self._stub.Stats(common_pb2.StatsRequest(), timeout=timeout_s,
-                                          metadata=self._md()))
-        return DecodeStats(s.num_running, s.num_waiting, s.num_awaiting_transfer,
-                           s.num_total_blocks, s.num_free_blocks,
-                           convert.kv_layout_from_proto(s.layout))
+    async def stats(self, *, timeout_s: float = 10.0) -> WorkerLoad:
+        """The worker's load, fresh from its engine (the numbers its Stats message carries)."""
+        return convert.load_from_decode_stats(await _unary(self._stub.Stats(
+            common_pb2.StatsRequest(), timeout=timeout_s, metadata=self._md())))
 
 
 class PrefillClient(_Client):
@@ -159,12 +137,10 @@ class PrefillClient(_Client):
             timeout=timeout_s, metadata=self._md(req.request_id)))
         return convert.prefill_report_from_proto(resp, self.worker_id)
 
-    async def stats(self, *, timeout_s: float = 10.0) -> PrefillStats:
-        s = await _unary(self._stub.Stats(common_pb2.StatsRequest(), timeout=timeout_s,
-                                          metadata=self._md()))
-        return PrefillStats(s.num_queued, s.num_running, s.num_queued_tokens,
-                            s.num_total_blocks, s.num_free_blocks,
-                            convert.kv_layout_from_proto(s.layout))
+    async def stats(self, *, timeout_s: float = 10.0) -> WorkerLoad:
+        """The worker's load, fresh from its engine (the numbers its Stats message carries)."""
+        return convert.load_from_prefill_stats(await _unary(self._stub.Stats(
+            common_pb2.StatsRequest(), timeout=timeout_s, metadata=self._md())))
 
 
 async def _unary(call: Awaitable[T]) -> T:
@@ -310,5 +286,4 @@ class WorkerChannels:
             await asyncio.wait(self._closing, timeout=5)
 
 
-__all__ = ["DecodeClient", "DecodeStats", "PrefillClient", "PrefillStats", "RemoteStream",
-           "WorkerChannels"]
+__all__ = ["DecodeClient", "PrefillClient", "RemoteStream", "WorkerChannels"]

@@ -220,7 +220,7 @@ class Router:
         """Stream a request's tokens. Closing the iterator cancels it on every worker.
 
         Admission happens before anything else (`admit`): a refused request raises
-        OverloadedError before its first event. The last event carries `timings_ms`
+        OverloadedError before its first event. The last event carries `timings`
         (`router.timings.StageClock`): stages measured where they happen that add up to the
         time to first token."""
         ticket = self.admit(req)
@@ -380,7 +380,7 @@ class Router:
         if request_id is not None:
             extra["request_id"] = request_id
         if ev.finished:
-            extra["timings_ms"] = clock.finish()
+            extra["timings"] = clock.finish()
         return dataclasses.replace(ev, **extra)  # type: ignore[arg-type]
 
     async def abort(self, request_id: str) -> bool:

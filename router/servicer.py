@@ -113,8 +113,8 @@ def _response(request: router_pb2.GenerateRequest, label: str,
         resp.route = _ROUTES[ev.route]
     resp.decode_worker = ev.decode_worker or ""
     resp.prefill_worker = ev.prefill_worker or ""
-    if ev.timings_ms and request.return_timings:
-        resp.timings.CopyFrom(convert.stage_timings_to_proto(ev.timings_ms))
+    if ev.timings is not None and request.return_timings:
+        resp.timings.CopyFrom(convert.stage_timings_to_proto(ev.timings))
     return resp
 
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import time
 
-from pdserve.types import PrefillReport
+from pdserve.types import PrefillReport, StageTimings
 
 
 class StageClock:
     """One request's stages on the router's clock (ms), with the prefill worker's own.
 
     Every stage is measured where it happens and the stages before the first token add up to
-    `ttft_ms` by construction of the boundaries:
+    `first_token_ms` by construction of the boundaries:
 
-    - remote:   route + decode_allocate + prefill_queued + prefill_compute + kv_transfer + handoff
+    - remote:   route + decode_allocate + queued + prefill_compute + kv_transfer + handoff
     - local:    route + local_prefill
     - fallback: route + remote_attempt + local_prefill
 
@@ -48,33 +48,36 @@ class StageClock:
     def prefilled(self, outcome: PrefillReport) -> None:
         self._prefill = outcome
 
-    def finish(self) -> dict[str, float]:
+    def finish(self) -> StageTimings:
         def ms(a: float, b: float) -> float:
             return (b - a) * 1000.0
 
-        out: dict[str, float] = {"route_ms": ms(self.started, self._routed)}
-        if self._first:
-            out["ttft_ms"] = ms(self.started, self._first)
-            if self._fallback:
-                out["remote_attempt_ms"] = ms(self._routed, self._fallback)
-                out["local_prefill_ms"] = ms(self._fallback, self._first)
-            elif self._allocated:
-                out["decode_allocate_ms"] = ms(self._routed, self._allocated)
-                handoff = ms(self._allocated, self._first)
-                if (p := self._prefill) is not None:
-                    # The worker's stages are cut to fit the window, in order: its transfer
-                    # clock stops at the receiver's done reply, which the decode worker sends
-                    # after it already has the KV, so on a busy host the first token can reach
-                    # us before the prefill worker reads its clock.
-                    stages = {}
-                    for key, value in (("prefill_queued_ms", p.queued_ms),
-                                       ("prefill_compute_ms", p.compute_ms),
-                                       ("kv_transfer_ms", p.transfer_ms)):
-                        stages[key] = min(max(value, 0.0), max(handoff, 0.0))
-                        handoff -= stages[key]
-                    out.update(stages, kv_bytes=float(p.bytes_transferred))
-                out["handoff_ms"] = max(handoff, 0.0)
-            else:
-                out["local_prefill_ms"] = ms(self._routed, self._first)
-        out["total_ms"] = ms(self.started, time.monotonic())
-        return out
+        route, total = ms(self.started, self._routed), ms(self.started, time.monotonic())
+        if not self._first:
+            return StageTimings(route_ms=route, total_ms=total)
+        ttft = ms(self.started, self._first)
+        if self._fallback:
+            return StageTimings(route_ms=route, first_token_ms=ttft,
+                                remote_attempt_ms=ms(self._routed, self._fallback),
+                                local_prefill_ms=ms(self._fallback, self._first),
+                                total_ms=total)
+        if not self._allocated:
+            return StageTimings(route_ms=route, first_token_ms=ttft,
+                                local_prefill_ms=ms(self._routed, self._first),
+                                total_ms=total)
+        handoff = ms(self._allocated, self._first)
+        worker: dict[str, float] = {}
+        if (p := self._prefill) is not None:
+            # The worker's stages are cut to fit the window, in order: its transfer clock
+            # stops at the receiver's done reply, which the decode worker sends after it
+            # already has the KV, so on a busy host the first token can reach us before the
+            # prefill worker reads its clock.
+            for name, value in (("queued_ms", p.queued_ms), ("prefill_compute_ms", p.compute_ms),
+                                ("kv_transfer_ms", p.transfer_ms)):
+                worker[name] = min(max(value, 0.0), max(handoff, 0.0))
+                handoff -= worker[name]
+            worker["kv_bytes"] = float(p.bytes_transferred)
+        return StageTimings(route_ms=route, first_token_ms=ttft,
+                            decode_allocate_ms=ms(self._routed, self._allocated),
+                            handoff_ms=max(handoff, 0.0),
+                            total_ms=total, **worker)

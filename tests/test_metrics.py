@@ -23,7 +23,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from pdserve.cluster import LocalCluster
 from pdserve.engine.metrics import ENGINE_METRICS, WorkerLoadCollector, engine_load
-from pdserve.types import DurationHistogram, EngineStats
+from pdserve.engine.stats import DurationHistogram, EngineStats
 
 ROOT = Path(__file__).resolve().parents[1]
 OBS = ROOT / "deploy" / "observability"

@@ -4,6 +4,7 @@ grpc.aio server on loopback."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,6 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.control.load import WorkerLoad
 from pdserve.errors import (
     CapacityError,
     InvalidRequestError,
@@ -30,6 +32,7 @@ from pdserve.types import (
     GenerateRequest,
     LatencyClass,
     SamplingParams,
+    StageTimings,
     TokenEvent,
     TokenLogprob,
 )
@@ -99,7 +102,7 @@ class EchoRouter(router_pb2_grpc.RouterServicer):
             finish_reason=convert.finish_reason_to_proto(FinishReason.STOP),
             usage=router_pb2.Usage(prompt_tokens=len(request.text), completion_tokens=len(text)),
             timings=(
-                convert.stage_timings_to_proto({"ttft_ms": 250.0, "total_ms": 300.0})
+                convert.stage_timings_to_proto(StageTimings(first_token_ms=250.0, total_ms=300.0))
                 if request.return_timings
                 else None
             ),
@@ -478,20 +481,37 @@ def test_pruned_fields_are_gone() -> None:
 
 
 def test_stage_timings_round_trip() -> None:
-    timings = {
-        "route_ms": 1.0,
-        "decode_allocate_ms": 2.0,
-        "prefill_queued_ms": 3.0,
-        "prefill_compute_ms": 40.0,
-        "kv_transfer_ms": 5.0,
-        "handoff_ms": 6.0,
-        "remote_attempt_ms": 0.0,
-        "local_prefill_ms": 0.0,
-        "ttft_ms": 57.0,
-        "total_ms": 90.0,
-    }
-    msg = convert.stage_timings_to_proto({**timings, "kv_bytes": 1e6})  # not a timing
-    wire = common_pb2.StageTimings.FromString(msg.SerializeToString())
-    assert convert.stage_timings_from_proto(wire) == timings
+    """The record and the message share their field names; kv_bytes stays off the wire."""
+    names = {f.name for f in dataclasses.fields(StageTimings)}
+    assert set(common_pb2.StageTimings.DESCRIPTOR.fields_by_name) == names - {"kv_bytes"}
+    timings = StageTimings(route_ms=1.0, first_token_ms=57.0, decode_allocate_ms=2.0,
+                           queued_ms=3.0, prefill_compute_ms=40.0, kv_transfer_ms=5.0,
+                           kv_bytes=1e6, handoff_ms=6.0, total_ms=90.0)
+    wire = common_pb2.StageTimings.FromString(
+        convert.stage_timings_to_proto(timings).SerializeToString())
     assert wire.queued_ms == 3.0 and wire.first_token_ms == 57.0
-    assert convert.timings_ms(wire)["first_token_ms"] == 57.0
+    assert convert.stage_timings_from_proto(wire) == dataclasses.replace(
+        timings, kv_bytes=None, remote_attempt_ms=0.0, local_prefill_ms=0.0)
+    # The REST API's object: the stages reached, two of them under their older names.
+    assert timings.to_json() == {
+        "route_ms": 1.0, "ttft_ms": 57.0, "decode_allocate_ms": 2.0, "prefill_queued_ms": 3.0,
+        "prefill_compute_ms": 40.0, "kv_transfer_ms": 5.0, "kv_bytes": 1e6,
+        "handoff_ms": 6.0, "total_ms": 90.0}
+    assert list(StageTimings(route_ms=1.0, total_ms=2.0).to_json()) == ["route_ms", "total_ms"]
+
+
+def test_stats_carry_the_load_record() -> None:
+    """Both Stats replies are a worker's WorkerLoad (the numbers they have room for)."""
+    layout = KVLayout(8, 2, 16, 2, 4, "float32", "m")
+    decode = WorkerLoad(running=2, waiting=1, awaiting_kv=3, free_blocks=5, total_blocks=8,
+                        prefix_cache_queries=64, prefix_cache_hits=32)
+    msg = decode_pb2.DecodeStats.FromString(
+        convert.decode_stats_to_proto("d0", decode, layout).SerializeToString())
+    assert (msg.worker_id, msg.num_awaiting_transfer, msg.prefix_hit_tokens) == ("d0", 3, 32)
+    assert convert.kv_layout_from_proto(msg.layout) == layout
+    assert convert.load_from_decode_stats(msg) == decode
+    prefill = WorkerLoad(running=1, queued=4, queued_tokens=900, free_blocks=6, total_blocks=8)
+    pmsg = prefill_pb2.PrefillStats.FromString(
+        convert.prefill_stats_to_proto("p0", prefill, layout).SerializeToString())
+    assert (pmsg.worker_id, pmsg.num_queued, pmsg.num_queued_tokens) == ("p0", 4, 900)
+    assert convert.load_from_prefill_stats(pmsg) == prefill

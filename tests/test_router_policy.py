@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pdserve.control.load import WorkerLoad
 from pdserve.control.workers import WorkerInfo
-from pdserve.types import LatencyClass, PrefillReport
+from pdserve.types import LatencyClass, PrefillReport, StageTimings
 from router.kv_index import KVIndex
 from router.placement import DecodeTable, best_of, least_backlog
 from router.policy import (
@@ -110,11 +110,11 @@ def test_the_prefill_worker_choice_counts_in_flight_prompts_and_takes_turns() ->
 
 
 def test_stage_timings_add_up_to_ttft_on_every_route() -> None:
-    stages = ("route_ms", "decode_allocate_ms", "prefill_queued_ms", "prefill_compute_ms",
+    stages = ("route_ms", "decode_allocate_ms", "queued_ms", "prefill_compute_ms",
               "kv_transfer_ms", "handoff_ms", "remote_attempt_ms", "local_prefill_ms")
 
-    def total(t: dict[str, float]) -> float:
-        return sum(t.get(k, 0.0) for k in stages)
+    def total(t: StageTimings) -> float:
+        return sum(getattr(t, k) or 0.0 for k in stages)
 
     remote = StageClock(time.monotonic())
     remote.routed()
@@ -123,8 +123,9 @@ def test_stage_timings_add_up_to_ttft_on_every_route() -> None:
     remote.prefilled(PrefillReport("p", 0.5, 1.0, 0.5, 1, 1))
     remote.first_token()
     t = remote.finish()
-    assert total(t) == pytest.approx(t["ttft_ms"]) and t["handoff_ms"] > 0
-    assert t["ttft_ms"] <= t["total_ms"]
+    assert t.first_token_ms is not None and t.total_ms is not None and t.handoff_ms
+    assert total(t) == pytest.approx(t.first_token_ms) and t.first_token_ms <= t.total_ms
+    assert t.queued_ms == 0.5 and t.kv_bytes == 1.0
 
     # Fell back, then the decode worker went away and a second placement ran locally: the
     # first attempt counts as routing, never as a negative stage.
@@ -135,5 +136,6 @@ def test_stage_timings_add_up_to_ttft_on_every_route() -> None:
     retried.routed()
     retried.first_token()
     t = retried.finish()
-    assert set(t) == {"route_ms", "local_prefill_ms", "ttft_ms", "total_ms"}
-    assert min(t.values()) >= 0 and total(t) == pytest.approx(t["ttft_ms"])
+    shown = t.to_json()
+    assert set(shown) == {"route_ms", "local_prefill_ms", "ttft_ms", "total_ms"}
+    assert min(shown.values()) >= 0 and total(t) == pytest.approx(shown["ttft_ms"])

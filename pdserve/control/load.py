@@ -3,7 +3,8 @@
 Workers write it into their Redis record (`WorkerInfo.load`) as a flat JSON object; the router
 reads it back as a `WorkerLoad` to place requests (`router.policy`) and to show every
 worker's engine numbers on its /metrics (`engine.metrics.WorkerLoadCollector` reads the
-attributes named by the engine table's load keys).
+attributes named by the engine table's load keys). A worker's Stats RPC answers with the same
+record, fresh from its engine (`pdserve.rpc.convert`: `DecodeStats`, `PrefillStats`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ import structlog
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import EngineStats, LLMEngine, RemoteAllocation
+from pdserve.engine.llm_engine import LLMEngine, RemoteAllocation
+from pdserve.engine.stats import EngineStats
 from pdserve.errors import EngineClosedError, InvalidRequestError, PdserveError
 from pdserve.kv_events import KVOp
 from pdserve.kv_layout import KVLayout

@@ -20,18 +20,11 @@ from pdserve.engine.model_runner import _DTYPES, ModelRunner
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import SeqMode, SeqStatus, Sequence
+from pdserve.engine.stats import QUEUE_TIME_BUCKETS, DurationHistogram, EngineStats
 from pdserve.engine.step_rates import StepRates
 from pdserve.errors import CapacityError, ErrorCode, InvalidRequestError, PromptTooLongError
 from pdserve.kv_layout import KVLayout
-from pdserve.types import (
-    QUEUE_TIME_BUCKETS,
-    DurationHistogram,
-    EngineStats,
-    FinishReason,
-    GenerateRequest,
-    TokenEvent,
-    TokenLogprob,
-)
+from pdserve.types import FinishReason, GenerateRequest, TokenEvent, TokenLogprob
 
 if TYPE_CHECKING:
     from pdserve.engine.grammar import GrammarCompiler, GrammarState
@@ -231,7 +224,6 @@ class LLMEngine:
             raise InvalidRequestError(f"request {request_id!r} is not awaiting KV")
         if not 0 <= first_token < self.model_config.vocab_size:
             raise InvalidRequestError(f"first token {first_token} is outside the vocabulary")
-        seq.timings.admitted = time.monotonic()
         self.scheduler.admit_remote(seq, first_token)
         return self._process_token(seq, first_token, logprob, appended=True)
 
@@ -249,8 +241,8 @@ class LLMEngine:
             return events
         now = time.monotonic()
         for s in out.scheduled:
-            if not s.seq.timings.scheduled:
-                s.seq.timings.scheduled = now
+            if not s.seq.first_scheduled:
+                s.seq.first_scheduled = now
                 self.queue_time.observe(now - s.seq.arrival)
         prefill_tokens = sum(s.num_new_tokens for s in out.scheduled
                              if s.start < s.seq.num_prompt_tokens)
@@ -280,8 +272,6 @@ class LLMEngine:
                        appended: bool = False) -> TokenEvent:
         if not appended:
             seq.append_token(tok)
-        if not seq.timings.first_token:
-            seq.timings.first_token = time.monotonic()
         sp = seq.sampling
         reason: FinishReason | None = None
         text = ""
@@ -310,7 +300,6 @@ class LLMEngine:
             text += detok.flush()
         self._grammars.pop(seq.request_id, None)
         self.scheduler.finish(seq, reason)
-        seq.timings.finished = time.monotonic()
         if seq.status is not SeqStatus.HELD:
             self._seqs.pop(seq.request_id, None)
         return self._event(seq, token, text, logprob, reason, error)
@@ -355,6 +344,3 @@ class LLMEngine:
             finish_reason=reason, error=error, num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens, num_output_tokens=seq.num_output_tokens)
 
-    def timings(self, request_id: str) -> Any:
-        seq = self._seqs.get(request_id)
-        return seq.timings if seq else None

@@ -27,7 +27,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from pdserve.types import EngineStats
+from pdserve.engine.stats import EngineStats
 
 MODEL_LABEL = "model_name"
 

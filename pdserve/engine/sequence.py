@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockHash
-from pdserve.types import FinishReason, LatencyClass, SamplingParams, StageTimings
+from pdserve.types import FinishReason, LatencyClass, SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -45,7 +45,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    timings: StageTimings = field(default_factory=StageTimings)
+    first_scheduled: float = 0.0  # when a step first ran it (0: not yet): its queue time ends
     # Chained hashes of the full blocks of token_ids, computed once each, lazily, by the
     # BlockManager (lookups, allocation, registration); valid across preemptions.
     block_hashes: list[BlockHash] = field(default_factory=list)

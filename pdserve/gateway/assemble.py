@@ -179,7 +179,8 @@ def finish_reason(ev: TokenEvent) -> FinishReasonName:
 
 
 def pdserve_info(ev: TokenEvent) -> PdserveInfo:
-    return PdserveInfo(route=ev.route, timings_ms=ev.timings_ms or {})
+    return PdserveInfo(route=ev.route,
+                       timings_ms=ev.timings.to_json() if ev.timings is not None else {})
 
 
 def sse_data(obj: Body | APIError) -> bytes:

@@ -21,7 +21,7 @@ class GenerationBackend(Protocol):
 
     - `generate(req)` returns an async generator of TokenEvents ending with one whose
       `finish_reason` is set; that last event carries `route` ("local" | "remote" |
-      "fallback") and, where known, `timings_ms`. It may raise a `PdserveError` (e.g.
+      "fallback") and, where known, `timings`. It may raise a `PdserveError` (e.g.
       `CapacityError`, `PromptTooLongError`) before its first event or between events; an engine
       failure may instead end the stream with `finish_reason=ERROR` and `error` set.
     - Closing the generator (`aclose()`) or cancelling the task awaiting it cancels the request

@@ -12,7 +12,7 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.metrics import EngineStatsCollector
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.streaming import aclose
-from pdserve.types import GenerateRequest, TokenEvent
+from pdserve.types import GenerateRequest, StageTimings, TokenEvent
 
 
 class EngineBackend:
@@ -45,10 +45,10 @@ class EngineBackend:
                 if first is None and ev.token_id is not None:
                     first = now
                 if ev.finished:
-                    timings = {"total_ms": (now - start) * 1e3}
-                    if first is not None:
-                        timings["first_token_ms"] = (first - start) * 1e3
-                    ev = dataclasses.replace(ev, route="local", timings_ms=timings)
+                    timings = StageTimings(
+                        first_token_ms=None if first is None else (first - start) * 1e3,
+                        total_ms=(now - start) * 1e3)
+                    ev = dataclasses.replace(ev, route="local", timings=timings)
                 yield ev
         finally:
             await aclose(stream)  # aborts the request in the engine unless it finished

@@ -1,15 +1,17 @@
-"""Domain dataclasses (`pdserve.types`) <-> `pdserve.v1` messages.
+"""Domain dataclasses (`pdserve.types`, `pdserve.control.load`) <-> `pdserve.v1` messages.
 
 Only the servicers and the typed clients import this (and the generated stubs): domain code
 speaks dataclasses. Requests travel as one `GenerateInput` message (`input_to_proto` /
-`request_from_proto`); stage timings as `StageTimings` (`stage_timings_to_proto` /
-`stage_timings_from_proto`, keyed by the names in `STAGE_FIELDS`).
+`request_from_proto`); stage timings as `StageTimings`, field by field under the proto's own
+names (`stage_timings_to_proto` / `stage_timings_from_proto`); a worker's Stats reply as its
+`WorkerLoad` (`decode_stats_to_proto` / `load_from_decode_stats`, and the prefill pair).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
 
+from pdserve.control.load import WorkerLoad
 from pdserve.errors import ErrorCode, InvalidRequestError
 from pdserve.kv_layout import KVDestination, KVLayout
 from pdserve.types import (
@@ -18,6 +20,7 @@ from pdserve.types import (
     LatencyClass,
     PrefillReport,
     SamplingParams,
+    StageTimings,
     TokenEvent,
     TokenLogprob,
     fit_max_tokens,
@@ -253,33 +256,51 @@ def token_event_from_chunk(chunk: decode_pb2.TokenChunk) -> TokenEvent:
     )
 
 
-# Stage timings as the router hands them on (`TokenEvent.timings_ms` keys) -> StageTimings
-# fields. The HTTP gateway shows the same keys, so both APIs name a stage the same way.
-STAGE_FIELDS: dict[str, str] = {
-    "route_ms": "route_ms",
-    "decode_allocate_ms": "decode_allocate_ms",
-    "prefill_queued_ms": "queued_ms",
-    "prefill_compute_ms": "prefill_compute_ms",
-    "kv_transfer_ms": "kv_transfer_ms",
-    "handoff_ms": "handoff_ms",
-    "remote_attempt_ms": "remote_attempt_ms",
-    "local_prefill_ms": "local_prefill_ms",
-    "ttft_ms": "first_token_ms",
-    "total_ms": "total_ms",
-}
+# The StageTimings fields the message carries: all but kv_bytes, copied by name.
+_STAGE_FIELDS = tuple(f.name for f in dataclasses.fields(StageTimings)
+                      if f.name in common_pb2.StageTimings.DESCRIPTOR.fields_by_name)
 
 
-def stage_timings_to_proto(timings_ms: Mapping[str, float]) -> common_pb2.StageTimings:
-    """StageTimings from `TokenEvent.timings_ms` (other keys, e.g. kv_bytes, are not timings)."""
-    return common_pb2.StageTimings(
-        **{field: timings_ms[key] for key, field in STAGE_FIELDS.items() if key in timings_ms})
+def stage_timings_to_proto(timings: StageTimings) -> common_pb2.StageTimings:
+    """The stages reached (a stage not reached stays 0 on the wire)."""
+    return common_pb2.StageTimings(**{name: value for name in _STAGE_FIELDS
+                                      if (value := getattr(timings, name)) is not None})
 
 
-def stage_timings_from_proto(msg: common_pb2.StageTimings) -> dict[str, float]:
-    """Every stage of a StageTimings message (ms), under the `TokenEvent.timings_ms` keys."""
-    return {key: getattr(msg, field) for key, field in STAGE_FIELDS.items()}
+def stage_timings_from_proto(msg: common_pb2.StageTimings) -> StageTimings:
+    """Every stage of the message (0: not reached, as on the wire; no kv_bytes)."""
+    return StageTimings(**{name: getattr(msg, name) for name in _STAGE_FIELDS})
 
 
-def timings_ms(msg: common_pb2.StageTimings) -> dict[str, float]:
-    """Every duration of a StageTimings message by its field name (ms), for logs and CLIs."""
-    return {field: getattr(msg, field) for field in STAGE_FIELDS.values()}
+# The Stats RPCs answer with the worker's load record, the one its heartbeats publish (what a
+# worker's Stats message has beyond it, e.g. its throughput, stays 0 as before).
+
+def decode_stats_to_proto(worker_id: str, load: WorkerLoad, layout: KVLayout
+                          ) -> decode_pb2.DecodeStats:
+    return decode_pb2.DecodeStats(
+        worker_id=worker_id, num_running=int(load.running), num_waiting=int(load.waiting),
+        num_awaiting_transfer=int(load.awaiting_kv), num_total_blocks=int(load.total_blocks),
+        num_free_blocks=int(load.free_blocks),
+        prefix_query_tokens=int(load.prefix_cache_queries or 0),
+        prefix_hit_tokens=int(load.prefix_cache_hits or 0), layout=kv_layout_to_proto(layout))
+
+
+def load_from_decode_stats(msg: decode_pb2.DecodeStats) -> WorkerLoad:
+    return WorkerLoad(running=msg.num_running, waiting=msg.num_waiting,
+                      awaiting_kv=msg.num_awaiting_transfer, total_blocks=msg.num_total_blocks,
+                      free_blocks=msg.num_free_blocks, prefix_cache_queries=msg.prefix_query_tokens,
+                      prefix_cache_hits=msg.prefix_hit_tokens)
+
+
+def prefill_stats_to_proto(worker_id: str, load: WorkerLoad, layout: KVLayout
+                           ) -> prefill_pb2.PrefillStats:
+    return prefill_pb2.PrefillStats(
+        worker_id=worker_id, num_queued=int(load.queued), num_running=int(load.running),
+        num_queued_tokens=int(load.queued_tokens), num_total_blocks=int(load.total_blocks),
+        num_free_blocks=int(load.free_blocks), layout=kv_layout_to_proto(layout))
+
+
+def load_from_prefill_stats(msg: prefill_pb2.PrefillStats) -> WorkerLoad:
+    return WorkerLoad(queued=msg.num_queued, running=msg.num_running,
+                      queued_tokens=msg.num_queued_tokens, total_blocks=msg.num_total_blocks,
+                      free_blocks=msg.num_free_blocks)
