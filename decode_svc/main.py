@@ -27,7 +27,8 @@ from pdserve.engine.metrics import labelled_registry
 from pdserve.engine.model_store import resolve_model
 from pdserve.errors import ControlPlaneError
 from pdserve.rpc import auth, transport
-from pdserve.runtime import metrics_server, start_server
+from pdserve.runtime import metrics_server
+from pdserve.service import Drain, serving
 
 log = structlog.get_logger(__name__)
 SERVICE = "pdserve.v1.DecodeWorker"
@@ -53,8 +54,9 @@ def _kv_auth(config: DecodeConfig, registry: WorkerRegistry,
 
 async def run_decode(config: DecodeConfig, stop: asyncio.Event,
                      ready: asyncio.Event | None = None) -> None:
-    """Serve until ``stop`` is set, then drain: leave the registry first (no new requests),
-    let in-flight streams finish (up to drain_timeout_s), and exit."""
+    """Serve until ``stop`` is set, then drain (`pdserve.service`): leave the registry
+    first (no new requests), keep serving for a heartbeat while routers notice, let
+    in-flight streams finish (up to drain_timeout_s), and exit."""
     model_dir = resolve_model(config.model)
     engine = await load_engine(model_dir, config.engine)
     metrics = DecodeMetrics(CollectorRegistry())
@@ -85,52 +87,46 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
                     max_message_bytes=config.grpc_max_message_bytes(aengine.max_model_len),
                     max_concurrent_rpcs=config.grpc_max_concurrent_rpcs())
                 servicer.add_to_server(worker, server)
-                health = await transport.add_health(server, SERVICE)
-                bound = await start_server(server, config.host, config.port,
-                                           config.server_credentials())
-                port = bound.rpartition(":")[2]
-                address = f"{config.advertise_host or config.host}:{port}"
+                async with serving("decode_worker", server, SERVICE, config.host, config.port,
+                                   config.server_credentials()) as service:
+                    address = service.advertised(config.advertise_host or config.host)
 
-                def load() -> WorkerLoad:
-                    return dataclasses.replace(worker.load(), metrics_port=mport)
+                    def load() -> WorkerLoad:
+                        return dataclasses.replace(worker.load(), metrics_port=mport)
 
-                info = WorkerInfo(worker_id=config.worker_id, role="decode",
-                                  grpc_address=address, model_id=engine.layout.model_id,
-                                  epoch=epoch, started_at=time.time(),
-                                  ucx_address=receiver.address, descriptor_id=descriptor_id,
-                                  load=load())
-                # Prefix-cache events for the routers' index, opening with a snapshot
-                # before we are listed, so a router never routes on a cache it cannot see.
-                kv_events = KVEventPublisher(
-                    KVEventStreams(registry), aengine, lambda: aengine.kv_event_count,
-                    worker_id=config.worker_id, epoch=epoch,
-                    block_size=engine.config.block_size)
-                await kv_events.start()
-                try:
-                    await registry.register(info, config.lease_ttl_s,
-                                            heartbeat_s=config.heartbeat_s, load_fn=load)
-                    await registry.publish_descriptor(descriptor_id, engine.layout,
-                                                      receiver.address, config.worker_id, epoch)
-                    await transport.set_serving(health, SERVICE)
-                    log.info("decode_worker_ready", worker_id=config.worker_id, grpc=address,
-                             ucx=receiver.address, metrics_port=mport,
-                             blocks=engine.layout.num_blocks)
-                    if ready is not None:
-                        ready.set()
-                    await stop.wait()
-                    log.info("decode_worker_draining", worker_id=config.worker_id,
-                             streams=worker.active_streams)
-                    try:  # leave the directory; a dead Redis costs one bounded attempt, and the
-                        await registry.deregister()  # lease lapses by itself within its TTL
-                    except ControlPlaneError as err:
-                        log.warning("deregister_failed", error=str(err))
-                    await transport.set_not_serving(health, SERVICE)
-                    # Routers drop us within one directory poll; requests already routed here
-                    # (and every running stream) are still served until they finish.
-                    await asyncio.sleep(config.heartbeat_s)
-                    await worker.drained(config.drain_timeout_s)
-                    await server.stop(grace=5.0)
-                    await worker.close()
-                finally:
-                    await kv_events.close()
+                    info = WorkerInfo(worker_id=config.worker_id, role="decode",
+                                      grpc_address=address, model_id=engine.layout.model_id,
+                                      epoch=epoch, started_at=time.time(),
+                                      ucx_address=receiver.address,
+                                      descriptor_id=descriptor_id, load=load())
+
+                    async def register() -> None:
+                        await registry.register(info, config.lease_ttl_s,
+                                                heartbeat_s=config.heartbeat_s, load_fn=load)
+                        await registry.publish_descriptor(descriptor_id, engine.layout,
+                                                          receiver.address, config.worker_id,
+                                                          epoch)
+
+                    # Prefix-cache events for the routers' index, opening with a snapshot
+                    # before we are listed, so a router never routes on a cache it cannot see.
+                    kv_events = KVEventPublisher(
+                        KVEventStreams(registry), aengine, lambda: aengine.kv_event_count,
+                        worker_id=config.worker_id, epoch=epoch,
+                        block_size=engine.config.block_size)
+                    await kv_events.start()
+                    try:
+                        await service.run(
+                            stop, ready, register=register, deregister=registry.deregister,
+                            # Routers drop us within one directory poll (a heartbeat); what
+                            # they routed here before, and every running stream, is served.
+                            drain=Drain(config.drain_timeout_s, worker.drained,
+                                        linger_s=config.heartbeat_s, min_grace_s=5.0),
+                            ready_fields=dict(worker_id=config.worker_id, grpc=address,
+                                              ucx=receiver.address, metrics_port=mport,
+                                              blocks=engine.layout.num_blocks),
+                            draining_fields=lambda: dict(worker_id=config.worker_id,
+                                                         streams=worker.active_streams))
+                        await worker.close()
+                    finally:
+                        await kv_events.close()
     log.info("decode_worker_stopped", worker_id=config.worker_id)

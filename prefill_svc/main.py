@@ -21,9 +21,10 @@ from pdserve.control.workers import WorkerInfo
 from pdserve.engine.async_engine import AsyncEngine, load_engine
 from pdserve.engine.metrics import labelled_registry
 from pdserve.engine.model_store import resolve_model
-from pdserve.errors import ControlPlaneError, KVTransferError
+from pdserve.errors import KVTransferError
 from pdserve.rpc import auth, transport
-from pdserve.runtime import metrics_server, start_server
+from pdserve.runtime import metrics_server
+from pdserve.service import Drain, serving
 from prefill_svc import servicer
 from prefill_svc.config import PrefillConfig
 from prefill_svc.metrics import PrefillMetrics
@@ -48,8 +49,9 @@ async def _warm_peers(directory: WorkerDirectory, sender: KVSender) -> None:
 
 async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
                       ready: asyncio.Event | None = None) -> None:
-    """Serve until ``stop`` is set; then stop taking work, finish pending prefills and
-    transfers (up to drain_timeout_s), deregister and exit."""
+    """Serve until ``stop`` is set, then drain (`pdserve.service`): refuse new prefills,
+    leave the registry, finish pending prefills and transfers (up to drain_timeout_s), and
+    exit."""
     model_dir = resolve_model(config.model)
     engine = await load_engine(model_dir, config.engine)
     metrics = PrefillMetrics(CollectorRegistry())
@@ -78,47 +80,48 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
                 max_message_bytes=config.grpc_max_message_bytes(aengine.max_model_len),
                 max_concurrent_rpcs=config.grpc_max_concurrent_rpcs())
             servicer.add_to_server(worker, server)
-            health = await transport.add_health(server, SERVICE)
-            bound = await start_server(server, config.host, config.port,
-                                       config.server_credentials())
-            port = bound.rpartition(":")[2]
-            address = f"{config.advertise_host or config.host}:{port}"
-            # Connect to the decode workers we already know before announcing ourselves.
-            for info in decoders.snapshot().values():
-                with contextlib.suppress(KVTransferError, OSError):
-                    await sender.warmup(descriptor_id=info.descriptor_id, timeout_s=5.0)
-            warm_task = asyncio.create_task(_warm_peers(decoders, sender))
+            async with serving("prefill_worker", server, SERVICE, config.host, config.port,
+                               config.server_credentials()) as service:
+                address = service.advertised(config.advertise_host or config.host)
+                # Connect to the decode workers we already know before announcing ourselves.
+                for info in decoders.snapshot().values():
+                    with contextlib.suppress(KVTransferError, OSError):
+                        await sender.warmup(descriptor_id=info.descriptor_id, timeout_s=5.0)
+                warm_task = asyncio.create_task(_warm_peers(decoders, sender))
 
-            def load() -> WorkerLoad:
-                return dataclasses.replace(worker.load(), metrics_port=mport)
+                def load() -> WorkerLoad:
+                    return dataclasses.replace(worker.load(), metrics_port=mport)
 
-            info = WorkerInfo(worker_id=config.worker_id, role="prefill", grpc_address=address,
-                              model_id=engine.layout.model_id, epoch=epoch,
-                              started_at=time.time(), load=load())
-            # Prefix-cache events, as a decode worker publishes them (same stream, numbering
-            # and snapshots): the router prices a remote prefill by what this cache lacks.
-            kv_events = KVEventPublisher(
-                KVEventStreams(registry), aengine, lambda: aengine.kv_event_count,
-                worker_id=config.worker_id, epoch=epoch, block_size=engine.config.block_size)
-            await kv_events.start()
-            await registry.register(info, config.lease_ttl_s, heartbeat_s=config.heartbeat_s,
-                                    load_fn=load)
-            await transport.set_serving(health, SERVICE)
-            log.info("prefill_worker_ready", worker_id=config.worker_id, grpc=address,
-                     metrics_port=mport)
-            if ready is not None:
-                ready.set()
-            await stop.wait()
-            log.info("prefill_worker_draining", worker_id=config.worker_id,
-                     inflight=worker.inflight)
-            worker.accepting = False
-            try:  # leave the directory; a dead Redis costs one bounded attempt, and the
-                await registry.deregister()  # lease lapses by itself within its TTL
-            except ControlPlaneError as err:
-                log.warning("deregister_failed", error=str(err))
-            await transport.set_not_serving(health, SERVICE)
-            await worker.drained(config.drain_timeout_s)  # pending prefills and transfers
-            await server.stop(grace=5.0)
-            warm_task.cancel()
-            await kv_events.close()
+                info = WorkerInfo(worker_id=config.worker_id, role="prefill",
+                                  grpc_address=address, model_id=engine.layout.model_id,
+                                  epoch=epoch, started_at=time.time(), load=load())
+
+                async def deregister() -> None:
+                    worker.accepting = False  # a prefill sent before routers notice: refused
+                    await registry.deregister()
+
+                # Prefix-cache events, as a decode worker publishes them (same stream,
+                # numbering and snapshots): the router prices a remote prefill by what this
+                # cache lacks.
+                kv_events = KVEventPublisher(
+                    KVEventStreams(registry), aengine, lambda: aengine.kv_event_count,
+                    worker_id=config.worker_id, epoch=epoch,
+                    block_size=engine.config.block_size)
+                await kv_events.start()
+                try:
+                    await service.run(
+                        stop, ready,
+                        register=lambda: registry.register(info, config.lease_ttl_s,
+                                                           heartbeat_s=config.heartbeat_s,
+                                                           load_fn=load),
+                        deregister=deregister,
+                        # Pending prefills and their transfers.
+                        drain=Drain(config.drain_timeout_s, worker.drained, min_grace_s=5.0),
+                        ready_fields=dict(worker_id=config.worker_id, grpc=address,
+                                          metrics_port=mport),
+                        draining_fields=lambda: dict(worker_id=config.worker_id,
+                                                     inflight=worker.inflight))
+                finally:
+                    warm_task.cancel()
+                    await kv_events.close()
     log.info("prefill_worker_stopped", worker_id=config.worker_id)

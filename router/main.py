@@ -16,7 +16,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.model_store import model_id, resolve_model
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.rpc import auth, transport
-from pdserve.runtime import start_server
+from pdserve.service import Drain, serving
 from pdserve.tenants import Tenants
 from router import servicer
 from router.clients import WorkerChannels
@@ -59,45 +59,40 @@ async def run_router(config: RouterProcessConfig, stop: asyncio.Event,
         server = transport.new_server(max_message_bytes=config.max_request_bytes,
                                       auth=auth.api_key_interceptor(tenants.keys))
         servicer.add_to_server(router, server, tenants)
-        health = await transport.add_health(server, SERVICE)
-        addresses.grpc = await start_server(
-            server, config.host, config.grpc_port,
-            None if tls is None else tls.server_credentials(tls.client_auth))
-        http_task = None
-        http_server = None
-        if config.http_port is not None:
-            from pdserve.gateway.app import GatewayConfig, create_app
-            from pdserve.gateway.server import make_server
+        async with serving("router", server, SERVICE, config.host, config.grpc_port,
+                           None if tls is None else tls.server_credentials(tls.client_auth)
+                           ) as service:
+            addresses.grpc = service.bound
+            http_task = None
+            http_server = None
+            if config.http_port is not None:
+                from pdserve.gateway.app import GatewayConfig, create_app
+                from pdserve.gateway.server import make_server
 
-            app = create_app(router, GatewayConfig(api_keys=config.api_keys,
-                                                   key_policies=config.key_policies,
-                                                   metrics_require_auth=config.metrics_require_auth,
-                                                   max_body_bytes=config.max_request_bytes,
-                                                   served_model_name=model_name),
-                             tenants=tenants)
-            http_server = make_server(app, host=config.host, port=config.http_port, tls=tls)
-            http_task = asyncio.create_task(http_server.serve())
-            while not http_server.started:
-                if http_task.done():
-                    http_task.result()
-                await asyncio.sleep(0.05)
-            port = http_server.servers[0].sockets[0].getsockname()[1]
-            addresses.http = f"{'http' if tls is None else 'https'}://{config.host}:{port}"
-        await transport.set_serving(health, SERVICE)
-        log.info("router_ready", grpc=addresses.grpc, http=addresses.http or None,
-                 tls=None if tls is None else tls.client_auth)
-        if ready is not None:
-            ready.set()
-        await stop.wait()
-        await transport.set_not_serving(health, SERVICE)
-        # One drain budget for both APIs, so a stop signal ends the process within it.
-        deadline = asyncio.get_running_loop().time() + config.drain_timeout_s
-        if http_server is not None and http_task is not None:
-            http_server.should_exit = True
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(http_task, config.drain_timeout_s)
-        remaining = deadline - asyncio.get_running_loop().time()
-        await server.stop(grace=max(0.5, remaining))
+                app = create_app(router, GatewayConfig(
+                    api_keys=config.api_keys, key_policies=config.key_policies,
+                    metrics_require_auth=config.metrics_require_auth,
+                    max_body_bytes=config.max_request_bytes, served_model_name=model_name),
+                    tenants=tenants)
+                http_server = make_server(app, host=config.host, port=config.http_port, tls=tls)
+                http_task = asyncio.create_task(http_server.serve())
+                while not http_server.started:
+                    if http_task.done():
+                        http_task.result()
+                    await asyncio.sleep(0.05)
+                port = http_server.servers[0].sockets[0].getsockname()[1]
+                addresses.http = f"{'http' if tls is None else 'https'}://{config.host}:{port}"
+
+            async def drain_http(budget_s: float) -> None:
+                if http_server is not None and http_task is not None:
+                    http_server.should_exit = True
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(http_task, budget_s)
+
+            # One drain budget for both APIs, so a stop signal ends the process within it.
+            await service.run(stop, ready, Drain(config.drain_timeout_s, drain_http),
+                              ready_fields=dict(grpc=addresses.grpc, http=addresses.http or None,
+                                                tls=None if tls is None else tls.client_auth))
     log.info("router_stopped")
 
 
