@@ -177,7 +177,7 @@ async def _until(events, pred, timeout_s: float = 10):  # type: ignore[no-untype
 async def test_directory_follows_workers(registry: WorkerRegistry) -> None:
     # Once flaky (a hang in a Redis call): the heartbeat task, cancelled by deregister() every
     # few runs in mid-command, could leave a pooled connection in a bad state. Commands now run
-    # shielded from cancellation (WorkerRegistry._call). Bounded so it cannot stall the suite.
+    # shielded from cancellation (ControlStore.call). Bounded so it cannot stall the suite.
     async with asyncio.timeout(30):
         await _follow_workers(registry)
 

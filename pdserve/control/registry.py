@@ -1,18 +1,11 @@
-"""Worker leases, epochs and KV memory descriptors in Redis.
-
-Key layout, all under ``pdserve:{namespace}:`` so tests and deployments never collide:
-
-- ``worker:{worker_id}``   JSON WorkerInfo, TTL = lease; refreshed by the heartbeat.
-- ``workers``              set of worker ids that may hold a lease (pruned lazily).
-- ``epoch:{worker_id}``    INCR counter; never expires, so a restart always gets a fresh epoch.
-- ``kvdesc:{descriptor_id}`` JSON KVDescriptor, same TTL as the lease that published it.
+"""Worker leases, epochs and KV memory descriptors in the control plane's Redis
+(`pdserve.control.store` has the key layout, the bounded commands and the record signing).
 
 A lease is fenced by epoch: once a newer epoch was handed out for a worker id, heartbeats of
 older incarnations are refused (checked atomically in Lua) and they learn they lost their
 lease (`WorkerRegistry.lease_lost`), so a zombie never overwrites its successor's record.
-Values are JSON only; nothing is ever pickled. With a cluster secret, every record and
-descriptor is signed by its writer and verified by every reader (pdserve.control.signing):
-a record someone else wrote into Redis is dropped, never used.
+A decode worker's descriptor lives as long as its lease: each heartbeat refreshes it (and
+writes it again if Redis lost it), deregistering deletes it.
 
 The Lua scripts build keys from a prefix, so they assume a single (non-cluster) Redis.
 """
@@ -21,31 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-from collections.abc import Awaitable, Callable, Mapping
-from types import TracebackType
-from typing import Self, TypeVar
+from collections.abc import Callable, Mapping
 
 import redis.asyncio as aioredis
 import structlog
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import RedisError
 
-from pdserve.control.descriptors import DescriptorFormatError, KVDescriptor
+from pdserve.control.descriptors import KVDescriptor
 from pdserve.control.load import WorkerLoad
-from pdserve.control.signing import RecordSigner, SignatureError
-from pdserve.control.workers import Role, WorkerInfo, WorkerInfoError
+from pdserve.control.signing import RecordSigner
+from pdserve.control.store import ControlStore
+from pdserve.control.workers import Role, WorkerInfo
 from pdserve.errors import ControlPlaneError, ErrorCode
 from pdserve.kv_layout import KVLayout
-from pdserve.ratelog import RateLimitedLog
 
 __all__ = ["LoadFn", "WorkerInfo", "WorkerRegistry"]
 
 log = structlog.get_logger(__name__)
 
 LoadFn = Callable[[], WorkerLoad | Mapping[str, float]]
-T = TypeVar("T")
 
 
 # KEYS[1] worker key, KEYS[2] workers set, KEYS[3] epoch counter, KEYS[4..] descriptor keys.
@@ -120,7 +106,7 @@ return out
 """
 
 
-class WorkerRegistry:
+class WorkerRegistry(ControlStore):
     """A worker's lease in the control plane, plus read access for routers.
 
     One registry holds at most one lease (`register` ... `deregister`). Use it as
@@ -138,17 +124,8 @@ class WorkerRegistry:
         owns_client: bool = False,
         signer: RecordSigner | None = None,
     ) -> None:
-        if not namespace or ":" in namespace:
-            raise ValueError(f"namespace must be non-empty without ':', got {namespace!r}")
-        self._redis = client
-        self._owns_client = owns_client
-        self.namespace = namespace
-        self.op_timeout_s = op_timeout_s
-        self._prefix = f"pdserve:{namespace}:"
-        self.signer = signer  # None: the open mode, records neither signed nor checked
-        # Whoever writes junk into Redis cannot flood the log (readers poll every fraction
-        # of a second): one line per kind per 30 s, with a count.
-        self._rejected = RateLimitedLog(log, "control_record_refused")
+        super().__init__(client, namespace=namespace, op_timeout_s=op_timeout_s,
+                         owns_client=owns_client, signer=signer)
         self._heartbeat_lua = client.register_script(_HEARTBEAT_LUA)
         self._deregister_lua = client.register_script(_DEREGISTER_LUA)
         self._list_lua = client.register_script(_LIST_LUA)
@@ -160,34 +137,6 @@ class WorkerRegistry:
         self._heartbeat_task: asyncio.Task[None] | None = None
         self.lease_lost = asyncio.Event()  # set when a newer epoch took over our worker_id
 
-    @classmethod
-    def from_url(cls, url: str, *, namespace: str = "default", op_timeout_s: float = 2.0,
-                 signer: RecordSigner | None = None) -> Self:
-        """A registry with its own client. The URL may carry a password or ACL user
-        (``redis://user:pw@host:port/0``) and TLS (``rediss://...?ssl_ca_certs=/path``); its
-        query options pass through to redis-py. Retries are few and quick so that a command
-        ends within a few `op_timeout_s` and the client reconnects as soon as Redis is back
-        (redis-py's default backoff grows to seconds between attempts)."""
-        client = aioredis.Redis.from_url(
-            url,
-            socket_timeout=op_timeout_s,
-            socket_connect_timeout=op_timeout_s,
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
-        )
-        return cls(client, namespace=namespace, op_timeout_s=op_timeout_s, owns_client=True,
-                   signer=signer)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
     async def close(self) -> None:
         """Deregister (one bounded attempt: a dead Redis costs at most `op_timeout_s`) and
         close the client. Never raises for an unreachable Redis, never waits on it longer."""
@@ -198,41 +147,7 @@ class WorkerRegistry:
             log.warning("deregister_failed", error=str(err))
         finally:
             await self._stop_heartbeat()
-            if self._owns_client:
-                try:
-                    async with asyncio.timeout(self.op_timeout_s):
-                        await self._redis.aclose()
-                except (TimeoutError, RedisError, OSError) as err:
-                    log.warning("redis_close_failed", error=str(err))
-
-    # ------------------------------------------------------------------ keys
-
-    def key(self, suffix: str) -> str:
-        """A key of this namespace (``pdserve:{namespace}:{suffix}``), for other parts of the
-        control plane that share this registry's client (pdserve.control.kv_events)."""
-        return self._prefix + suffix
-
-    @property
-    def redis(self) -> aioredis.Redis:
-        """The client; commands on it go through `call` to keep their bound."""
-        return self._redis
-
-    async def call(self, op: Awaitable[T], *, timeout_s: float | None = None) -> T:
-        """`_call` for the other control-plane modules: one command, bounded in time."""
-        return await self._call(op, timeout_s=timeout_s)
-
-    def worker_key(self, worker_id: str) -> str:
-        return f"{self._prefix}worker:{worker_id}"
-
-    def descriptor_key(self, descriptor_id: str) -> str:
-        return f"{self._prefix}kvdesc:{descriptor_id}"
-
-    def _epoch_key(self, worker_id: str) -> str:
-        return f"{self._prefix}epoch:{worker_id}"
-
-    @property
-    def _workers_key(self) -> str:
-        return f"{self._prefix}workers"
+            await super().close()
 
     # ------------------------------------------------------------------ lease
 
@@ -243,7 +158,7 @@ class WorkerRegistry:
 
     async def next_epoch(self, worker_id: str) -> int:
         """A fresh epoch for `worker_id`, strictly greater than any handed out before."""
-        return int(await self._call(self._redis.incr(self._epoch_key(worker_id))))
+        return int(await self.call(self._redis.incr(self._epoch_key(worker_id))))
 
     async def register(
         self,
@@ -288,7 +203,7 @@ class WorkerRegistry:
         desc_keys = [self.descriptor_key(d) for d in self._descriptors]
         self._descriptors.clear()
         keys = [self.worker_key(info.worker_id), self._workers_key, *desc_keys]
-        await self._call(self._deregister_lua(keys=keys, args=[info.epoch, info.worker_id]))
+        await self.call(self._deregister_lua(keys=keys, args=[info.epoch, info.worker_id]))
         log.info("worker_deregistered", worker_id=info.worker_id, epoch=info.epoch)
 
     async def heartbeat(self) -> bool:
@@ -318,7 +233,7 @@ class WorkerRegistry:
         ]
         args: list[str | int] = [self._encode_worker(info), self._ttl_ms, info.epoch,
                                  info.worker_id, *descriptors.values()]
-        result = int(await self._call(self._heartbeat_lua(keys=keys, args=args)))
+        result = int(await self.call(self._heartbeat_lua(keys=keys, args=args)))
         if result == 2 and self._info is not None:
             log.warning("lease_recreated", worker_id=info.worker_id, epoch=info.epoch)
         return result != 0
@@ -346,7 +261,7 @@ class WorkerRegistry:
 
     async def list_workers(self, role: Role | None = None) -> list[WorkerInfo]:
         """Workers whose lease is alive now, optionally of one role, sorted by worker_id."""
-        raws = await self._call(
+        raws = await self.call(
             self._list_lua(keys=[self._workers_key], args=[self._prefix + "worker:"])
         )
         workers = []
@@ -358,7 +273,7 @@ class WorkerRegistry:
 
     async def get_worker(self, worker_id: str) -> WorkerInfo | None:
         """The live record of `worker_id`; None if there is none, or none we can trust."""
-        raw = await self._call(self._redis.get(self.worker_key(worker_id)))
+        raw = await self.call(self._redis.get(self.worker_key(worker_id)))
         if raw is None:
             return None
         info = self._decode_worker(raw)
@@ -388,10 +303,8 @@ class WorkerRegistry:
             ttl_ms = max(1, round(ttl_s * 1000))
         else:
             raise ValueError("publish_descriptor needs a registered lease or ttl_s > 0")
-        raw = desc.to_json()
-        if self.signer is not None:
-            raw = self.signer.sign_json("kvdesc", json.loads(raw))
-        await self._call(self._redis.set(self.descriptor_key(descriptor_id), raw, px=ttl_ms))
+        raw = self._encode_descriptor(desc)
+        await self.call(self._redis.set(self.descriptor_key(descriptor_id), raw, px=ttl_ms))
         self._descriptors[descriptor_id] = raw
         log.info("kv_descriptor_published", descriptor_id=descriptor_id, ucx_address=ucx_address)
         return desc
@@ -399,69 +312,9 @@ class WorkerRegistry:
     async def get_descriptor(self, descriptor_id: str) -> KVDescriptor | None:
         """The live descriptor, or None if it expired, was deleted, never existed, or (with
         a signer) was not written by a member of this cluster."""
-        raw = await self._call(self._redis.get(self.descriptor_key(descriptor_id)))
-        if raw is None:
-            return None
-        if self.signer is not None:
-            try:
-                raw = json.dumps(self.signer.verify_json("kvdesc", raw))
-            except SignatureError as err:
-                self._rejected("kvdesc", kind="kvdesc", error=str(err))
-                return None
-        try:
-            desc = KVDescriptor.from_json(raw)
-        except DescriptorFormatError as err:
-            raise ControlPlaneError(f"descriptor {descriptor_id!r} is unreadable: {err}") from err
-        return desc if desc.descriptor_id == descriptor_id else None
+        raw = await self.call(self._redis.get(self.descriptor_key(descriptor_id)))
+        return None if raw is None else self._decode_descriptor(descriptor_id, raw)
 
     async def delete_descriptor(self, descriptor_id: str) -> None:
         self._descriptors.pop(descriptor_id, None)
-        await self._call(self._redis.delete(self.descriptor_key(descriptor_id)))
-
-    # ------------------------------------------------------------------ records
-
-    def _encode_worker(self, info: WorkerInfo) -> str:
-        if self.signer is None:
-            return info.to_json()
-        return self.signer.sign_json("worker", json.loads(info.to_json()), timestamp=True)
-
-    def _decode_worker(self, raw: str | bytes) -> WorkerInfo | None:
-        """A record from Redis, or None (logged, rate-limited) if it is malformed or, with a
-        signer, unsigned, mis-signed or stale: such a record is never used."""
-        try:
-            if self.signer is not None:
-                raw = json.dumps(self.signer.verify_json("worker", raw, timestamp=True))
-            return WorkerInfo.from_json(raw)
-        except (SignatureError, WorkerInfoError) as err:
-            self._rejected("worker", kind="worker", error=str(err))
-            return None
-
-    # ------------------------------------------------------------------ plumbing
-
-    async def _call(self, op: Awaitable[T], *, timeout_s: float | None = None) -> T:
-        """Await one Redis command, bounded by `op_timeout_s`.
-
-        The command runs in its own task behind `asyncio.shield`: a timeout (or the caller
-        being cancelled) abandons the wait but never cancels redis-py mid-command, which can
-        leave a pooled connection half-read so that a later command on it hangs or reads
-        another command's reply. The abandoned command ends by itself within the client's
-        socket timeouts (set to `op_timeout_s` by `from_url`) and returns its connection."""
-        task = asyncio.ensure_future(op)
-        bound = self.op_timeout_s if timeout_s is None else timeout_s
-        try:
-            async with asyncio.timeout(bound):
-                return await asyncio.shield(task)
-        except TimeoutError as exc:
-            task.add_done_callback(_consume)
-            raise ControlPlaneError(f"redis did not answer within {bound}s") from exc
-        except asyncio.CancelledError:
-            task.add_done_callback(_consume)
-            raise
-        except RedisError as exc:
-            raise ControlPlaneError(f"redis error: {exc}") from exc
-
-
-def _consume(task: asyncio.Future[T]) -> None:
-    """Retrieve an abandoned command's outcome so asyncio does not log it as never awaited."""
-    if not task.cancelled():
-        task.exception()
+        await self.call(self._redis.delete(self.descriptor_key(descriptor_id)))
