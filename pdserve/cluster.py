@@ -252,9 +252,10 @@ class LocalCluster:
                 "--tls-ca", str(d / "ca.crt")]
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "wb")
-        proc = subprocess.Popen(guarded(argv), stdout=log, stderr=subprocess.STDOUT,
-                                env=self.env)
+        # The child gets its own copy of the descriptor; ours is closed once it is started.
+        with open(self.log_dir / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen(guarded(argv), stdout=log, stderr=subprocess.STDOUT,
+                                    env=self.env)
         self.procs[name] = proc
         return proc
 

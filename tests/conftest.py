@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-
-from conftest_redis import redis_server  # noqa: F401
 
 # Before any test module imports ucxx: kvxfer loads the library that binds UCX listeners to
 # their configured host (kvxfer.listen), which only takes if it comes before libucxx.
 import kvxfer  # noqa: F401
+from tests.helpers.redis_server import redis_server  # noqa: F401
 
 # A module that starts processes (clusters, workers, redis-server, kubectl, compose's
 # commands, mypy) is `slow`: `make test-fast` runs the rest (`-m "not slow"`).

@@ -9,12 +9,12 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-from engine_util import greedy, run_to_end, tokens
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import EngineStats
 from pdserve.errors import EngineClosedError, InvalidRequestError, PromptTooLongError
 from pdserve.types import FinishReason, GenerateRequest, TokenEvent
+from tests.helpers.engine_util import greedy, run_to_end, tokens
 
 NEW_TOKENS = 16
 

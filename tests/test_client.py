@@ -10,10 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster_util import generate
 
 from pdserve.client import RouterClient, RouterError, Sampling
 from pdserve.cluster import LocalCluster
+from tests.helpers.cluster_util import generate
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(600)

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from cluster_util import generate, wait_blocks_free
 
 from pdserve.cluster import LocalCluster
 from pdserve.rpc import transport as gu
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from tests.helpers.cluster_util import generate, wait_blocks_free
 
 REMOTE_THRESHOLD = 64
 pytestmark = pytest.mark.timeout(900)

@@ -17,12 +17,12 @@ import grpc
 import httpx
 import openai
 import pytest
-from cluster_util import generate, wait_blocks_free, worker_blocks
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cluster import LocalCluster
 from pdserve.rpc import transport as gu
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from tests.helpers.cluster_util import generate, wait_blocks_free, worker_blocks
 
 REMOTE_THRESHOLD = 64
 MAX_TOKENS = 16

@@ -206,8 +206,7 @@ async def test_crashed_worker_drops_out(redis_server: str, namespace: str) -> No
     """A worker killed with SIGKILL stops heartbeating; its lease lapses within ~TTL."""
     script = textwrap.dedent(
         f"""
-        import asyncio, sys, time
-        sys.path.insert(0, {str(REPO)!r})
+        import asyncio, time
         from pdserve.control import WorkerInfo, WorkerRegistry
 
         async def main():
@@ -221,7 +220,7 @@ async def test_crashed_worker_drops_out(redis_server: str, namespace: str) -> No
         """
     )
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE
+        sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE, cwd=REPO
     )
     try:
         assert proc.stdout is not None

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from engine_util import greedy, run_to_end, tokens
 
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import EngineConfig
@@ -22,6 +21,7 @@ from pdserve.engine.loader import load_model
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.errors import UnsupportedArchitectureError
 from pdserve.types import GenerateRequest
+from tests.helpers.engine_util import greedy, run_to_end, tokens
 
 SMALL = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, num_hidden_layers=2, intermediate_size=128, initializer_range=0.2,

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from engine_util import greedy, remote_prefill, run_to_end, tokens
 
 from pdserve.types import GenerateRequest
+from tests.helpers.engine_util import greedy, remote_prefill, run_to_end, tokens
 
 
 def _transfer(prefill, decode, req: GenerateRequest) -> list[int]:  # type: ignore[no-untyped-def]

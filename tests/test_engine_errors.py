@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from engine_util import greedy, run_to_end, tokens
 
 from pdserve.errors import InvalidRequestError, PdserveError, PromptTooLongError
 from pdserve.types import GenerateRequest, LatencyClass, SamplingParams
+from tests.helpers.engine_util import greedy, run_to_end, tokens
 
 
 @pytest.mark.parametrize(

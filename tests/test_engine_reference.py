@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from engine_util import greedy, run_to_end, tokens
 
 from pdserve.types import GenerateRequest
+from tests.helpers.engine_util import greedy, run_to_end, tokens
 
 
 def _requests(prompt_ids: list[list[int]]) -> list[GenerateRequest]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from engine_util import greedy, run_to_end, tokens
 
 from pdserve.types import FinishReason, GenerateRequest, SamplingParams, TokenEvent
+from tests.helpers.engine_util import greedy, run_to_end, tokens
 
 STORY = "Once upon a time, in a land far away, there lived a"
 

@@ -11,7 +11,6 @@ import httpx
 import openai
 import pytest
 import structlog
-from engine_util import serving_engine
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine.async_engine import AsyncEngine
@@ -19,6 +18,7 @@ from pdserve.gateway.app import GatewayConfig, create_app
 from pdserve.gateway.local_backend import EngineBackend
 from pdserve.gateway.server import GatewayServer, running_server
 from pdserve.types import GenerateRequest, SamplingParams
+from tests.helpers.engine_util import serving_engine
 
 MODEL = "smol-test"
 PROMPT = "The capital of France is"

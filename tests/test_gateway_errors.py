@@ -16,7 +16,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from engine_util import serving_engine
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.errors import CapacityError, KVTransferError
@@ -24,6 +23,7 @@ from pdserve.gateway.app import GatewayConfig, create_app
 from pdserve.gateway.local_backend import EngineBackend
 from pdserve.gateway.server import running_server
 from pdserve.types import FinishReason, GenerateRequest, TokenEvent
+from tests.helpers.engine_util import serving_engine
 
 MODEL = "smol-test"
 PROMPT = "The capital of France is"

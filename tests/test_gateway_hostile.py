@@ -19,9 +19,7 @@ import httpx
 import pytest
 import schemathesis
 import structlog
-from gated_tokenizer import GatedTokenizer
 from hypothesis import HealthCheck, given, settings
-from loop_thread import serve_in_thread
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
@@ -32,6 +30,8 @@ from pdserve.gateway.app import GatewayConfig, create_app
 from pdserve.gateway.local_backend import EngineBackend
 from pdserve.gateway.server import running_server
 from pdserve.types import MAX_LOGPROBS, MAX_REQUEST_ID_LEN, MAX_TEMPERATURE
+from tests.helpers.gated_tokenizer import GatedTokenizer
+from tests.helpers.loop_thread import serve_in_thread
 
 MODEL = "smol-test"
 MAX_MODEL_LEN = 40

@@ -25,18 +25,18 @@ from typing import Any
 import grpc
 import pytest
 import structlog
-from gated_tokenizer import GatedTokenizer
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loop_thread import serve_in_thread
-from protobuf_strategies import messages, raw_messages
 
 from pdserve.rpc import transport as gu
 from pdserve.rpc.errors import ERROR_CODE_KEY
 from pdserve.rpc.metadata import REQUEST_ID_KEY
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, router_pb2
+from tests.helpers.gated_tokenizer import GatedTokenizer
+from tests.helpers.loop_thread import serve_in_thread
+from tests.helpers.protobuf_strategies import messages, raw_messages
 
 LEASE_CAP_S = 2.0  # the decode worker's max_alloc_lease_s here
 KV_WAIT_CAP_S = 3.0  # its max_kv_wait_s

@@ -46,7 +46,8 @@ LAYOUT = KVLayout(num_blocks=32, num_layers=2, block_size=16, num_kv_heads=4, he
                   dtype="float32", model_id="tiny")
 DESC_ID = make_descriptor_id("decode-s", 1)
 KEY = b"shm-test-kv-key-0123456789abcdef"
-PEER = Path(__file__).with_name("kv_shm_peer.py")
+PEER_MODULE = "tests.helpers.kv_shm_peer"  # run with `-m` from the repository root
+REPO = Path(__file__).resolve().parents[1]
 
 
 def pool(seed: int) -> torch.Tensor:
@@ -217,8 +218,8 @@ async def test_a_bad_chunk_frame_fails_the_transfer_fenced(rx: KVReceiver,
 
 
 def _peer(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, str(PEER), *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", PEER_MODULE, *args], cwd=REPO,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
 async def _line(proc: subprocess.Popen[str]) -> str:

@@ -11,12 +11,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from engine_util import serving_engine
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.gateway.app import GatewayConfig, create_app
 from pdserve.gateway.local_backend import EngineBackend
 from pdserve.gateway.server import GatewayServer, running_server
+from tests.helpers.engine_util import serving_engine
 
 MODEL = "smol-test"
 PROMPT = "The capital of France is"

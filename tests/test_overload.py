@@ -16,7 +16,6 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from cluster_util import generate, wait_blocks_free
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cli_args import add_admission_args, admission_argv, admission_config_from_args
@@ -35,6 +34,7 @@ from pdserve.rpc.errors import RETRY_AFTER_KEY, _error_metadata, status_for
 from pdserve.types import LatencyClass
 from router.admission import AdmissionConfig, AdmissionController, parse_deadlines
 from router.cost import CostModel, prefill_capacity
+from tests.helpers.cluster_util import generate, wait_blocks_free
 
 INT, S, B = LatencyClass.INTERACTIVE, LatencyClass.STANDARD, LatencyClass.BATCH
 

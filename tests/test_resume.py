@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from engine_util import remote_prefill, run_to_end, tokens
 
 from pdserve.errors import InvalidRequestError
 from pdserve.types import GenerateRequest, SamplingParams
+from tests.helpers.engine_util import remote_prefill, run_to_end, tokens
 
 PARAMS = {
     "greedy": SamplingParams(max_tokens=40),

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from engine_util import remote_prefill, run_to_end, tokens
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
@@ -20,6 +19,7 @@ from transformers.generation.logits_process import (
 from pdserve.engine.sampler import Sampler, apply_processors
 from pdserve.errors import InvalidRequestError
 from pdserve.types import GenerateRequest, SamplingParams
+from tests.helpers.engine_util import remote_prefill, run_to_end, tokens
 
 VOCAB = 64
 EOS = 3

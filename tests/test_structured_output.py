@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from engine_util import run_to_end, tokens
 
 from pdserve.types import GenerateRequest, SamplingParams
+from tests.helpers.engine_util import run_to_end, tokens
 
 pytest.importorskip("xgrammar")
 

@@ -310,7 +310,8 @@ async def test_write_with_a_huge_run_count_is_refused(receiver: KVReceiver) -> N
 
 # --------------------------------------------------------------------------- raw TCP junk
 
-JUNK_SCRIPT = Path(__file__).with_name("ucx_tcp_junk.py")
+JUNK_MODULE = "tests.faults.ucx_tcp_junk"  # run with `-m` from the repository root
+REPO = Path(__file__).resolve().parents[2]
 # Idle CPU of the attacked process above which we call its UCX threads spinning; an idle
 # receiver uses ~1 %.
 SPIN_CPU_PCT = 20.0
@@ -319,8 +320,8 @@ SPIN_CPU_PCT = 20.0
 @functools.cache
 def _junk_attack(mode: str) -> dict[str, Any]:
     """Run `ucx_tcp_junk.py mode` in a child process (see there why) and return its report."""
-    proc = subprocess.run([sys.executable, str(JUNK_SCRIPT), mode], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", JUNK_MODULE, mode], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"\nraw TCP junk ({mode}): {report}")

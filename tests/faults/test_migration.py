@@ -24,7 +24,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from cluster_util import (
+
+from pdserve.cluster import LocalCluster
+from tests.helpers.cluster_util import (
     Stream,
     decode_stats,
     generate,
@@ -33,8 +35,6 @@ from cluster_util import (
     wait_blocks_free,
     worker_blocks,
 )
-
-from pdserve.cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -22,9 +22,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster_util import generate, wait_blocks_free
-from conftest import MAX_NEW_TOKENS
-from netfault import NetCluster, Veth, make_veth, router_workers, until
+
+from tests.conftest import MAX_NEW_TOKENS
+from tests.helpers.cluster_util import generate, wait_blocks_free
+from tests.helpers.netfault import NetCluster, Veth, make_veth, router_workers, until
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 

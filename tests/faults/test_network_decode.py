@@ -1,5 +1,5 @@
 """Network faults on a DECODE worker (issue 11): one of two decode workers runs in its own
-network namespace behind a veth pair (tests/faults/netfault.py), with streams in flight on it.
+network namespace behind a veth pair (tests/helpers/netfault.py), with streams in flight on it.
 
     root namespace: redis-server, router, prefill-0 and decode-0 (gRPC and UCX on H)
     namespace:      decode-1 (gRPC and UCX on W; Redis via H)
@@ -29,8 +29,9 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from cluster_util import Stream, start_streams, wait_blocks_free
-from netfault import NetCluster, Veth, make_veth, until
+
+from tests.helpers.cluster_util import Stream, start_streams, wait_blocks_free
+from tests.helpers.netfault import NetCluster, Veth, make_veth, until
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 

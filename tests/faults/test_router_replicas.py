@@ -10,10 +10,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from cluster_util import wait_blocks_free
 
 from pdserve.client import RouterClient, RouterError, Sampling
 from pdserve.cluster import LocalCluster
+from tests.helpers.cluster_util import wait_blocks_free
 
 pytestmark = [pytest.mark.timeout(900)]
 

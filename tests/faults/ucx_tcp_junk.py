@@ -1,10 +1,10 @@
 """Raw TCP junk against a KV receiver's UCX sockaddr listener, in a process of its own.
 
-Run by `test_kv_listener.py` as `python tests/faults/ucx_tcp_junk.py small|large`. It prints
-one JSON line: whether real transfers worked during and after the attack, and the CPU the
-process burned while idle afterwards. A child process, because the attack can leave libucx's
-async thread spinning for the rest of the process's life (see the test), which must not slow
-every later test of the session.
+Run by `test_kv_listener.py` as `python -m tests.faults.ucx_tcp_junk small|large` from the
+repository root. It prints one JSON line: whether real transfers worked during and after the
+attack, and the CPU the process burned while idle afterwards. A child process, because the
+attack can leave libucx's async thread spinning for the rest of the process's life (see the
+test), which must not slow every later test of the session.
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-# Before test_kv_listener imports ucxx: kvxfer must load its listener library first.
-import kvxfer  # noqa: F401, I001
-
 from hypothesis import strategies as st
-from test_kv_listener import (
+
+# Before test_kv_listener imports ucxx: kvxfer must load its listener library first (the
+# isort order keeps it there).
+from kvxfer import KVReceiver
+from tests.faults.test_kv_listener import (
     DESC_ID,
     FRAME_TIMEOUT_S,
     LAYOUT,
@@ -33,8 +32,6 @@ from test_kv_listener import (
     _pool,
     _until_idle,
 )
-
-from kvxfer import KVReceiver
 
 IDLE_WINDOW_S = 3.0
 

@@ -3,9 +3,11 @@ mid-transfer. PATH is "cma" (the receiver reads the sender's blocks, kvxfer.cma)
 (kvxfer.shm). Its copies are slowed (0.3 s per piece after the first), and it prints
 ``PEER copying`` once a piece is in flight, so the test kills it with bytes moving.
 
-    python tests/kv_shm_peer.py receiver PATH LAYOUT_JSON     # prints its address, then
-                                                             # reads "XID ID,ID,..." lines
-    python tests/kv_shm_peer.py sender PATH LAYOUT_JSON ADDRESS XID DST_IDS
+From the repository root:
+
+    python -m tests.helpers.kv_shm_peer receiver PATH LAYOUT_JSON
+        # prints its address, then reads "XID ID,ID,..." lines
+    python -m tests.helpers.kv_shm_peer sender PATH LAYOUT_JSON ADDRESS XID DST_IDS
 """
 
 from __future__ import annotations
@@ -15,11 +17,9 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 

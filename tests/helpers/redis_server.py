@@ -1,8 +1,8 @@
 """A real, throwaway redis-server for tests.
 
-Import the fixture into a conftest (``from conftest_redis import redis_server``). It never
-touches a Redis that may already run on 6379: it picks a free port, runs without persistence
-in a temporary directory, and is killed when the session ends.
+Import the fixture into a conftest (``from tests.helpers.redis_server import redis_server``).
+It never touches a Redis that may already run on 6379: it picks a free port, runs without
+persistence in a temporary directory, and is killed when the session ends.
 """
 
 from __future__ import annotations

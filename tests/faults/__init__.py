@@ -1,0 +1,1 @@
+"""Fault-injection tests: killed processes, a lost Redis, a shaped or cut network (slow)."""
