@@ -13,10 +13,15 @@ Also one `--prefill`-token prompt (prompt tokens / s).
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -125,6 +130,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None, help="also write the rows as a JSON record here")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -136,6 +142,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rng = random.Random(0)
     prefill = {}
+    rows = []
     for dtype in args.dtypes.split(","):
         engine = LLMEngine.from_dir(resolve_model(args.model), EngineConfig(
             dtype=dtype, kv_cache_bytes=512 << 20, enable_prefix_caching=False,
@@ -146,6 +153,9 @@ def main() -> None:
                                                    args.steps))
             parts = parts_ms(engine, batch, args.context)
             rest = step - sum(parts.values())
+            rows.append({"dtype": dtype, "batch": batch, "step_p50_ms": step, **{
+                f"{k}_ms": v for k, v in parts.items()}, "python_dispatch_ms": rest,
+                "weight_read_bound_ms": bound})
             print(f"| {dtype} | {batch} | {step:.1f} | " + " | ".join(
                 f"{v:.1f}" for v in parts.values()) + f" | {rest:.1f} | {bound:.1f} | "
                 f"{step / bound:.2f}x | {step / parts['linear']:.2f}x |")
@@ -154,6 +164,20 @@ def main() -> None:
         del engine
     print("\n" + "; ".join(f"prefill {args.prefill} tokens, {k}: {v:.0f} tok/s"
                            for k, v in prefill.items()))
+    if args.out:
+        record = {"benchmark": "bench.profile_step", "commit": _commit(), "argv": sys.argv[1:],
+                  "cpu": cpu_summary(), "threads": torch.get_num_threads(),
+                  "read_bandwidth_gbs": bw, "load_avg": os.getloadavg(), "rows": rows,
+                  "prefill_tok_per_s": prefill}
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 if __name__ == "__main__":
