@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pdserve.client import RouterClient, RouterError, Sampling
 from pdserve.cluster import LocalCluster
-from tests.helpers.cluster_util import generate
+from tests.helpers.cluster_util import cluster_fixture, generate
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(600)
@@ -40,11 +39,7 @@ def test_client_distribution_takes_its_files_from_the_repository() -> None:
         ["grpcio", "protobuf"]
 
 
-@pytest.fixture(scope="module")
-def cluster(model_dir: Path) -> Iterator[LocalCluster]:
-    with LocalCluster(prefill=0, decode=1, model=str(model_dir),
-                      extra_worker_args=("--threads", "1", "--kv-cache-mb", "64")) as c:
-        yield c
+cluster = cluster_fixture(prefill=0, kv_cache_mb=64)
 
 
 async def test_typed_client_against_a_cluster(cluster: LocalCluster,

@@ -14,18 +14,14 @@ import pytest
 from pdserve.cluster import LocalCluster
 from pdserve.rpc import transport as gu
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from tests.helpers.cluster_util import generate, wait_blocks_free
+from tests.helpers.cluster_util import cluster_fixture, generate, wait_blocks_free
 
 REMOTE_THRESHOLD = 64
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.fixture(scope="module")
-def cluster(model_dir) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
-    with LocalCluster(prefill=1, decode=1, model=str(model_dir),
-                      extra_worker_args=("--threads", "1", "--kv-cache-mb", "192"),
-                      router_args=("--remote-threshold", str(REMOTE_THRESHOLD))) as c:
-        yield c
+cluster = cluster_fixture(kv_cache_mb=192,
+                          router_args=("--remote-threshold", str(REMOTE_THRESHOLD)))
 
 
 def _addr(cluster: LocalCluster, name: str) -> str:

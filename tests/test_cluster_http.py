@@ -11,7 +11,6 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import httpx
@@ -22,7 +21,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.cluster import LocalCluster
 from pdserve.rpc import transport as gu
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from tests.helpers.cluster_util import generate, wait_blocks_free, worker_blocks
+from tests.helpers.cluster_util import (
+    cluster_fixture,
+    generate,
+    wait_blocks_free,
+    worker_blocks,
+)
 
 REMOTE_THRESHOLD = 64
 MAX_TOKENS = 16
@@ -30,15 +34,11 @@ TIMINGS = {"X-Pdserve-Timings": "1"}
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.fixture(scope="module")
-def cluster(model_dir: Path) -> Iterator[LocalCluster]:
-    with LocalCluster(prefill=1, decode=1, model=str(model_dir),
-                      extra_worker_args=("--threads", "1", "--kv-cache-mb", "192"),
-                      # These tests are about labels and routes, not deadlines: a loaded CI
-                      # machine must not turn a slow interactive prefill into a 503.
-                      router_args=("--remote-threshold", str(REMOTE_THRESHOLD),
-                                   "--ttft-deadline", "interactive=60")) as c:
-        yield c
+cluster = cluster_fixture(kv_cache_mb=192,
+                          # These tests are about labels and routes, not deadlines: a loaded
+                          # CI machine must not turn a slow interactive prefill into a 503.
+                          router_args=("--remote-threshold", str(REMOTE_THRESHOLD),
+                                       "--ttft-deadline", "interactive=60"))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import asyncio
 import ipaddress
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -32,6 +31,7 @@ from pdserve.rpc.auth import CLUSTER_TOKEN_KEY, ClusterSecret
 from pdserve.rpc.errors import ERROR_CODE_KEY
 from pdserve.rpc.metadata import metadata_value
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tests.helpers.cluster_util import cluster_fixture
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -45,13 +45,9 @@ PROMPT = (f"My secret code word is {MARK}. Remember the code word {MARK} and nev
 REMOTE_THRESHOLD = 16
 
 
-@pytest.fixture(scope="module")
-def cluster(model_dir: Path) -> Iterator[LocalCluster]:
-    with LocalCluster(prefill=1, decode=1, model=str(model_dir), cluster_secret=SECRET,
-                      env={"PDSERVE_API_KEY": API_KEY, "PDSERVE_LOG_LEVEL": "INFO"},
-                      extra_worker_args=("--threads", "1", "--kv-cache-mb", "128"),
-                      router_args=("--remote-threshold", str(REMOTE_THRESHOLD))) as c:
-        yield c
+cluster = cluster_fixture(kv_cache_mb=128, cluster_secret=SECRET,
+                          env={"PDSERVE_API_KEY": API_KEY, "PDSERVE_LOG_LEVEL": "INFO"},
+                          router_args=("--remote-threshold", str(REMOTE_THRESHOLD)))
 
 
 def _addr(cluster: LocalCluster, name: str) -> str:

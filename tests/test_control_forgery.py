@@ -14,7 +14,6 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -27,6 +26,7 @@ from pdserve.control import WorkerInfo, WorkerLoad
 from pdserve.control.signing import signer_for
 from pdserve.engine.model_store import model_id
 from pdserve.rpc.auth import ClusterSecret
+from tests.helpers.cluster_util import cluster_fixture
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -35,12 +35,8 @@ PROMPT = "Tell me about the history of the printing press in Europe. " * 6  # re
 SHORT = "Say hi."
 
 
-@pytest.fixture(scope="module")
-def cluster(model_dir: Path) -> Iterator[LocalCluster]:
-    with LocalCluster(prefill=1, decode=1, model=str(model_dir), cluster_secret=SECRET,
-                      extra_worker_args=("--threads", "1", "--kv-cache-mb", "128"),
-                      router_args=("--remote-threshold", "16")) as c:
-        yield c
+cluster = cluster_fixture(kv_cache_mb=128, cluster_secret=SECRET,
+                          router_args=("--remote-threshold", "16"))
 
 
 class _Trap(grpc.GenericRpcHandler):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from prometheus_client.registry import CollectorRegistry
 from pdserve.cluster import LocalCluster
 from pdserve.engine.metrics import ENGINE_METRICS, WorkerLoadCollector, engine_load
 from pdserve.engine.stats import DurationHistogram, EngineStats
+from tests.helpers.cluster_util import cluster_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 OBS = ROOT / "deploy" / "observability"
@@ -139,13 +139,9 @@ def test_router_collector_reads_worker_load() -> None:
 # --------------------------------------------------------------------------- live cluster
 
 
-@pytest.fixture(scope="module")
-def cluster(model_dir: Path) -> Iterator[LocalCluster]:
-    with LocalCluster(prefill=1, decode=1, model=str(model_dir),
-                      extra_worker_args=("--threads", "1", "--kv-cache-mb", "192"),
-                      router_args=("--remote-threshold", str(REMOTE_THRESHOLD),
-                                   "--api-key", KEY)) as c:
-        yield c
+cluster = cluster_fixture(kv_cache_mb=192,
+                          router_args=("--remote-threshold", str(REMOTE_THRESHOLD),
+                                       "--api-key", KEY))
 
 
 @dataclass

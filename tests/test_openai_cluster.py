@@ -5,25 +5,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from pdserve.cluster import LocalCluster
+from tests.helpers.cluster_util import cluster_fixture
 
 REMOTE_THRESHOLD = 64
 TIMINGS = {"X-Pdserve-Timings": "1"}
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.fixture(scope="module")
-def cluster(model_dir: Path) -> Iterator[LocalCluster]:
-    with LocalCluster(prefill=1, decode=1, model=str(model_dir),
-                      extra_worker_args=("--threads", "1", "--kv-cache-mb", "192"),
-                      router_args=("--remote-threshold", str(REMOTE_THRESHOLD))) as c:
-        yield c
+cluster = cluster_fixture(kv_cache_mb=192,
+                          router_args=("--remote-threshold", str(REMOTE_THRESHOLD)))
 
 
 @pytest.fixture(scope="module")

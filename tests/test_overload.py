@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import httpx
@@ -19,7 +17,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cli_args import add_admission_args, admission_argv, admission_config_from_args
-from pdserve.cluster import LocalCluster
 from pdserve.control.load import WorkerLoad
 from pdserve.errors import (
     ERROR_CLASSES,
@@ -34,7 +31,7 @@ from pdserve.rpc.errors import RETRY_AFTER_KEY, _error_metadata, status_for
 from pdserve.types import LatencyClass
 from router.admission import AdmissionConfig, AdmissionController, parse_deadlines
 from router.cost import CostModel, prefill_capacity
-from tests.helpers.cluster_util import generate, wait_blocks_free
+from tests.helpers.cluster_util import cluster_fixture, generate, wait_blocks_free
 
 INT, S, B = LatencyClass.INTERACTIVE, LatencyClass.STANDARD, LatencyClass.BATCH
 
@@ -204,16 +201,12 @@ FLOOD_GRPC = 6
 CLIENT_TIMEOUT_S = 240  # "no hang": far below the old 120 s x retries, far above a real run
 
 
-@pytest.fixture(scope="module")
-def cluster(model_dir: Path) -> Iterator[LocalCluster]:
-    with LocalCluster(prefill=0, decode=1, model=str(model_dir),
-                      extra_worker_args=("--threads", "1", "--kv-cache-mb", "96",
-                                         "--max-requests", str(WORKER_MAX_REQUESTS)),
-                      router_args=("--max-in-flight", str(MAX_IN_FLIGHT),
-                                   "--ttft-deadline", "interactive=5",
-                                   "--ttft-deadline", "standard=10",
-                                   "--ttft-deadline", "batch=20")) as c:
-        yield c
+cluster = cluster_fixture(prefill=0, kv_cache_mb=96,
+                          worker_args=("--max-requests", str(WORKER_MAX_REQUESTS)),
+                          router_args=("--max-in-flight", str(MAX_IN_FLIGHT),
+                                       "--ttft-deadline", "interactive=5",
+                                       "--ttft-deadline", "standard=10",
+                                       "--ttft-deadline", "batch=20"))
 
 
 async def _http(client: httpx.AsyncClient, model: str, i: int) -> httpx.Response:

@@ -22,7 +22,7 @@ import stat
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -52,6 +52,7 @@ from pdserve.rpc.tls import (
 )
 from pdserve.runtime import start_server
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from tests.helpers.cluster_util import cluster_fixture
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -62,16 +63,10 @@ REMOTE_THRESHOLD = 16
 WORKERS = ("decode-0", "prefill-0")
 
 
-@pytest.fixture(scope="module")
-def cluster(model_dir: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(prefill=1, decode=1, model=str(model_dir), cluster_secret=SECRET,
-                     tls=True, env={"PDSERVE_API_KEY": API_KEY},
-                     extra_worker_args=("--threads", "1", "--kv-cache-mb", "128"),
-                     router_args=("--remote-threshold", str(REMOTE_THRESHOLD)))
-    try:
-        yield c.start(timeout_s=600)  # a loaded 2-core machine takes over 300 s
-    finally:
-        c.close()
+cluster = cluster_fixture(kv_cache_mb=128, cluster_secret=SECRET, tls=True,
+                          env={"PDSERVE_API_KEY": API_KEY},
+                          router_args=("--remote-threshold", str(REMOTE_THRESHOLD)),
+                          start_timeout_s=600)  # a loaded 2-core machine takes over 300 s
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,13 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from pdserve.cluster import LocalCluster
 from tests.helpers.cluster_util import (
     Stream,
+    cluster_fixture,
     decode_stats,
     generate,
     prefill_stats,
@@ -42,12 +42,8 @@ MAX_TOKENS = 64
 REMOTE_THRESHOLD = 64
 
 
-@pytest.fixture(scope="module")
-def cluster(model_dir) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
-    with LocalCluster(prefill=1, decode=2, model=str(model_dir),
-                      extra_worker_args=("--kv-cache-mb", "128"),
-                      router_args=("--remote-threshold", str(REMOTE_THRESHOLD))) as c:
-        yield c
+cluster = cluster_fixture(decode=2, kv_cache_mb=128, threads=None,
+                          router_args=("--remote-threshold", str(REMOTE_THRESHOLD)))
 
 
 def _counter(url: str, name: str, **labels: str) -> float:

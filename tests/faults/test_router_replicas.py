@@ -6,25 +6,25 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from pdserve.client import RouterClient, RouterError, Sampling
 from pdserve.cluster import LocalCluster
-from tests.helpers.cluster_util import wait_blocks_free
+from tests.helpers.cluster_util import cluster_fixture, wait_blocks_free
 
 pytestmark = [pytest.mark.timeout(900)]
 
 
+cluster = cluster_fixture(kv_cache_mb=96, threads=None, router_args=("--remote-threshold", "64"))
+
+
 @pytest.fixture(scope="module")
-def replicas(model_dir) -> Iterator[tuple[LocalCluster, str, str]]:  # type: ignore[no-untyped-def]
-    with LocalCluster(prefill=1, decode=1, model=str(model_dir),
-                      extra_worker_args=("--kv-cache-mb", "96"),
-                      router_args=("--remote-threshold", "64")) as c:
-        grpc_port, http_port = c.add_router(1)
-        yield c, f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"
+def replicas(cluster: LocalCluster) -> tuple[LocalCluster, str, str]:
+    """The cluster with a second router (router-1): its gRPC address and HTTP URL."""
+    grpc_port, http_port = cluster.add_router(1)
+    return cluster, f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"
 
 
 def _index_blocks(url: str) -> float:

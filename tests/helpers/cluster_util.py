@@ -1,15 +1,20 @@
-"""Helpers for tests that run a real local cluster (separate processes on 127.0.0.1)."""
+"""Helpers for tests that run a real local cluster (separate processes on 127.0.0.1): the
+module-scoped cluster fixture factory, and gRPC clients of the router and the workers."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
+from pdserve.cluster import LocalCluster
 from pdserve.rpc import transport as gu
 from pdserve.v1 import (
     common_pb2,
@@ -21,6 +26,34 @@ from pdserve.v1 import (
 
 ROUTE_NAMES = {common_pb2.PREFILL_ROUTE_LOCAL: "local", common_pb2.PREFILL_ROUTE_REMOTE: "remote",
                common_pb2.PREFILL_ROUTE_FALLBACK: "fallback"}
+
+
+def cluster_fixture(*, kv_cache_mb: int, prefill: int = 1, decode: int = 1,
+                    threads: int | None = 1, worker_args: tuple[str, ...] = (),
+                    router_args: tuple[str, ...] = (), start_timeout_s: float = 300,
+                    **options: Any) -> Any:
+    """A module-scoped `cluster` fixture: a LocalCluster of the session's model (`model_dir`)
+    with `prefill` and `decode` workers, started before the module's first test that asks for
+    it and closed after its last. Assign it in the test module, ``cluster = cluster_fixture(
+    ...)``: each module gets a cluster of its own, nothing is shared across modules.
+
+    Every worker gets ``--threads THREADS`` (none if None), ``--kv-cache-mb KV_CACHE_MB`` and
+    `worker_args`; the router gets `router_args`; `options` go to LocalCluster as they are
+    (`cluster_secret`, `tls`, `env`, ...). `start_timeout_s` bounds the start, all of it."""
+    threads_args = ("--threads", str(threads)) if threads is not None else ()
+    extra_worker_args = (*threads_args, "--kv-cache-mb", str(kv_cache_mb), *worker_args)
+
+    @pytest.fixture(scope="module")
+    def cluster(model_dir: Path) -> Iterator[LocalCluster]:
+        c = LocalCluster(prefill=prefill, decode=decode, model=str(model_dir),
+                         extra_worker_args=extra_worker_args, router_args=router_args,
+                         **options)
+        try:
+            yield c.start(timeout_s=start_timeout_s)
+        finally:
+            c.close()
+
+    return cluster
 
 
 @dataclass
