@@ -20,14 +20,34 @@ from tests.helpers.redis_server import redis_server  # noqa: F401
 # commands, mypy) is `slow`: `make test-fast` runs the rest (`-m "not slow"`).
 _STARTS_PROCESSES = ("LocalCluster", "cluster_util", "subprocess", "Popen", "redis_server")
 # In-process tests that take seconds each here (a GGUF conversion, a compiler killed mid-build,
-# whole-engine runs against the transformers reference, schemathesis): slow too.
+# whole-engine runs against the transformers reference, schemathesis, generations of dozens of
+# tokens on the real model, idle timeouts waited out): slow too. Prefixes of node ids;
+# `pytest -m "not slow" --durations=20` shows what to add when `make test-fast` passes 2 min.
 _SLOW_IN_PROCESS = (
     "test_model_store.py::test_gguf_path_converts_into_cache_with_identical_logits",
     "test_kernels.py::test_killed_build_does_not_block_later_loads",
     "test_engine_disagg.py::",
     "test_engine_reference.py::",
+    "test_engine_sampling.py::",
+    "test_structured_output.py::",
     "test_gateway_hostile.py::test_schemathesis",
     "test_resume.py::test_resume_through_remote_prefill",
+    "test_resume.py::test_resume_continues_the_stream",
+    # the ones that take `sync_ref` (greedy outputs of 7 prompts), and a 1,000-token prefill
+    "test_async_engine.py::test_generate_streams_sync_engine_tokens",
+    "test_async_engine.py::test_many_concurrent_generates",
+    "test_async_engine.py::test_prefill_then_release",
+    "test_async_engine.py::test_remote_prefill_copy_and_admit",
+    "test_async_engine.py::test_event_loop_stays_responsive_during_prefill",
+    "test_engine_errors.py::test_engine_rejects_bad_requests_and_keeps_serving",
+    "test_engine_errors.py::test_prompt_larger_than_kv_pool",
+    "test_engine_archs.py::test_greedy_generation_matches_batched",
+    "test_sampling_processors.py::test_repetition_penalty_greedy_matches_transformers_generate",
+    "test_sampling_processors.py::test_min_tokens_holds_eos_back",
+    "test_sampling_processors.py::test_penalties_and_seeds_survive_remote_prefill",
+    "test_kvxfer_bounds.py::test_idle_pinging_and_refused_peers_do_not_lock_out_a_prefill_worker",
+    "test_kvxfer_bounds.py::test_authenticated_connections_idle_for_a_bounded_time",
+    "test_kvxfer_bounds.py::test_unauthenticated_connections_must_keep_talking",
 )
 
 

@@ -45,8 +45,10 @@ async def http(server: GatewayServer) -> AsyncIterator[httpx.AsyncClient]:
 
 
 @pytest.fixture
-def client(server: GatewayServer) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+async def client(server: GatewayServer) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
+                                  max_retries=0) as client:
+        yield client
 
 
 async def direct_text(engine: AsyncEngine, ids: list[int], max_tokens: int, rid: str) -> str:

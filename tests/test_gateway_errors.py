@@ -266,14 +266,14 @@ async def test_api_keys(engine: AsyncEngine, tokenizer: Any) -> None:
         ok = {"Authorization": "Bearer k2"}
         assert (await http.get("/v1/models", headers=ok)).status_code == 200
         assert (await http.get("/metrics", headers=ok)).status_code == 200
-        client = openai.AsyncOpenAI(base_url=f"{http.base_url}/v1", api_key="k1",
-                                    max_retries=0)
-        resp = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+        async with openai.AsyncOpenAI(base_url=f"{http.base_url}/v1", api_key="k1",
+                                      max_retries=0) as client:
+            resp = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
         assert resp.usage is not None and resp.usage.completion_tokens == 1
-        bad = openai.AsyncOpenAI(base_url=f"{http.base_url}/v1", api_key="k3",
-                                 max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
-            await bad.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+        async with openai.AsyncOpenAI(base_url=f"{http.base_url}/v1", api_key="k3",
+                                      max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError):
+                await bad.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
     config = GatewayConfig(api_keys=frozenset({"k1"}), metrics_require_auth=True)
     async with serve(EngineBackend(engine, tokenizer, MODEL), config) as http:
         assert_error(await http.get("/metrics"), 401, code="invalid_api_key")

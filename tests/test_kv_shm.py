@@ -261,7 +261,7 @@ async def test_receiver_killed_mid_transfer(path: str) -> None:
             assert torch.equal(src, pool(5))
     finally:
         proc.kill()
-        proc.wait()
+        proc.communicate()  # reaps it and closes its pipes
     assert staging_files() == before
 
 
@@ -313,7 +313,7 @@ async def test_sender_killed_mid_transfer(path: str, make_engine: Any,
                 assert failed.value.code == ErrorCode.KV_PEER_GONE
             finally:
                 proc.kill()
-                proc.wait()
+                proc.communicate()  # reaps it and closes its pipes
             landed = engine.kv_pool[dst].clone()
             await asyncio.sleep(0.3)
             assert torch.equal(engine.kv_pool[dst], landed)  # nothing after the fence

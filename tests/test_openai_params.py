@@ -229,17 +229,18 @@ async def test_logit_bias_and_penalties(server: GatewayServer, http: httpx.Async
         "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logit_bias": {"42": 100},
         "logprobs": 0})).json()
     assert forced["choices"][0]["logprobs"]["tokens"] == [tokenizer.decode([42])] * 3
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    plain = await client.completions.create(model=MODEL, prompt="one one one one one",
-                                            max_tokens=8, temperature=0)
-    penalized = await client.completions.create(
-        model=MODEL, prompt="one one one one one", max_tokens=8, temperature=0,
-        frequency_penalty=2.0, presence_penalty=1.0,
-        extra_body={"repetition_penalty": 1.5, "min_p": 0.1})
-    assert penalized.choices[0].text != plain.choices[0].text
-    chat = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, n=2,
-        temperature=0.8, seed=5)
+    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
+                                  max_retries=0) as client:
+        plain = await client.completions.create(model=MODEL, prompt="one one one one one",
+                                                max_tokens=8, temperature=0)
+        penalized = await client.completions.create(
+            model=MODEL, prompt="one one one one one", max_tokens=8, temperature=0,
+            frequency_penalty=2.0, presence_penalty=1.0,
+            extra_body={"repetition_penalty": 1.5, "min_p": 0.1})
+        assert penalized.choices[0].text != plain.choices[0].text
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, n=2,
+            temperature=0.8, seed=5)
     assert [c.index for c in chat.choices] == [0, 1]
 
 
@@ -247,10 +248,11 @@ async def test_response_format_json_schema(server: GatewayServer) -> None:
     pytest.importorskip("xgrammar")
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
               "required": ["city"], "additionalProperties": False}
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    out = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Name a city, as JSON."}],
-        max_tokens=40, temperature=0,
-        response_format={"type": "json_schema",
-                         "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
+                                  max_retries=0) as client:
+        out = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Name a city, as JSON."}],
+            max_tokens=40, temperature=0,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "city", "schema": schema, "strict": True}})
     assert set(json.loads(out.choices[0].message.content)) == {"city"}
