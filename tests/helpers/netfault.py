@@ -139,9 +139,9 @@ class Procs:
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> \
             subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "wb")
-        p = subprocess.Popen(guarded(argv), stdout=log, stderr=subprocess.STDOUT,
-                             env={**os.environ, **(env or {})})
+        with open(self.log_dir / f"{name}.log", "wb") as log:  # the child keeps its own copy
+            p = subprocess.Popen(guarded(argv), stdout=log, stderr=subprocess.STDOUT,
+                                 env={**os.environ, **(env or {})})
         self.procs[name] = p
         return p
 
