@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +31,15 @@ from pdserve.engine.cpu import cpu_summary
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_store import resolve_model
 from pdserve.types import GenerateRequest, SamplingParams
+
+
+@dataclass(frozen=True)
+class _Row:
+    """What the sampler reads of a request (engine.sampler.SampleRow)."""
+
+    sampling: SamplingParams
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
 
 
 def best_ms(fn: Callable[[], object], reps: int = 7) -> float:
@@ -108,10 +118,10 @@ def parts_ms(engine: LLMEngine, batch: int, context: int) -> dict[str, float]:
             kernels.silu_mul(gu)
 
     logits = torch.randn(batch, cfg.vocab_size)
-    sps = [SamplingParams()] * batch
+    rows = [_Row(SamplingParams(), (1,), ()) for _ in range(batch)]
     return {"linear": gemm, "attention": best_ms(attention), "norm/rope/act":
             best_ms(elementwise), "sampling": best_ms(
-                lambda: engine.sampler.sample(logits, [str(i) for i in range(batch)], sps))}
+                lambda: engine.sampler.sample(logits, rows))}
 
 
 def _prefill(engine: LLMEngine, rng: random.Random, n: int) -> None:
