@@ -77,7 +77,7 @@ def test_a_listener_that_cannot_be_bound_refuses_to_start() -> None:
         "import asyncio, torch, ucxx\n"
         "import kvxfer\n"
         "from kvxfer import KVReceiver\n"
-        "from pdserve.types import KVLayout\n"
+        "from pdserve.kv_layout import KVLayout\n"
         "LAYOUT = KVLayout(num_blocks=4, num_layers=2, block_size=16, num_kv_heads=2,\n"
         "                  head_dim=8, dtype='float32', model_id='m')\n"
         "async def main():\n"
