@@ -23,6 +23,21 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// Every context length fits its table and every block id it reaches is in the pool (a
+// decode attention reads the pool through them); returns the longest context.
+int64_t check_tables(const int64_t* tp, const int64_t* lp, int64_t b, int64_t max_blocks,
+                     int64_t bs, int64_t num_blocks) {
+  int64_t longest = 0;
+  for (int64_t s = 0; s < b; ++s) {
+    TORCH_CHECK(lp[s] >= 1 && lp[s] <= max_blocks * bs, "context length out of range");
+    for (int64_t j = 0; j < (lp[s] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tp[s * max_blocks + j] >= 0 && tp[s * max_blocks + j] < num_blocks,
+                  "block id out of range");
+    longest = std::max(longest, lp[s]);
+  }
+  return longest;
+}
+
 void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.device().is_cpu(), name,
               " must be a float32 CPU tensor");
@@ -168,12 +183,7 @@ torch::Tensor paged_decode_attention_scalar(torch::Tensor q, torch::Tensor kv, t
   const int64_t* tp = tab.data_ptr<int64_t>();
   const int64_t* lp = len.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  for (int64_t s = 0; s < b; ++s) {
-    TORCH_CHECK(lp[s] >= 1 && lp[s] <= max_blocks * bs, "context length out of range");
-    for (int64_t j = 0; j < (lp[s] + bs - 1) / bs; ++j)
-      TORCH_CHECK(tp[s * max_blocks + j] >= 0 && tp[s * max_blocks + j] < num_blocks,
-                  "block id out of range");
-  }
+  check_tables(tp, lp, b, max_blocks, bs, num_blocks);
   const float sc = static_cast<float>(scale);
   // One task per (sequence, kv head): its `group` query heads share every K/V row read.
   at::parallel_for(0, b * kvh, 1, [&](int64_t begin, int64_t end) {
@@ -292,14 +302,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
   const int64_t* tp = tab.data_ptr<int64_t>();
   const int64_t* lp = len.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  int64_t longest = 0;
-  for (int64_t s = 0; s < b; ++s) {
-    TORCH_CHECK(lp[s] >= 1 && lp[s] <= max_blocks * bs, "context length out of range");
-    for (int64_t j = 0; j < (lp[s] + bs - 1) / bs; ++j)
-      TORCH_CHECK(tp[s * max_blocks + j] >= 0 && tp[s * max_blocks + j] < num_blocks,
-                  "block id out of range");
-    longest = std::max(longest, lp[s]);
-  }
+  const int64_t longest = check_tables(tp, lp, b, max_blocks, bs, num_blocks);
   // Spans: whole blocks, at most kMaxSpan tokens, and enough of them for 4 tasks per thread.
   constexpr int64_t kMaxSpan = 512, kMinSpan = 64;
   const int64_t threads = at::get_num_threads();
