@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import math
@@ -250,12 +251,13 @@ class Cluster:
                 "--http-port", str(self.http_port), "--namespace", self.namespace,
                 "--host", "127.0.0.1", "--model", str(self.model_dir), "--no-admission",
                 "--log-level", self.cfg.router_log_level]
-        self.router_log = open(self.workdir / f"router-{self.n}.log", "wb")
         # A session of its own: with --autogroup-nice it gets the same priority as the
-        # harness's processes, but its own CPU share on its core.
-        self.router = subprocess.Popen(guarded([*_taskset(self.router_cpus), *argv]),
-                                       stdout=self.router_log, stderr=subprocess.STDOUT,
-                                       env=self.env, cwd=ROOT, start_new_session=True)
+        # harness's processes, but its own CPU share on its core. The log is the child's: our
+        # copy of its descriptor is closed once it is started.
+        with open(self.workdir / f"router-{self.n}.log", "wb") as log:
+            self.router = subprocess.Popen(guarded([*_taskset(self.router_cpus), *argv]),
+                                           stdout=log, stderr=subprocess.STDOUT,
+                                           env=self.env, cwd=ROOT, start_new_session=True)
         if self.cfg.autogroup_nice is not None:
             Path(f"/proc/{self.router.pid}/autogroup").write_text(str(self.cfg.autogroup_nice))
         wait_port(self.http_port, self.router, 120, "router")
@@ -267,10 +269,10 @@ class Cluster:
                 "--namespace", self.namespace, "--model-id", self.model_id,
                 "--index-blocks", str(self.cfg.index_blocks), "--time-scale",
                 str(self.cfg.time_scale), "--seed", str(self.cfg.seed)]
-        self.emu_log = open(self.workdir / f"workers-{self.n}.log", "wb")
-        self.emu = subprocess.Popen(guarded([*_taskset(self.other_cpus), *argv]),
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=self.emu_log, env=self.env, cwd=ROOT, text=True)
+        with open(self.workdir / f"workers-{self.n}.log", "wb") as log:
+            self.emu = subprocess.Popen(guarded([*_taskset(self.other_cpus), *argv]),
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=log, env=self.env, cwd=ROOT, text=True)
         self.info = self._reply(TIMEOUT_S)
         if not self.info.get("ready"):
             raise RuntimeError(f"emulated workers did not start: {self.info}")
@@ -305,6 +307,11 @@ class Cluster:
             except (OSError, subprocess.TimeoutExpired):
                 pass
         _stop(self.emu)
+        if self.emu is not None:
+            for pipe in (self.emu.stdin, self.emu.stdout):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
         _stop(self.router)
         _stop(self.redis)
 
