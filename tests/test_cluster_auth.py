@@ -6,11 +6,9 @@ down. The timeout is the `--ready-timeout` flag, so this waits tens of seconds, 
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import httpx
 import pytest
 
 from pdserve.cluster import free_port
+from tests.helpers.cluster_util import ClusterUp
 
 KEYS = "sk-first, sk-second"  # as an operator may write it: spaces around the comma
 READY_TIMEOUT_S = 60.0
@@ -42,25 +41,10 @@ def test_cluster_up_with_api_keys_stays_up(model_dir: Path) -> None:
             "--decode", "1", "--model", str(model_dir), "--http-port", str(http_port),
             "--port", str(_free_port()), "--ready-timeout", str(READY_TIMEOUT_S)]
     started = time.monotonic()
-    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PDSERVE_API_KEYS": KEYS})
-    lines: queue.Queue[str] = queue.Queue()
-    stderr = proc.stderr
-    assert stderr is not None
-
-    def read() -> None:
-        for line in stderr:
-            lines.put(line)
-
-    threading.Thread(target=read, daemon=True).start()
-    seen: list[str] = []
+    up = ClusterUp(argv, {**os.environ, "PDSERVE_API_KEYS": KEYS})
+    proc, seen = up.proc, up.seen
     try:
-        while not any(line.startswith("ready:") for line in seen):
-            try:
-                seen.append(lines.get(timeout=READY_TIMEOUT_S + 60))
-            except queue.Empty:
-                pytest.fail(f"no 'ready:' line; stderr so far: {seen}")
-            assert proc.poll() is None or not lines.empty(), f"cluster up exited: {seen}"
+        up.wait_ready(READY_TIMEOUT_S + 60)
         assert _chat(url, "sk-second").status_code == 200
         assert _chat(url, None).status_code == 401
 

@@ -13,11 +13,9 @@
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -32,6 +30,7 @@ from pdserve.cli_args import (
 )
 from pdserve.cluster import free_port, redact_url, wait_port
 from pdserve.rpc.auth import ClusterSecret, load_cluster_secret, secret_weakness
+from tests.helpers.cluster_util import ClusterUp
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -233,24 +232,13 @@ def test_cluster_up_off_loopback_with_an_api_key(model_dir: Path) -> None:
     `ready:` line and the children's command lines carry no Redis password, and its private
     Redis wants one."""
     http_port = free_port()
-    proc = subprocess.Popen(
+    up = ClusterUp(
         [*CLI, "cluster", "up", "--host", "0.0.0.0", "--prefill", "0", "--decode", "0",
          "--model", str(model_dir), "--http-port", str(http_port), "--port", str(free_port()),
-         "--ready-timeout", "120"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-        text=True, env=_env(PDSERVE_API_KEY="sk-fail-closed-test"))
-    lines: queue.Queue[str] = queue.Queue()
-    assert proc.stderr is not None
-    stderr = proc.stderr
-    threading.Thread(target=lambda: [lines.put(ln) for ln in stderr], daemon=True).start()
-    seen: list[str] = []
+         "--ready-timeout", "120"], _env(PDSERVE_API_KEY="sk-fail-closed-test"))
+    proc, seen = up.proc, up.seen
     try:
-        while not any(ln.startswith("ready:") for ln in seen):
-            try:
-                seen.append(lines.get(timeout=180))
-            except queue.Empty:
-                pytest.fail(f"no ready line: {seen}")
-            assert proc.poll() is None or not lines.empty(), seen
-        ready = next(ln for ln in seen if ln.startswith("ready:"))
+        ready = up.wait_ready(180)
         assert "redis redis://:***@127.0.0.1:" in ready, ready
         children = _children(proc.pid)
         assert any("redis-server" in argv for argv in children.values()), children

@@ -8,17 +8,16 @@ docs/RELIABILITY.md; the assertions only bound them by the drain grace, never by
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from pdserve.cluster import free_port
+from tests.helpers.cluster_util import ClusterUp
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -71,26 +70,9 @@ def _start_cluster(model_dir: Path) -> tuple[subprocess.Popen[str], dict[int, st
     argv = [sys.executable, "-m", "pdserve.cli", "cluster", "up", "--prefill", "1",
             "--decode", "1", "--model", str(model_dir), "--http-port", str(_free_port()),
             "--port", str(_free_port()), "--ready-timeout", str(READY_TIMEOUT_S)]
-    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
-    lines: queue.Queue[str] = queue.Queue()
-    assert proc.stderr is not None
-    stderr = proc.stderr
-
-    def read() -> None:
-        for line in stderr:
-            lines.put(line)
-
-    threading.Thread(target=read, daemon=True).start()
-    seen: list[str] = []
-    deadline = time.monotonic() + READY_TIMEOUT_S + 30
-    while not any(line.startswith("ready:") for line in seen):
-        try:
-            seen.append(lines.get(timeout=1))
-        except queue.Empty:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"cluster up never got ready: {''.join(seen)}")
+    up = ClusterUp(argv, start_new_session=True)
+    up.wait_ready(READY_TIMEOUT_S + 30)
+    proc = up.proc
     children = _children(proc.pid)
     kinds = " ".join(children.values())
     assert "redis-server" in kinds and "decode-worker" in kinds and "prefill-worker" in kinds \

@@ -1,15 +1,19 @@
 """Helpers for tests that run a real local cluster (separate processes on 127.0.0.1): the
-module-scoped cluster fixture factory, and gRPC clients of the router and the workers."""
+module-scoped cluster fixture factory, `pdserve cluster up` as a child process, and gRPC
+clients of the router and the workers."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import queue
+import subprocess
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import grpc
 import pytest
@@ -54,6 +58,41 @@ def cluster_fixture(*, kv_cache_mb: int, prefill: int = 1, decode: int = 1,
             c.close()
 
     return cluster
+
+
+class ClusterUp:
+    """`pdserve cluster up` (``argv``) as a user starts it, in a child process whose stderr is
+    read line by line on a thread (and closed at its end). ``wait_ready`` returns its
+    ``ready:`` line; ``seen`` holds every line read until then."""
+
+    def __init__(self, argv: list[str], env: Mapping[str, str] | None = None, *,
+                 start_new_session: bool = False):
+        self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                     text=True, env=env, start_new_session=start_new_session)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        assert self.proc.stderr is not None
+        threading.Thread(target=self._read, args=(self.proc.stderr,), daemon=True).start()
+
+    def _read(self, stderr: IO[str]) -> None:
+        with stderr:
+            for line in stderr:
+                self.lines.put(line)
+
+    def wait_ready(self, timeout_s: float) -> str:
+        """The ``ready:`` line; fails the test (killing the process) if it exits first or
+        the line is not out within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not any(line.startswith("ready:") for line in self.seen):
+            try:
+                self.seen.append(self.lines.get(timeout=1))
+            except queue.Empty:
+                if (self.proc.poll() is not None and self.lines.empty()) \
+                        or time.monotonic() > deadline:
+                    if self.proc.poll() is None:
+                        self.proc.kill()
+                    pytest.fail(f"cluster up never got ready: {''.join(self.seen)}")
+        return next(line for line in self.seen if line.startswith("ready:"))
 
 
 @dataclass
