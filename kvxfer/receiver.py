@@ -43,8 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import structlog
 import torch
@@ -58,6 +57,7 @@ from kvxfer.pool import PoolBytes
 from kvxfer.protocol import SEQ_LIMIT, ProtocolError, UCXError, data_tag, error
 from kvxfer.rings import StagingRings
 from kvxfer.transfers import TransferTable
+from pdserve.aio import AsyncResource
 from pdserve.errors import ErrorCode, KVTransferError
 from pdserve.kv_layout import KVLayout
 from pdserve.ratelog import RateLimitedLog
@@ -67,7 +67,7 @@ __all__ = ["Expectation", "KVReceiver"]
 log = structlog.get_logger(__name__)
 
 
-class KVReceiver:
+class KVReceiver(AsyncResource):
     """Accepts KV block writes into `pool` (a tensor laid out as `layout`) over UCX.
 
     `descriptor_id` names this pool incarnation (``"{worker_id}:{epoch}"``); writers that
@@ -151,17 +151,6 @@ class KVReceiver:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def start(self) -> None:
         if self._listener is None:

@@ -16,8 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import structlog
 import torch
@@ -28,6 +27,7 @@ from kvxfer.pool import DIGEST_RUN_BYTES, INLINE_DIGEST_BYTES, PoolBytes, check_
 from kvxfer.protocol import ProtocolError, UCXError, data_tag, error, recv_frame, reply_tag
 from kvxfer.runs import merge_pairs, split_runs
 from kvxfer.shm import SenderRing, chunks, host_id, send_chunks
+from pdserve.aio import AsyncResource
 from pdserve.control.descriptors import KVDescriptor
 from pdserve.errors import ErrorCode, KVTransferError
 from pdserve.kv_layout import KVLayout
@@ -46,7 +46,7 @@ class SendResult:
     elapsed_s: float
 
 
-class KVSender:
+class KVSender(AsyncResource):
     """Writes KV blocks from local pools laid out as `layout` into remote KVReceivers.
 
     Keeps one endpoint per receiver address and reuses it; transfers to the same receiver
@@ -88,16 +88,6 @@ class KVSender:
         """The open endpoints by address (tests inspect them)."""
         return self._endpoints.by_address
 
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def close(self) -> None:
         """Drop every endpoint; transfers still running fail with ``kv_peer_gone``."""

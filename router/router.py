@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry
 
+from pdserve.aio import AsyncResource
 from pdserve.control.directory import WorkerDirectory
 from pdserve.control.kv_events import KVEventStreams
 from pdserve.control.registry import WorkerRegistry
@@ -57,7 +58,7 @@ log = structlog.get_logger(__name__)
 _WORKER_FAILURES = (CapacityError, WorkerTimeoutError, TimeoutError)
 
 
-class Router:
+class Router(AsyncResource):
     def __init__(self, registry: WorkerRegistry, tokenizer: Tokenizer, *, model_name: str,
                  max_model_len: int, config: RouterConfig | None = None,
                  metrics_registry: CollectorRegistry | None = None, poll_s: float | None = None,
@@ -122,12 +123,6 @@ class Router:
         await self.directory.close()
         await self._channels.close()
 
-    async def __aenter__(self) -> Router:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     async def _follow_workers(self) -> None:
         async for event in self.directory.events():

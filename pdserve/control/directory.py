@@ -7,11 +7,12 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType, TracebackType
-from typing import Literal, Self
+from types import MappingProxyType
+from typing import Literal
 
 import structlog
 
+from pdserve.aio import AsyncResource
 from pdserve.control.registry import WorkerRegistry
 from pdserve.control.workers import Role, WorkerInfo
 from pdserve.errors import ControlPlaneError
@@ -35,7 +36,7 @@ class WorkerEvent:
         return self.previous is not None and self.previous.epoch != self.worker.epoch
 
 
-class WorkerDirectory:
+class WorkerDirectory(AsyncResource):
     """Polls the registry every `poll_s`; a worker whose lease lapsed drops out on the next poll.
 
     `snapshot()` is always safe to read. If Redis is unreachable the last known view is kept
@@ -90,17 +91,6 @@ class WorkerDirectory:
         self._task: asyncio.Task[None] | None = None
         self.last_refresh = 0.0  # time.monotonic() of the last successful poll
 
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def start(self) -> None:
         """Load the current workers (raises ControlPlaneError if Redis is down), then follow."""

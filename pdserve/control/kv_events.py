@@ -24,6 +24,7 @@ from typing import Any, Protocol, cast
 
 import structlog
 
+from pdserve.aio import AsyncResource
 from pdserve.control.registry import WorkerRegistry
 from pdserve.control.signing import SignatureError
 from pdserve.errors import ControlPlaneError
@@ -130,7 +131,7 @@ class KVEventSource(Protocol):
     async def kv_snapshot(self) -> list[bytes]: ...
 
 
-class KVEventPublisher:
+class KVEventPublisher(AsyncResource):
     """A decode worker's side: whenever `changed()` moved (the engine's count of recorded
     cache changes), move the prefix cache's events to the worker's stream, batched at most
     every `interval_s`; answer snapshot requests; after any failure to publish, or an
@@ -170,12 +171,6 @@ class KVEventPublisher:
                 await self._task
             self._task = None
 
-    async def __aenter__(self) -> KVEventPublisher:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     async def _publish(self, ops: list[tuple[KVOp, bytes]], *, snapshot: bool) -> None:
         chunks = [ops[i : i + self.max_ops] for i in range(0, len(ops), self.max_ops)] or [[]]

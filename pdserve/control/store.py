@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable
-from types import TracebackType
 from typing import Self, TypeVar
 
 import redis.asyncio as aioredis
@@ -30,6 +29,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
+from pdserve.aio import AsyncResource
 from pdserve.control.descriptors import DescriptorFormatError, KVDescriptor
 from pdserve.control.signing import RecordSigner, SignatureError
 from pdserve.control.workers import WorkerInfo, WorkerInfoError
@@ -43,7 +43,7 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 
-class ControlStore:
+class ControlStore(AsyncResource):
     """A namespace of the control plane in one Redis.
 
     Every command goes through `call`, bounded by `op_timeout_s`; failures surface as
@@ -89,16 +89,6 @@ class ControlStore:
         return cls(client, namespace=namespace, op_timeout_s=op_timeout_s, owns_client=True,
                    signer=signer)
 
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def close(self) -> None:
         """Close the client if this store created it: one bounded attempt, never raises

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import structlog
 import torch
 
+from pdserve.aio import AsyncResource
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, RemoteAllocation
 from pdserve.engine.stats import EngineStats
@@ -90,7 +91,7 @@ PrefillProgress = Callable[[int, tuple[int, ...]], None]
 order). The blocks stay valid while the request runs and no preemption follows."""
 
 
-class AsyncEngine:
+class AsyncEngine(AsyncResource):
     """Owns an LLMEngine and the thread that drives it. Use `async with` or start/close."""
 
     def __init__(self, engine: LLMEngine):
@@ -124,12 +125,6 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
 
-    async def __aenter__(self) -> AsyncEngine:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     # ------------------------------------------------------------------ read-only views
 
