@@ -13,7 +13,7 @@ $(BIN)/python:
 # torch is pinned and installed first so pip takes the local CPU wheel, not a CUDA build.
 # xgrammar (response_format, the `structured` extra) goes in without its declared deps: its
 # wheel metadata pulls in the triton GPU stack on Linux, which nothing on the CPU path imports.
-$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py pdserve/_blockhash.c kvxfer/_listen_host.c
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py pdserve/_blockhash.c router/_score.c kvxfer/_listen_host.c
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps 'xgrammar>=0.2.8,<1' 'apache-tvm-ffi>=0.1.15,<0.2'

@@ -96,6 +96,12 @@ PACKAGES = find_packages(include=["pdserve", "pdserve.*", *SERVICE_PACKAGES,
 BLOCKHASH = Extension("pdserve._blockhash", ["pdserve/_blockhash.c"], optional=True,
                       extra_compile_args=["-O3"])
 
+# The router's threshold placement scores every decode worker per request: in C
+# (router/_score.c), the same floats as router.placement.best_of's numpy, which it falls back to.
+# -ffp-contract=off: no fused multiply-add, so every rounding is numpy's.
+SCORE = Extension("router._score", ["router/_score.c"], optional=True,
+                  extra_compile_args=["-O2", "-ffp-contract=off"])
+
 # The decode worker's UCX listener binds the configured host, not every interface
 # (kvxfer/listen.py). Optional: without it such a listener refuses to start, unless it was
 # asked for every interface.
@@ -104,8 +110,9 @@ LISTEN_HOST = Extension("kvxfer._listen_host", ["kvxfer/_listen_host.c"], option
 
 setup(
     packages=PACKAGES,
-    ext_modules=[BLOCKHASH, LISTEN_HOST],
-    package_data={"pdserve": ["_blockhash.pyi"], "pdserve.engine.kernels": ["*.cpp"],
+    ext_modules=[BLOCKHASH, SCORE, LISTEN_HOST],
+    package_data={"pdserve": ["_blockhash.pyi"], "router": ["_score.pyi"],
+                  "pdserve.engine.kernels": ["*.cpp"],
                   "pdserve.v1": ["*.pyi", "py.typed"]},
     cmdclass={"build_protos": BuildProtos, "build_py": BuildPyWithProtos},
 )

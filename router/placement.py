@@ -21,6 +21,7 @@ candidate list changes) with exactly the arithmetic and tie-breaking of
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -37,6 +38,11 @@ from router.policy import Decision, Route, RouterPolicy, decide_route
 
 _NONE: Mapping[str, float] = {}
 Floats = npt.NDArray[np.float64]
+_native_best: Callable[..., int] | None
+try:  # router/_score.c, where setup.py could build it: best_of's arithmetic in one C loop
+    from router._score import best as _native_best
+except ImportError:  # pragma: no cover - the numpy path below gives the same choices
+    _native_best = None
 
 
 @dataclass(frozen=True)
@@ -185,7 +191,17 @@ def cached_tokens(index: KVIndex, ids: Sequence[int],
 def best_of(cols: _Columns, cached: Floats, placed: Mapping[str, int], prompt_len: int,
             policy: RouterPolicy, tiebreak: int = 0) -> int:
     """`router.policy.best_decode` over the columns (the same floats in the same order, the
-    same first-from-`tiebreak` choice among equal scores), with `placed` counted as running."""
+    same first-from-`tiebreak` choice among equal scores), with `placed` counted as running.
+    In C where router/_score.c was built (the same floats, operation for operation)."""
+    weight = policy.affinity_weight / max(prompt_len, 1)
+    if _native_best is not None and type(placed) in (dict, collections.Counter):
+        return _native_best(cols.running, cols.waiting, cols.memory, cached, cols.ids,
+                            placed, weight, tiebreak)
+    return _best_of_numpy(cols, cached, placed, weight, tiebreak)
+
+
+def _best_of_numpy(cols: _Columns, cached: Floats, placed: Mapping[str, int], weight: float,
+                   tiebreak: int) -> int:
     n = len(cols.ids)
     running = cols.running
     if placed:
@@ -193,7 +209,6 @@ def best_of(cols: _Columns, cached: Floats, placed: Mapping[str, int], prompt_le
             map(placed.get, cols.ids, repeat(0)), dtype=np.float64, count=n))
     load = running + cols.waiting
     max_load = float(load.max()) or 1.0
-    weight = policy.affinity_weight / max(prompt_len, 1)
     score = weight * cached - load / max_load + cols.memory
     ties = np.flatnonzero(score == score.max())  # ascending positions of the best score
     k = int(np.searchsorted(ties, tiebreak % n))  # the first at or after `tiebreak`...

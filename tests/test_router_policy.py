@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pdserve.control.load import WorkerLoad
 from pdserve.control.workers import WorkerInfo
 from pdserve.types import LatencyClass, PrefillReport, StageTimings
+from router import placement
 from router.kv_index import KVIndex
 from router.placement import DecodeTable, best_of, least_backlog
 from router.policy import (
@@ -92,8 +93,25 @@ def test_the_routers_array_scoring_equals_best_decode(
     cached = np.array([float(c) for c, *_ in rows])
     ref = [(c, max(r, placed.get(f"d{i}", 0)), w.load.backlog, min(f, t), t)
            for i, ((c, r, _, f, t, _), w) in enumerate(zip(rows, decoders, strict=True))]
-    assert best_of(cols, cached, placed, prompt_len, policy, tiebreak) == best_decode(
-        ref, prompt_len, policy, tiebreak)
+    want = best_decode(ref, prompt_len, policy, tiebreak)
+    assert best_of(cols, cached, placed, prompt_len, policy, tiebreak) == want
+    weight = affinity / max(prompt_len, 1)  # the numpy fallback too, where C is built
+    assert placement._best_of_numpy(cols, cached, placed, weight, tiebreak) == want
+
+
+def test_the_c_scoring_is_built_and_checks_its_input() -> None:
+    """setup.py builds router/_score.c (the router's hot path; optional only where no
+    compiler exists); wrong buffers are refused, not read past their end."""
+    from router._score import best
+    ones = np.ones(3)
+    assert best(ones, ones, ones, ones, ("a", "b", "c"), {}, 1.0, 1) == 1
+    assert best(ones, ones, ones, np.array([0.0, 0.0, 5.0]), ("a", "b", "c"), {}, 1.0, 0) == 2
+    with pytest.raises(ValueError, match="ids"):
+        best(ones, ones, ones, np.ones(2), ("a", "b", "c"), {}, 1.0, 0)
+    with pytest.raises(TypeError, match="float64"):
+        best(ones, ones, ones, np.ones(3, dtype=np.float32), ("a", "b", "c"), {}, 1.0, 0)
+    with pytest.raises(ValueError, match="no decode"):
+        best(np.ones(0), np.ones(0), np.ones(0), np.ones(0), (), {}, 1.0, 0)
 
 
 def test_the_prefill_worker_choice_counts_in_flight_prompts_and_takes_turns() -> None:
