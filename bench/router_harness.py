@@ -134,10 +134,13 @@ QUICK = Config(workers=(4,), index_blocks=20_000, warmup_s=1.0, idle_s=1.0, ligh
 # ---------------------------------------------------------------------- processes
 
 
-def _cpus() -> tuple[list[int], list[int]]:
-    """(the router's CPU, everyone else's)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    return cpus[:1], (cpus[1:] or cpus[:1])
+def _cpus(cpus: set[int]) -> tuple[list[int], list[int]]:
+    """(the router's CPU, everyone else's) out of `cpus`: the harness's affinity as it started,
+    read once, before it pins itself to the others (read after, the router would be pinned
+    to the others' core too, leaving its own idle: the records made before this was fixed,
+    docs/bench/router_harness_*_{7f0752c,5718701,beffe48*,a4a90df*,989d97a}*.json, ran so)."""
+    ordered = sorted(cpus)
+    return ordered[:1], (ordered[1:] or ordered[:1])
 
 
 def _taskset(cpus: Sequence[int]) -> list[str]:
@@ -227,9 +230,9 @@ def router_metrics(http: str) -> dict[str, float]:
 class Cluster:
     """Redis + the router process + the emulated workers' process."""
 
-    def __init__(self, cfg: Config, workers: int, workdir: Path):
+    def __init__(self, cfg: Config, workers: int, workdir: Path, cpus: set[int]):
         self.cfg, self.n, self.workdir = cfg, workers, workdir
-        self.router_cpus, self.other_cpus = _cpus()
+        self.router_cpus, self.other_cpus = _cpus(cpus)
         self.namespace = f"harness{secrets.token_hex(4)}"
         self.api_key = secrets.token_urlsafe(24)
         self.secret = secrets.token_urlsafe(32)
@@ -621,8 +624,8 @@ async def verify_index(cluster: Cluster, workdir: Path) -> dict[str, Any]:
             "mismatched_workers": mismatched[:8]}
 
 
-async def run_workers(cfg: Config, n: int, workdir: Path) -> dict[str, Any]:
-    cluster = Cluster(cfg, n, workdir)
+async def run_workers(cfg: Config, n: int, workdir: Path, cpus: set[int]) -> dict[str, Any]:
+    cluster = Cluster(cfg, n, workdir, cpus)
     out: dict[str, Any] = {"workers": n}
     try:
         cluster.start_router()
@@ -665,6 +668,9 @@ async def run_workers(cfg: Config, n: int, workdir: Path) -> dict[str, Any]:
         rcpu = cluster.router_cpus[0]
         assert cluster.emu is not None
         emu_pid = cluster.emu.pid
+        out["affinity"] = {"router": sorted(os.sched_getaffinity(pid)),
+                           "workers": sorted(os.sched_getaffinity(emu_pid)),
+                           "load_generator": sorted(os.sched_getaffinity(0))}
         out["phases"] = {}
         try:
             for wi, kind in enumerate(cfg.workloads):
@@ -738,11 +744,12 @@ def _machine() -> dict[str, Any]:
 
 
 async def run(cfg: Config, workdir: Path) -> dict[str, Any]:
-    _, others = _cpus()
+    cpus = os.sched_getaffinity(0)
+    _, others = _cpus(cpus)
     os.sched_setaffinity(0, set(others))  # the load generator stays off the router's core
     results = []
     for n in cfg.workers:
-        results.append(await run_workers(cfg, n, workdir))
+        results.append(await run_workers(cfg, n, workdir, cpus))
     return {"config": asdict(cfg), "results": results}
 
 
