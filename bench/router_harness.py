@@ -138,7 +138,7 @@ def _cpus(cpus: set[int]) -> tuple[list[int], list[int]]:
     """(the router's CPU, everyone else's) out of `cpus`: the harness's affinity as it started,
     read once, before it pins itself to the others (read after, the router would be pinned
     to the others' core too, leaving its own idle: the records made before this was fixed,
-    docs/bench/router_harness_*_{7f0752c,5718701,beffe48*,a4a90df*,989d97a}*.json, ran so)."""
+    docs/bench/router_harness_*_{7f0752c,5718701,beffe48*}.json, ran so)."""
     ordered = sorted(cpus)
     return ordered[:1], (ordered[1:] or ordered[:1])
 
