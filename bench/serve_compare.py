@@ -230,9 +230,14 @@ def build_systems(args: argparse.Namespace, model_dir: Path, vllm_ok: bool) -> l
                 "--dtype", "float32", "--served-model-name", model_dir.name,
                 "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
 
-    def cluster(port: int) -> list[str]:
-        return [*taskset, *pdserve, "cluster", "up", "--prefill", "1", "--decode", "1", *model,
-                "--http-port", str(port), "--port", str(gp._free_port())]  # fmt: skip
+    def cluster_with(extra: Sequence[str]) -> Callable[[int], list[str]]:
+        def argv(port: int) -> list[str]:
+            return [*taskset, *pdserve, "cluster", "up", "--prefill", "1", "--decode", "1",
+                    *model, "--http-port", str(port), "--port", str(gp._free_port()), *extra]
+
+        return argv
+
+    cluster = cluster_with(())
 
     vllm_env = {
         "VLLM_CPU_KVCACHE_SPACE": "2",
@@ -251,7 +256,17 @@ def build_systems(args: argparse.Namespace, model_dir: Path, vllm_ok: bool) -> l
     systems = [available[n] for n in names]
     for dtype in filter(None, (d.strip() for d in args.extra_dtypes.split(","))):
         systems.append(System(f"{COLOCATED}-{dtype}", gateway(dtype), optional=True))
+    for name, extra in args.cluster_variant:
+        systems.append(System(f"{P1D1}-{name}", cluster_with(extra), workers=2))
     return systems
+
+
+def _variant(spec: str) -> tuple[str, list[str]]:
+    """NAME=FLAGS: the 1P1D cluster again with FLAGS added to `pdserve cluster up`."""
+    name, sep, flags = spec.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise argparse.ArgumentTypeError(f"expected NAME=FLAGS, got {spec!r}")
+    return name, shlex.split(flags)
 
 
 def ensure_vllm(venv: Path, install: bool) -> None:
@@ -472,7 +487,7 @@ def report(outcomes: Mapping[str, Outcome], notes: Mapping[str, Any]) -> str:
     ]
     for name, o in outcomes.items():
         checks = o.record.get("checks", {})
-        routes = {c: ch["prefill_routes"] for c, ch in checks.items() if name == P1D1}
+        routes = {c: ch["prefill_routes"] for c, ch in checks.items() if name.startswith(P1D1)}
         if routes:
             parts.append(f"\n{name}, where prompts were prefilled: "
                          + "; ".join(f"c={c} {r}" for c, r in routes.items()))  # fmt: skip
@@ -521,6 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default=f"{VLLM},{COLOCATED},{P1D1}", help="in this order")
     p.add_argument("--extra-dtypes", default="", metavar="D,...",
                    help="extra colocated rows with --dtype D, e.g. int8,bfloat16")  # fmt: skip
+    p.add_argument("--cluster-variant", type=_variant, action="append", default=[],
+                   metavar="NAME=FLAGS", help="also run the 1P1D cluster with FLAGS added to "
+                   "`pdserve cluster up` (row 1p1d-NAME), e.g. cost='--placement cost'")
     p.add_argument("--vllm-venv", type=Path, default=REPO / ".venv-vllm")
     p.add_argument("--install-vllm", action="store_true", help="create --vllm-venv if missing")
     p.add_argument("--model-path", default="default", help="model (default: the default model)")
