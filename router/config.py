@@ -109,6 +109,11 @@ POLICY_SETTINGS = {
         "local vs remote prefill: a fixed threshold on uncached tokens, or the predicted "
         "TTFT and decode stall from the workers' measured rates",
         choices=("threshold", "cost"), group=ROUTING),
+    "ttft_targets_s": Setting(
+        "first-token time a latency class aims for, repeatable (--placement cost: a "
+        "prefill queue predicted to miss it is avoided while another candidate meets it; "
+        "capped by the class's --ttft-deadline)", flag="--ttft-target",
+        metavar="CLASS=SECONDS", parse=_deadlines, show=_show_classes, group=ROUTING),
 }
 
 # AdmissionConfig (router.admission) fields that are flags; their defaults are its own.
@@ -219,6 +224,10 @@ class RouterConfig:
         if adm.min_retry_after_s > adm.max_retry_after_s:
             raise ValueError(f"--min-retry-after ({adm.min_retry_after_s}) must not exceed "
                              f"--max-retry-after ({adm.max_retry_after_s})")
+
+    def ttft_target_s(self, latency_class: LatencyClass) -> float:
+        return self.policy.ttft_target_s(latency_class,
+                                         self.admission.deadline_s(latency_class))
 
     @property
     def liveness(self) -> LivenessConfig:

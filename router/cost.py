@@ -22,11 +22,14 @@ worker p holding c_p in its own (both from the router's KV index, router.kv_inde
 Rates come from the workers' load records (pdserve.engine.step_rates: moving averages of
 their own steps and transfers), refreshed by heartbeats; what this router sent since the last
 heartbeat is added on top (`inflight_tokens`, `streams`: router.ledger), so a burst does not
-all pick the worker that looked idle a second ago. Until a worker has measured anything,
-conservative priors stand in (a slow prefill), so early decisions do not over-promise.
+all pick the worker that looked idle a second ago. A worker that has measured no prefill yet
+is assumed to prefill as fast as the slowest worker that has (`peer_prefill_rate`); until
+any has, conservative priors stand in (a slow prefill), so early decisions do not
+over-promise.
 
 The choice, over every candidate (local on each w; remote on each w via its best p): those
-whose predicted TTFT meets the latency class's target, and of those the one with the least
+whose predicted TTFT meets the latency class's target (`RouterPolicy.ttft_targets_s`, well
+below the admission deadline), and of those the one with the least
 cost = TTFT + stall_weight x (stall summed over w's running streams) + tpot_weight x TPOT; if
 none meets it, the fastest. A local prefill longer than `max_local_prefill_s` is taken only
 when remote would miss the target: it would hold up whoever arrives at w in the meantime (the
@@ -66,8 +69,10 @@ class CostModel:
     # values from 2 to 16 changed attainment little; lower ones kept more cache affinity.
     tpot_weight: float = 2.0
 
-    def prefill_rate(self, load: WorkerLoad) -> float:
-        return load.prefill_tokens_per_s or self.prior_prefill_tokens_per_s
+    def prefill_rate(self, load: WorkerLoad, peer_rate: float | None = None) -> float:
+        """`load`'s measured rate; if it measured none, `peer_rate` (`peer_prefill_rate`),
+        else the prior."""
+        return load.prefill_tokens_per_s or peer_rate or self.prior_prefill_tokens_per_s
 
     def decode_step(self, load: WorkerLoad) -> float:
         return load.decode_step_s or self.prior_decode_step_s
@@ -90,18 +95,33 @@ class Estimate:
         return self.ttft_s + model.stall_weight * self.stall_s + model.tpot_weight * self.tpot_s
 
 
+def peer_prefill_rate(loads: Iterable[WorkerLoad]) -> float | None:
+    """The slowest prefill rate any of the workers measured (None: none did): what a worker
+    that has measured nothing yet is assumed to do. The workers serve one model, so a peer's
+    measurement is a better guess than the prior; without it a decode worker that never
+    prefilled would keep the prior's slow rate, look too costly to prefill locally, and so
+    never measure (bench/serve_compare, cost placement at c=16: every prompt went to one
+    prefill worker)."""
+    return min((r for load in loads if (r := load.prefill_tokens_per_s)), default=None)
+
+
 def prefill_capacity(loads: Iterable[WorkerLoad], model: CostModel) -> float:
     """Prompt tokens per second the workers can prefill together: each one's measured rate,
-    the prior where it has none (admission control starts from this; router.admission)."""
-    return sum(model.prefill_rate(load) for load in loads)
+    a peer's (`peer_prefill_rate`) or the prior where it has none (admission control starts
+    from this; router.admission)."""
+    loads = list(loads)
+    peer = peer_prefill_rate(loads)
+    return sum(model.prefill_rate(load, peer) for load in loads)
 
 
 def local_estimate(decode: WorkerLoad, uncached: int, model: CostModel, *,
-                   inflight_tokens: float = 0.0, streams: float | None = None) -> Estimate:
+                   inflight_tokens: float = 0.0, streams: float | None = None,
+                   peer_rate: float | None = None) -> Estimate:
     """`uncached`: prompt tokens w lacks; `streams`: what runs on w now (default: its last
-    heartbeat's count; the router passes the larger of that and what it placed there)."""
+    heartbeat's count; the router passes the larger of that and what it placed there);
+    `peer_rate`: the rate assumed if w measured none (`peer_prefill_rate`)."""
     n = decode.running if streams is None else streams
-    rate = model.prefill_rate(decode)
+    rate = model.prefill_rate(decode, peer_rate)
     pending = max(decode.waiting_prompt_tokens or 0.0, inflight_tokens)
     stall = max(0, uncached - model.absorbed_tokens) / rate
     return Estimate(Route.LOCAL, (pending + uncached) / rate + model.decode_step(decode),
@@ -110,12 +130,12 @@ def local_estimate(decode: WorkerLoad, uncached: int, model: CostModel, *,
 
 def remote_estimate(prefill: WorkerLoad, decode: WorkerLoad, uncached: int, model: CostModel,
                     *, inflight_tokens: float = 0.0, prefill_uncached: int | None = None,
-                    streams: float | None = None) -> Estimate:
+                    streams: float | None = None, peer_rate: float | None = None) -> Estimate:
     """`uncached`: prompt tokens the decode worker lacks (transferred); `prefill_uncached`:
     the ones the prefill worker lacks (computed; default: the same)."""
     n = decode.running if streams is None else streams
     computed = uncached if prefill_uncached is None else prefill_uncached
-    rate = model.prefill_rate(prefill)
+    rate = model.prefill_rate(prefill, peer_rate)
     pending = max(prefill.queued_tokens + (prefill.waiting_prompt_tokens or 0.0),
                   inflight_tokens)
     transfer = uncached * (prefill.kv_transfer_s_per_token or model.prior_transfer_s_per_token)

@@ -71,14 +71,19 @@ class _Columns:
     transfer: Floats  # KV transfer seconds per token (prefill workers)
     # Per block geometry (block size, model id) the index knows: the positions in it.
     groups: tuple[tuple[int, bytes, frozenset[int]], ...]
-    # Per cost model: the columns above with its priors in place (computed once per table).
-    priced: dict[CostModel, _Priced] = field(default_factory=dict, compare=False)
+    min_rate: float  # the slowest measured prefill rate (inf: none measured)
+    # Per cost model and peer rate: the columns above with the peer rate or the model's
+    # priors in place of what was not measured (computed once per table and peer rate).
+    priced: dict[tuple[CostModel, float | None], _Priced] = field(default_factory=dict,
+                                                                  compare=False)
 
-    def prices(self, model: CostModel) -> _Priced:
-        got = self.priced.get(model)
+    def prices(self, model: CostModel, peer_rate: float | None = None) -> _Priced:
+        """`peer_rate`: router.cost.peer_prefill_rate over every candidate, both roles."""
+        got = self.priced.get((model, peer_rate))
         if got is None:
-            got = self.priced[model] = _Priced(
-                rate=np.where(self.rate != 0, self.rate, model.prior_prefill_tokens_per_s),
+            got = self.priced[model, peer_rate] = _Priced(
+                rate=np.where(self.rate != 0, self.rate,
+                              peer_rate or model.prior_prefill_tokens_per_s),
                 step=np.where(self.step != 0, self.step, model.prior_decode_step_s),
                 transfer=np.where(self.transfer != 0, self.transfer,
                                   model.prior_transfer_s_per_token),
@@ -154,7 +159,8 @@ def _build(decoders: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
         running=np.array([w.load.running for w in decoders], dtype=np.float64),
         waiting=np.array([w.load.backlog for w in decoders], dtype=np.float64),
         memory=memory,
-        rate=_column(decoders, lambda load: load.prefill_tokens_per_s),
+        rate=(rate := _column(decoders, lambda load: load.prefill_tokens_per_s)),
+        min_rate=float(rate[rate != 0].min()) if rate.any() else np.inf,
         step=_column(decoders, lambda load: load.decode_step_s),
         prompt_waiting=_column(decoders, lambda load: load.waiting_prompt_tokens),
         queued_tokens=_column(decoders, lambda load: load.queued_tokens),
@@ -278,7 +284,9 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
     # Decode side, per w.
     unc = np.maximum(0.0, length - dcached)
     streams = _streams(dcols, placed)
-    dp = dcols.prices(model)
+    peer = min(dcols.min_rate, pcols.min_rate)
+    peer_rate = None if peer == np.inf else peer
+    dp = dcols.prices(model, peer_rate)
     rate, step = dp.rate, dp.step
     pending = dcols.prompt_waiting if not inflight_tokens else np.maximum(
         dcols.prompt_waiting, _inflight(dcols, inflight_tokens))
@@ -292,7 +300,7 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
     # TTFT by w's TPOT term alone), equal ones from position `tiebreak` on.
     if m:
         lack = np.maximum(0.0, length - pcached)
-        pp = pcols.prices(model)
+        pp = pcols.prices(model, peer_rate)
         ppending = pp.queued if not inflight_tokens else np.maximum(
             pp.queued, _inflight(pcols, inflight_tokens))
         ttft_pw = ((((ppending + lack) / pp.rate)[:, None] + unc[None, :] * pp.transfer[:, None])
@@ -356,7 +364,8 @@ def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerIn
         c = best_by_cost(len(ids), cols, cached, pcols, pcached, placed, inflight_tokens,
                          target_s, cost or CostModel(), tiebreak)
         return Placement(decoders[c.decode], None if c.prefill is None else prefills[c.prefill],
-                         Decision(c.route, c.reason, c.uncached_tokens), int(cached[c.decode]))
+                         Decision(c.route, c.reason, c.uncached_tokens, c.ttft_s),
+                         int(cached[c.decode]))
     (cached,) = _cached(index, ids, cols)
     i = best_of(cols, cached, placed, len(ids), policy, tiebreak)
     decode, best_cached = decoders[i], int(cached[i])

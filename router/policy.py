@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Literal
 
 from pdserve.types import LatencyClass
+
+# Cost placement's first-token targets per latency class (seconds): bench.goodput's SLOs for
+# interactive (1 s) and batch (15 s), standard between them.
+DEFAULT_TTFT_TARGETS_S: Mapping[LatencyClass, float] = MappingProxyType({
+    LatencyClass.INTERACTIVE: 1.0, LatencyClass.STANDARD: 3.0, LatencyClass.BATCH: 15.0})
 
 
 class Route(enum.StrEnum):
@@ -29,6 +36,24 @@ class RouterPolicy:
     # Local vs remote prefill: "threshold" (the rule above) or "cost" (router.cost: predicted
     # TTFT and decode stall from the workers' measured rates).
     placement: Literal["threshold", "cost"] = "threshold"
+    # Cost placement: the first-token time each latency class aims for. A candidate predicted
+    # to miss it is taken only when none meets it (then the fastest). Below the admission
+    # deadline (router.admission), which is what a request may wait at most before it is
+    # refused: a queue that fits a 30 s deadline is not a place to send a standard prompt.
+    ttft_targets_s: Mapping[LatencyClass, float] = field(
+        default_factory=lambda: DEFAULT_TTFT_TARGETS_S)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ttft_targets_s",
+                           MappingProxyType({**DEFAULT_TTFT_TARGETS_S, **self.ttft_targets_s}))
+        for cls, s in self.ttft_targets_s.items():
+            if not (s > 0 and math.isfinite(s)):
+                raise ValueError(f"TTFT target of {cls.value} must be > 0, got {s}")
+
+    def ttft_target_s(self, latency_class: LatencyClass, deadline_s: float) -> float:
+        """What cost placement holds a request's predicted TTFT to: its class's target,
+        never past its admission deadline (`deadline_s`)."""
+        return min(self.ttft_targets_s[latency_class], deadline_s)
 
 
 @dataclass(frozen=True)
@@ -46,6 +71,7 @@ class Decision:
     route: Route
     reason: str
     uncached_tokens: int
+    predicted_ttft_s: float | None = None  # cost placement's prediction (router.cost)
 
 
 # A candidate as `best_decode` reads it: (cached_tokens, running, waiting, free_blocks,

@@ -183,7 +183,7 @@ class Router(AsyncResource):
         p = placement.place(req.token_ids, req.latency_class, decoders, prefills,
                             self.kv_index, self.ledger.placed, self.config.policy,
                             cost=self.config.cost,
-                            target_s=self.config.admission.deadline_s(req.latency_class),
+                            target_s=self.config.ttft_target_s(req.latency_class),
                             inflight_tokens=self.ledger.inflight_tokens,
                             tiebreak=next(self._tiebreak), table=self._decode_table)
         self.ledger.place(req.request_id, p.decode.worker_id)  # before any await
@@ -258,7 +258,8 @@ class Router(AsyncResource):
                      reason=decision.reason, uncached_tokens=decision.uncached_tokens,
                      prompt_tokens=len(req.prompt_token_ids), resumed_tokens=len(streamed),
                      decode=decode.worker_id, prefill=prefill.worker_id if prefill else None,
-                     latency_class=req.latency_class.value)
+                     latency_class=req.latency_class.value,
+                     predicted_ttft_s=decision.predicted_ttft_s)
             try:
                 async with contextlib.aclosing(self._attempt(
                         sub, decode, prefill, decision, clock,

@@ -16,6 +16,7 @@ from decode_svc.config import DecodeConfig
 from pdserve.cli import build_parser
 from pdserve.services_cli import _router_config, _worker_config
 from pdserve.settings import SETTING, Flag, flags, from_args, to_argv
+from pdserve.types import LatencyClass
 from prefill_svc.config import PrefillConfig
 from router.admission import AdmissionConfig
 from router.config import ADMISSION_SETTINGS, POLICY_SETTINGS, RouterConfig, RouterProcessConfig
@@ -151,6 +152,7 @@ def test_a_bad_combination_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
 def test_cluster_up_passes_every_router_setting_on() -> None:
     argv = ["--token-timeout", "7.0", "--max-migrations", "0", "--no-admission",
             "--ttft-deadline", "interactive=3", "--placement", "cost",
+            "--ttft-target", "standard=2",
             "--stall-probe-after", "2.5", "--directory-poll", "0.5"]
     up = _parse("cluster", "up", *argv)
     passed = to_argv(flags(RouterConfig), up)
@@ -161,6 +163,12 @@ def test_cluster_up_passes_every_router_setting_on() -> None:
     assert (router.token_timeout_s, router.max_migrations, router.admission.enabled,
             router.policy.placement, router.stall_probe_s, router.directory_poll_s) == \
         (7.0, 0, False, "cost", 2.5, 0.5)
+    # Cost placement's target per class: its own, never past the admission deadline.
+    assert (router.ttft_target_s(LatencyClass.STANDARD),
+            router.ttft_target_s(LatencyClass.INTERACTIVE),
+            router.ttft_target_s(LatencyClass.BATCH)) == (2.0, 1.0, 15.0)
+    tight = RouterConfig(admission=AdmissionConfig(ttft_deadlines_s={LatencyClass.BATCH: 4.0}))
+    assert tight.ttft_target_s(LatencyClass.BATCH) == 4.0
 
 
 # --------------------------------------------------------------------------- workers

@@ -14,7 +14,14 @@ from pdserve.control.workers import WorkerInfo
 from pdserve.engine.block_manager import block_hashes
 from pdserve.kv_events import KVEventBatch, KVOp
 from pdserve.types import LatencyClass
-from router.cost import CostModel, Estimate, decide_by_cost, local_estimate, remote_estimate
+from router.cost import (
+    CostModel,
+    Estimate,
+    decide_by_cost,
+    local_estimate,
+    peer_prefill_rate,
+    remote_estimate,
+)
 from router.kv_index import KVIndex
 from router.ledger import PlacementLedger
 from router.placement import place
@@ -141,6 +148,7 @@ def test_cost_placement_takes_the_cheapest_candidate(
     placed_by = {f"d{i}": placed[i] for i in range(len(dloads)) if placed[i]}
     infl = {w.worker_id: float(inflight[i]) for i, w in enumerate([*decoders, *prefills])}
     held = index.match_prompt(ids, 16, b"m")
+    peer = peer_prefill_rate(w.load for w in [*decoders, *prefills])
 
     def lacks(w: WorkerInfo) -> int:
         return max(0, length - 16 * held.get(w.worker_id, 0))
@@ -149,10 +157,11 @@ def test_cost_placement_takes_the_cheapest_candidate(
     for d in decoders:
         n = max(d.load.running, placed_by.get(d.worker_id, 0))
         local = local_estimate(d.load, lacks(d), MODEL, inflight_tokens=infl[d.worker_id],
-                               streams=n)
+                               streams=n, peer_rate=peer)
         remotes = [remote_estimate(q.load, d.load, lacks(d), MODEL,
                                    inflight_tokens=infl[q.worker_id],
-                                   prefill_uncached=lacks(q), streams=n) for q in prefills]
+                                   prefill_uncached=lacks(q), streams=n, peer_rate=peer)
+                   for q in prefills]
         best_remote = min(remotes, key=lambda e: e.ttft_s) if remotes else None
         ok_local = local.ttft_s <= target and not (
             best_remote is not None and best_remote.ttft_s <= target
@@ -172,13 +181,14 @@ def test_cost_placement_takes_the_cheapest_candidate(
     n = max(d.load.running, placed_by.get(d.worker_id, 0))
     if p.decision.route is Route.LOCAL:
         got = local_estimate(d.load, lacks(d), MODEL, inflight_tokens=infl[d.worker_id],
-                             streams=n)
+                             streams=n, peer_rate=peer)
         assert p.decision.uncached_tokens == lacks(d)
     else:
         assert p.prefill is not None
         got = remote_estimate(p.prefill.load, d.load, lacks(d), MODEL,
                               inflight_tokens=infl[p.prefill.worker_id],
-                              prefill_uncached=lacks(p.prefill), streams=n)
+                              prefill_uncached=lacks(p.prefill), streams=n,
+                              peer_rate=peer)
         assert p.decision.uncached_tokens == lacks(p.prefill)
     if meeting:
         assert got.ttft_s <= target and p.decision.reason != "cost_over_target"
@@ -246,3 +256,35 @@ def test_equal_candidates_take_turns_and_a_burst_does_not_herd() -> None:
         chosen.append((p.decode.worker_id, where.worker_id))
     assert sorted(collections.Counter(d for d, _ in chosen).values()) == [2, 2, 2, 2]
     assert {w for _, w in chosen} >= {"p0", "p1"}
+
+
+def test_a_worker_that_never_prefilled_is_priced_at_its_peers_rate() -> None:
+    """A decode worker whose prompts all went remote has measured no prefill rate. Priced at
+    the prior (250 tokens/s) it looks too slow to ever prefill locally, so it never measures;
+    priced at the slowest rate a peer measured, it takes its share (bench/serve_compare,
+    cost placement at c=16, found the first)."""
+    never = WorkerLoad(running=6, decode_step_s=0.03)  # no prefill_tokens_per_s
+    pool = WorkerLoad(prefill_tokens_per_s=1200.0, queued_tokens=2400, kv_transfer_s_per_token=1e-5)
+    assert peer_prefill_rate([never, pool, WorkerLoad(prefill_tokens_per_s=900.0)]) == 900.0
+    assert peer_prefill_rate([never, WorkerLoad()]) is None
+    assert local_estimate(never, 200, MODEL, peer_rate=1200.0).compute_s == 200 / 1200.0
+    decoders = [_worker("d0", "decode", never)]
+    prefills = [_worker("p0", "prefill", pool)]
+    p = place(list(range(200)), LatencyClass.STANDARD, decoders, prefills, KVIndex(), {},
+              RouterPolicy(placement="cost"), target_s=3.0)
+    assert p.decision.route is Route.LOCAL  # queue 2 s + stall 6 x 0.11 s vs 1.7 s of stall
+    cold = place(list(range(200)), LatencyClass.STANDARD, decoders,
+                 [_worker("p0", "prefill", WorkerLoad(kv_transfer_s_per_token=1e-5))],
+                 KVIndex(), {}, RouterPolicy(placement="cost"), target_s=3.0)
+    assert cold.decision.route is Route.REMOTE  # nobody measured: priors, stall 6 x 0.54 s
+
+
+def test_a_queue_that_misses_the_class_target_is_avoided() -> None:
+    """The prefill worker's queue (a predicted 4.8 s) fits the 30 s standard deadline, but
+    not the 3 s target: the prompt is prefilled on the decode worker despite its stall of 32
+    streams (cost 9 s against remote's 4.8 s)."""
+    decode = WorkerLoad(running=32, prefill_tokens_per_s=1000.0, decode_step_s=0.08)
+    pool = WorkerLoad(prefill_tokens_per_s=300.0, queued_tokens=1200)
+    assert _route(decode, pool, 200, target_s=30.0) is Route.REMOTE
+    assert _route(decode, pool, 200, target_s=RouterPolicy().ttft_target_s(
+        LatencyClass.STANDARD, 30.0)) is Route.LOCAL

@@ -220,7 +220,8 @@ class Simulation(Clock):
             router_policy = RouterPolicy(**{**c.router.__dict__, "placement": c.policy})
             pl = placement.place(req.ids, req.latency_class, decoders, prefills, self.index,
                                  self.placed, router_policy, cost=c.cost,
-                                 target_s=c.admission.deadline_s(req.latency_class),
+                                 target_s=router_policy.ttft_target_s(
+                                     req.latency_class, c.admission.deadline_s(req.latency_class)),
                                  inflight_tokens=self.inflight_tokens, tiebreak=tiebreak)
             decode_info, prefill_info, decision = pl.decode, pl.prefill, pl.decision
         else:
