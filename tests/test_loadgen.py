@@ -358,6 +358,19 @@ async def test_sweep_writes_results_and_plots(tmp_path: Path) -> None:
     assert "| a | 20 | 20 (not reached: sweep higher) | 1.00x |" in table
 
 
+async def test_a_sweep_raises_the_rate_until_the_slo_breaks() -> None:
+    """With `raise_until_below`, a system that still meets its SLOs at the highest planned
+    rate is run again at 1.5x, so the sweep ranks it; never more than the runs allowed."""
+    async with serve(Behaviour()) as url:
+        config = RunConfig(url=url, workload=WORKLOAD, num_requests=3, slo=LOOSE_SLO,
+                           max_duration_s=60)
+        loose = await sweep(config, [4.0], raise_until_below=2)
+        assert loose.rates == [4.0, 6.0, 9.0]
+        strict = replace(config, slo=replace(LOOSE_SLO, ttft_ms=0.001))
+        broken = await sweep(strict, [4.0], raise_until_below=2)
+        assert broken.rates == [4.0] and broken.goodput.rate is None
+
+
 async def test_cli_sweep(tmp_path: Path) -> None:
     async with serve(Behaviour()) as url:
         proc = await asyncio.create_subprocess_exec(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import httpx
@@ -77,12 +77,17 @@ async def sweep(
     progress: bool = False,
     cooldown_s: float = 0.0,
     fresh_prompts: bool = False,
+    raise_until_below: int = 0,
+    growth: float = 1.5,
 ) -> SweepResult:
     """One open-loop run per rate (ascending), same workload and seed each time; warmup
     requests, if any, are sent only before the first rate.
 
     `fresh_prompts`: the i-th rate uses seed + i instead, so no prompt repeats across rates;
     otherwise a server's prefix cache serves every rate after the first from memory.
+    `raise_until_below`: while the highest rate run still meets the SLO target, run the next
+    one at `growth` x that rate, at most this many more times: a sweep that stops before a
+    system breaks cannot rank it against another.
     """
     if config.closed_loop:
         raise ConfigError("a rate sweep needs open-loop arrivals; unset concurrency")
@@ -91,7 +96,9 @@ async def sweep(
     if tokenizer is None and config.tokenizer_path is not None:
         tokenizer = load_tokenizer(config.tokenizer_path)
     runs: list[RunResult] = []
-    for i, rate in enumerate(sorted(set(rates))):
+    planned = sorted(set(rates))
+    for i, rate in enumerate(_raised(planned, runs, config.slo.target, raise_until_below,
+                                     growth)):
         if i and cooldown_s > 0:
             await asyncio.sleep(cooldown_s)
         run_config = config.with_rate(rate)
@@ -107,6 +114,16 @@ async def sweep(
         )
     points = [(run.config.rate, run.summary.overall.attainment.both) for run in runs]
     return SweepResult(label, config, tuple(runs), goodput(points, config.slo.target))
+
+
+def _raised(planned: list[float], runs: list[RunResult], target: float, extra: int,
+            growth: float) -> Iterator[float]:
+    """The planned rates, then higher ones while the last run met `target` (see `sweep`)."""
+    yield from planned
+    for _ in range(extra):
+        if not runs or runs[-1].summary.overall.attainment.both < target:
+            return
+        yield round(runs[-1].config.rate * growth, 3)
 
 
 async def _warmup(
