@@ -31,7 +31,8 @@ def binary(root: Path = DEFAULT_DIR) -> Path:
 def version(exe: Path) -> str:
     """What `llama-server --version` says (llama.cpp's build number and commit)."""
     res = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=60)
-    return (res.stdout + res.stderr).strip().splitlines()[-1] if res.returncode == 0 else ""
+    lines = (res.stdout + res.stderr).splitlines()
+    return next((ln.strip() for ln in lines if ln.startswith("version:")), "")
 
 
 def build(root: Path = DEFAULT_DIR, jobs: int | None = None) -> Path:
