@@ -69,13 +69,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         latency_class = tenant.latency_class(convert.latency_from_proto(request.latency_class))
         # Token ids are only copied (~10 us for 1,500): a thread hop would cost more than that
         # and wake the loop through its self-pipe; text and chat are tokenized off the loop.
-        ids = (list(request.token_ids.ids) if request.WhichOneof("input") == "token_ids"
+        which = request.WhichOneof("input")
+        ids = (list(request.token_ids.ids) if which == "token_ids"
                else await asyncio.to_thread(self._prompt, request))
         requested = (request.sampling.max_tokens
                      if has_sampling and request.sampling.HasField("max_tokens") else None)
         max_tokens = fit_max_tokens(len(ids), requested, self.router.max_model_len,
                                     default=sampling.max_tokens,
-                                    param=request.WhichOneof("input") or "input")
+                                    param=which or "input")
         return GenerateRequest(tenant.request_id(label), tuple(ids),
                                dataclasses.replace(sampling, max_tokens=max_tokens),
                                latency_class)
