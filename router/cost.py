@@ -27,11 +27,14 @@ is assumed to prefill as fast as the slowest worker that has (`peer_prefill_rate
 any has, conservative priors stand in (a slow prefill), so early decisions do not
 over-promise.
 
-The choice, over every candidate (local on each w; remote on each w via its best p): those
-whose predicted TTFT meets the latency class's target (`RouterPolicy.ttft_targets_s`, well
-below the admission deadline), and of those the one with the least
-cost = TTFT + stall_weight x (stall summed over w's running streams) + tpot_weight x TPOT; if
-none meets it, the fastest. A local prefill longer than `max_local_prefill_s` is taken only
+The choice, over every candidate (local on each w; remote on each w via its best p): the
+least cost = TTFT + stall_weight x (stall summed over w's running streams) + tpot_weight x
+TPOT + late_weight x (TTFT past the latency class's target: `RouterPolicy.ttft_targets_s`,
+well below the admission deadline). The target is priced, not a wall: predictions err (a
+hard cut at the target kept every remote prefill of bench.cluster_sim's chat workload out,
+predicted at just over 1 s, and lost attainment), yet a queue far past it loses to any
+candidate near it (bench.serve_compare at c=16: a remote queue that fit the 30 s deadline
+took 26 s). A local prefill longer than `max_local_prefill_s` is taken only
 when remote would miss the target: it would hold up whoever arrives at w in the meantime (the
 model cannot see arrivals; bench.goodput run 2 showed it). A worker holding more of the
 prompt has less to prefill, so the prediction itself rewards cache affinity. Plain
@@ -41,6 +44,7 @@ same formulas over arrays (held equal by tests/test_router_cost.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -68,6 +72,11 @@ class CostModel:
     # streams over the workers. In bench.cluster_sim probes (chat, 16 and 64 decode workers)
     # values from 2 to 16 changed attainment little; lower ones kept more cache affinity.
     tpot_weight: float = 2.0
+    # Seconds of cost per second of predicted TTFT past the class's target (on top of the
+    # TTFT itself): at 4, a queue predicted 3 s past the target costs 12 s more than one
+    # that meets it, about the stall cost of a 200-token local prefill on 12 running
+    # streams on a 2-core Zen 3 (2 x 12 x 0.51 s).
+    late_weight: float = 4.0
 
     def prefill_rate(self, load: WorkerLoad, peer_rate: float | None = None) -> float:
         """`load`'s measured rate; if it measured none, `peer_rate` (`peer_prefill_rate`),
@@ -91,8 +100,9 @@ class Estimate:
     compute_s: float = 0.0  # the prefill's own compute where it runs
     tpot_s: float = 0.0  # the new stream's, on its decode worker
 
-    def cost(self, model: CostModel) -> float:
-        return self.ttft_s + model.stall_weight * self.stall_s + model.tpot_weight * self.tpot_s
+    def cost(self, model: CostModel, target_s: float = math.inf) -> float:
+        return (self.ttft_s + model.stall_weight * self.stall_s + model.tpot_weight * self.tpot_s
+                + model.late_weight * max(0.0, self.ttft_s - target_s))
 
 
 def peer_prefill_rate(loads: Iterable[WorkerLoad]) -> float | None:
@@ -149,13 +159,9 @@ def decide_by_cost(local: Estimate, remote: Estimate | None, uncached: int, targ
     """`remote` is None when no prefill worker is available."""
     if remote is None:
         return Decision(Route.LOCAL, "no_prefill_worker", uncached), local
-    meets = [e for e in (local, remote) if e.ttft_s <= target_s]
-    if remote in meets and local.compute_s > model.max_local_prefill_s:
-        meets = [remote]
-    if meets:
-        best = min(meets, key=lambda e: e.cost(model))
-        reason = f"cost_{best.route.value}"
-    else:
-        best = min((local, remote), key=lambda e: e.ttft_s)
-        reason = "cost_over_target"
+    candidates = [local, remote]
+    if remote.ttft_s <= target_s and local.compute_s > model.max_local_prefill_s:
+        candidates = [remote]
+    best = min(candidates, key=lambda e: e.cost(model, target_s))
+    reason = f"cost_{best.route.value}" if best.ttft_s <= target_s else "cost_over_target"
     return Decision(best.route, reason, uncached), best

@@ -10,7 +10,7 @@ Two policies (`RouterPolicy.placement`): *threshold* picks the decode worker by 
 load + affinity score (`best_of`) and goes remote when enough of the prompt is uncached there;
 *cost* predicts the TTFT of every candidate, local on each decode worker or remote on each
 (prefill, decode) pair, from the workers' measured rates and the tokens each one lacks
-(router.cost), and takes the cheapest that meets the class's target (`best_by_cost`).
+(router.cost), and takes the cheapest, time past the class's target priced (`best_by_cost`).
 
 The router places every request, so this is its hot path (bench/router_scale.py measures
 it): the prompt is hashed only as far as some worker holds it (in C where built), and the
@@ -274,11 +274,13 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
                  pcached: Floats, placed: Mapping[str, int],
                  inflight_tokens: Mapping[str, float], target_s: float, model: CostModel,
                  tiebreak: int = 0) -> CostChoice:
-    """router.cost's formulas (`local_estimate`, `remote_estimate`, `decide_by_cost`'s rule)
-    over every candidate at once: local on each decode worker, remote on each (prefill,
-    decode) pair. Of those meeting `target_s`, the least cost; if none does, the least TTFT.
-    Equal values take turns like `best_of`: the first decode worker at or after `tiebreak`
-    (local before remote on one worker), and the first prefill worker from the same place."""
+    """router.cost's formulas (`local_estimate`, `remote_estimate`, `decide_by_cost`'s rule) over
+    every candidate at once: local on each decode worker, remote on each (prefill, decode)
+    pair: the least cost, a predicted TTFT past `target_s` priced at `model.late_weight` per
+    second; a local prefill longer than `max_local_prefill_s` only where no remote candidate
+    meets `target_s`. Equal values take turns like `best_of`: the first decode worker at or
+    after `tiebreak` (local before remote on one worker), and the first prefill worker from
+    the same place."""
     n, m = len(dcols.ids), len(pcols.ids)
     length = float(prompt_len)
     # Decode side, per w.
@@ -309,23 +311,19 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
         best_p = order[np.argmin(ttft_pw[order], axis=0)]
         ttft_remote = ttft_pw[best_p, np.arange(n)]
         cost_remote = ttft_remote + model.tpot_weight * tpot
-        meets_remote = ttft_remote <= target_s
-        meets_local = (ttft_local <= target_s) & ~(
-            meets_remote & (compute_local > model.max_local_prefill_s))
+        cost_remote = cost_remote + model.late_weight * np.maximum(0.0, ttft_remote - target_s)
+        # A long local prefill only where no remote candidate meets the target.
+        allowed_local = ~((ttft_remote <= target_s)
+                          & (compute_local > model.max_local_prefill_s))
     else:
-        meets_local = ttft_local <= target_s
-        meets_remote = np.zeros(n, dtype=bool)
+        allowed_local = np.ones(n, dtype=bool)
         ttft_remote = cost_remote = np.full(n, np.inf)
-    inf = np.inf
-    if meets_local.any() or meets_remote.any():
-        local_v = np.where(meets_local, cost_local, inf)
-        remote_v = np.where(meets_remote, cost_remote, inf)
-        over = False
-    else:
-        local_v, remote_v, over = ttft_local, ttft_remote, True
-    best = min(float(local_v.min()), float(remote_v.min()))
-    w = _first_from((local_v == best) | (remote_v == best), tiebreak)
+    cost_local = cost_local + model.late_weight * np.maximum(0.0, ttft_local - target_s)
+    local_v = np.where(allowed_local, cost_local, np.inf)
+    best = min(float(local_v.min()), float(cost_remote.min()))
+    w = _first_from((local_v == best) | (cost_remote == best), tiebreak)
     route = Route.LOCAL if local_v[w] == best else Route.REMOTE
+    over = (ttft_local if route is Route.LOCAL else ttft_remote)[w] > target_s
     p = int(best_p[w]) if m else None
     if not m:
         reason = "no_prefill_worker"

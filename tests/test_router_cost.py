@@ -60,11 +60,19 @@ def test_in_flight_tokens_count_before_the_next_heartbeat() -> None:
     assert _route(idle, PREFILL, 2000, target_s=10.0, remote=40000) is Route.LOCAL
 
 
-def test_the_target_decides_when_only_one_route_meets_it() -> None:
-    # Remote is cheaper overall (no stall) but misses a tight target that local meets.
+def test_time_past_the_target_is_priced() -> None:
+    # Remote is cheaper overall (no stall on the 8 running streams) and stays so a little
+    # past a tight target; a queue far past it loses to the local prefill that meets it.
     slow_pool = WorkerLoad(queued_tokens=3000, prefill_tokens_per_s=1500.0)
     assert _route(DECODE, slow_pool, 1000, target_s=30.0) is Route.REMOTE
-    assert _route(DECODE, slow_pool, 1000, target_s=1.5) is Route.LOCAL
+    assert _route(DECODE, slow_pool, 1000, target_s=1.5) is Route.REMOTE  # 1.2 s late: +4.9
+    backed_up = WorkerLoad(queued_tokens=9000, prefill_tokens_per_s=1500.0)
+    assert _route(DECODE, backed_up, 1000, target_s=30.0) is Route.REMOTE
+    assert _route(DECODE, backed_up, 1000, target_s=1.5) is Route.LOCAL  # 5.2 s late: +21
+    local = local_estimate(DECODE, 1000, MODEL)
+    assert local.cost(MODEL, 0.5) == pytest.approx(
+        local.cost(MODEL) + MODEL.late_weight * (local.ttft_s - 0.5))
+    assert local.cost(MODEL, 30.0) == local.cost(MODEL)
 
 
 def test_priors_stand_in_until_workers_measure() -> None:
@@ -138,8 +146,8 @@ def test_cost_placement_takes_the_cheapest_candidate(
     """Over every candidate (local on each decode worker, remote on each (prefill, decode)
     pair), priced by the scalar reference (`local_estimate`, `remote_estimate`, with the
     tokens each worker lacks from the index and the router's in-flight accounting), place()
-    takes one of least cost among those meeting the target (the least TTFT if none does),
-    and reports its prediction's numbers."""
+    takes one of least cost, time past the target priced, and reports its prediction's
+    numbers."""
     ids = list(range(1000, 1000 + length))
     decoders = [_worker(f"d{i}", "decode", w) for i, w in enumerate(dloads)]
     prefills = [_worker(f"p{i}", "prefill", w) for i, w in enumerate(ploads)]
@@ -163,15 +171,17 @@ def test_cost_placement_takes_the_cheapest_candidate(
                                    prefill_uncached=lacks(q), streams=n, peer_rate=peer)
                    for q in prefills]
         best_remote = min(remotes, key=lambda e: e.ttft_s) if remotes else None
-        ok_local = local.ttft_s <= target and not (
-            best_remote is not None and best_remote.ttft_s <= target
-            and local.compute_s > MODEL.max_local_prefill_s)
-        cands.append((local, d.worker_id, "ok" if ok_local else None, lacks(d)))
+        allowed = not (best_remote is not None and best_remote.ttft_s <= target
+                       and local.compute_s > MODEL.max_local_prefill_s)
+        if allowed:
+            cands.append((local, d.worker_id, None, lacks(d)))
         for q, e in zip(prefills, remotes, strict=True):
-            cands.append((e, d.worker_id, "ok" if e.ttft_s <= target else None, lacks(q)))
-    meeting = [c for c in cands if c[2] == "ok"]
-    objective = (lambda c: c[0].cost(MODEL)) if meeting else (lambda c: c[0].ttft_s)
-    best = min(map(objective, meeting or cands))
+            cands.append((e, d.worker_id, None, lacks(q)))
+
+    def objective(c: tuple[Estimate, str, str | None, int]) -> float:
+        return c[0].cost(MODEL, target)
+
+    best = min(map(objective, cands))
 
     p = place(ids, LatencyClass.STANDARD, decoders, prefills, index, placed_by,
               RouterPolicy(placement="cost"), cost=MODEL, target_s=target,
@@ -190,8 +200,7 @@ def test_cost_placement_takes_the_cheapest_candidate(
                               prefill_uncached=lacks(p.prefill), streams=n,
                               peer_rate=peer)
         assert p.decision.uncached_tokens == lacks(p.prefill)
-    if meeting:
-        assert got.ttft_s <= target and p.decision.reason != "cost_over_target"
+    assert (p.decision.reason == "cost_over_target") == (got.ttft_s > target) or not prefills
     assert objective((got, "", None, 0)) == pytest.approx(best, rel=1e-9, abs=1e-12)
     if not prefills:
         assert p.decision.route is Route.LOCAL and p.decision.reason == "no_prefill_worker"
