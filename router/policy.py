@@ -44,8 +44,10 @@ class RouterPolicy:
         default_factory=lambda: DEFAULT_TTFT_TARGETS_S)
 
     def __post_init__(self) -> None:
+        # A plain dict (not a read-only proxy): dataclasses.asdict must copy it (the router
+        # benchmarks record their policy that way).
         object.__setattr__(self, "ttft_targets_s",
-                           MappingProxyType({**DEFAULT_TTFT_TARGETS_S, **self.ttft_targets_s}))
+                           {**DEFAULT_TTFT_TARGETS_S, **self.ttft_targets_s})
         for cls, s in self.ttft_targets_s.items():
             if not (s > 0 and math.isfinite(s)):
                 raise ValueError(f"TTFT target of {cls.value} must be > 0, got {s}")
