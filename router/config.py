@@ -110,9 +110,9 @@ POLICY_SETTINGS = {
         "TTFT and decode stall from the workers' measured rates",
         choices=("threshold", "cost"), group=ROUTING),
     "ttft_targets_s": Setting(
-        "first-token time a latency class aims for, repeatable (--placement cost: a "
-        "prefill queue predicted to miss it is avoided while another candidate meets it; "
-        "capped by the class's --ttft-deadline)", flag="--ttft-target",
+        "first-token time a latency class aims for, repeatable (--placement cost: each "
+        "second a candidate is predicted past it costs four more; capped by the class's "
+        "--ttft-deadline)", flag="--ttft-target",
         metavar="CLASS=SECONDS", parse=_deadlines, show=_show_classes, group=ROUTING),
 }
 

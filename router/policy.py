@@ -36,8 +36,8 @@ class RouterPolicy:
     # Local vs remote prefill: "threshold" (the rule above) or "cost" (router.cost: predicted
     # TTFT and decode stall from the workers' measured rates).
     placement: Literal["threshold", "cost"] = "threshold"
-    # Cost placement: the first-token time each latency class aims for. A candidate predicted
-    # to miss it is taken only when none meets it (then the fastest). Below the admission
+    # Cost placement: the first-token time each latency class aims for. A candidate's
+    # predicted TTFT past it is priced (router.cost, `late_weight`). Below the admission
     # deadline (router.admission), which is what a request may wait at most before it is
     # refused: a queue that fits a 30 s deadline is not a place to send a standard prompt.
     ttft_targets_s: Mapping[LatencyClass, float] = field(
