@@ -17,12 +17,25 @@
  * still holds every block so far and returns (depth, mask) pairs: the workers in `mask` hold
  * exactly the first `depth` blocks. Hashing stops at the first block nobody holds.
  *
+ * BlockTable: the router's digest -> holders mapping (KVIndex's), a mapping of 16-byte
+ * digests to non-negative int masks in one open-addressing array instead of a dict. A dict
+ * lookup of a digest touches four places far apart in memory (its index array, its entry,
+ * the key object to compare, the int mask), each a cache and TLB miss in a 1M-block index;
+ * a slot here holds the digest and a mask below 2^64 inline (32 bytes), so one lookup is one
+ * cache line, the array sits on transparent huge pages where the kernel allows
+ * (madvise(MADV_HUGEPAGE)), and match() hashes block i + 1 while block i's slot is being
+ * prefetched. Linear probing, backward-shift deletion, grown at 70 % load; masks of 64 bits
+ * or more (a 65th worker slot) are kept as int objects. An all-zero key marks an empty
+ * slot, so the all-zero digest (which anyone may publish) is kept in a slot of its own.
+ *
  * BLAKE2b as RFC 7693 specifies it (unkeyed, 16-byte digest), written from the RFC.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #define DIGEST 16
 
@@ -192,6 +205,9 @@ static void walk_close(Walk *w) {
     Py_XDECREF(w->seq);
 }
 
+static int stop_holds(PyObject *stop, const uint8_t d[DIGEST], PyObject *h);
+static PyTypeObject BlockTableType;
+
 static PyObject *chain(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"tokens", "block_size", "extra", "stop", NULL};
     PyObject *tokens, *stop = Py_None, *out = NULL;
@@ -202,8 +218,8 @@ static PyObject *chain(PyObject *self, PyObject *args, PyObject *kwargs) {
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Ony*|O", kwlist, &tokens, &block_size,
                                      &extra, &stop))
         return NULL;
-    if (stop != Py_None && !PyDict_Check(stop)) {
-        PyErr_SetString(PyExc_TypeError, "stop must be a dict or None");
+    if (stop != Py_None && !PyDict_Check(stop) && !Py_IS_TYPE(stop, &BlockTableType)) {
+        PyErr_SetString(PyExc_TypeError, "stop must be a dict, a BlockTable or None");
         PyBuffer_Release(&extra);
         return NULL;
     }
@@ -213,7 +229,7 @@ static PyObject *chain(PyObject *self, PyObject *args, PyObject *kwargs) {
         PyObject *h = walk_next(&w, i);
         if (h == NULL) goto fail;
         if (stop != Py_None) {
-            int held = PyDict_Contains(stop, h);
+            int held = stop_holds(stop, (const uint8_t *)PyBytes_AS_STRING(h), h);
             if (held <= 0) {
                 Py_DECREF(h);
                 if (held < 0) goto fail;
@@ -252,6 +268,443 @@ static int append_pair(PyObject *out, Py_ssize_t depth, PyObject *mask) {
     return rc;
 }
 
+/* The next block's digest into `out` (the raw form of walk_next). */
+static int walk_digest(Walk *w, Py_ssize_t i, uint8_t out[DIGEST]) {
+    if (pack(PySequence_Fast_ITEMS(w->seq) + i * w->block_size, w->block_size,
+             w->msg + DIGEST) < 0)
+        return -1;
+    blake2b_16(w->msg, w->msg_len, out);
+    memcpy(w->msg, out, DIGEST);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ BlockTable */
+
+typedef struct {
+    uint64_t k0, k1;  /* the digest; both 0: an empty slot */
+    uint64_t small;   /* the mask, when big is NULL */
+    PyObject *big;    /* the mask as an int object, when it does not fit in 64 bits */
+} Slot;
+
+typedef struct {
+    PyObject_HEAD
+    Slot *slots;
+    size_t cap;  /* a power of two */
+    size_t len;
+    Slot zero;   /* the all-zero digest's slot, in use when has_zero */
+    int has_zero;
+} BlockTable;
+
+#define HUGE_PAGE ((size_t)2 << 20)
+#define MIN_CAP 64
+
+static Slot *slots_alloc(size_t cap) {
+    size_t size = cap * sizeof(Slot);
+    void *p = NULL;
+    if (size < HUGE_PAGE) return PyMem_Calloc(cap, sizeof(Slot));
+    if (posix_memalign(&p, HUGE_PAGE, size) != 0) return NULL;
+    (void)madvise(p, size, MADV_HUGEPAGE);  /* advice: without THP it is simply 4 KiB pages */
+    memset(p, 0, size);
+    return p;
+}
+
+static void slots_free(Slot *slots, size_t cap) {
+    if (slots == NULL) return;
+    if (cap * sizeof(Slot) < HUGE_PAGE)
+        PyMem_Free(slots);
+    else
+        free(slots);
+}
+
+static inline void key_of(const uint8_t d[DIGEST], uint64_t *k0, uint64_t *k1) {
+    *k0 = load64(d);
+    *k1 = load64(d + 8);
+}
+
+/* The slot holding (k0, k1), or the empty slot where it would go. */
+static inline Slot *table_probe(const BlockTable *t, uint64_t k0, uint64_t k1) {
+    size_t m = t->cap - 1, i = (size_t)k0 & m;
+    for (;;) {
+        Slot *s = &t->slots[i];
+        if ((s->k0 == k0 && s->k1 == k1) || (s->k0 == 0 && s->k1 == 0)) return s;
+        i = (i + 1) & m;
+    }
+}
+
+static inline int slot_used(const Slot *s) { return s->k0 != 0 || s->k1 != 0; }
+
+/* The slot holding (k0, k1), or NULL. */
+static inline const Slot *table_lookup(const BlockTable *t, uint64_t k0, uint64_t k1) {
+    if (k0 == 0 && k1 == 0) return t->has_zero ? &t->zero : NULL;
+    const Slot *s = table_probe(t, k0, k1);
+    return slot_used(s) ? s : NULL;
+}
+
+/* A key argument: 16-byte bytes -> 1 with (k0, k1); anything else -> 0 (no such key) or -1
+ * with ValueError when `strict`. */
+static int parse_key(PyObject *key, uint64_t *k0, uint64_t *k1, int strict) {
+    if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) != DIGEST) {
+        if (strict) PyErr_SetString(PyExc_ValueError, "BlockTable keys are 16-byte digests");
+        return strict ? -1 : 0;
+    }
+    key_of((const uint8_t *)PyBytes_AS_STRING(key), k0, k1);
+    return 1;
+}
+
+static PyObject *slot_value(const Slot *s) {
+    if (s->big != NULL) return Py_NewRef(s->big);
+    return PyLong_FromUnsignedLongLong(s->small);
+}
+
+static int table_grow(BlockTable *t) {
+    size_t cap = t->cap * 2;
+    Slot *old = t->slots, *slots = slots_alloc(cap);
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t old_cap = t->cap;
+    t->slots = slots;
+    t->cap = cap;
+    for (size_t i = 0; i < old_cap; i++)
+        if (slot_used(&old[i])) *table_probe(t, old[i].k0, old[i].k1) = old[i];
+    slots_free(old, old_cap);
+    return 0;
+}
+
+/* Empties slot s, shifting the entries of its probe run back (no tombstones). */
+static void table_remove(BlockTable *t, Slot *s) {
+    size_t m = t->cap - 1, i = (size_t)(s - t->slots), j = i;
+    Py_CLEAR(s->big);
+    for (;;) {
+        j = (j + 1) & m;
+        Slot *e = &t->slots[j];
+        if (!slot_used(e)) break;
+        size_t home = (size_t)e->k0 & m;
+        /* e may move back to i unless its home lies cyclically in (i, j] */
+        int stays = (i <= j) ? (home > i && home <= j) : (home > i || home <= j);
+        if (!stays) {
+            t->slots[i] = *e;
+            i = j;
+        }
+    }
+    memset(&t->slots[i], 0, sizeof(Slot));
+    t->len--;
+}
+
+static PyObject *BlockTable_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) != 0 || (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "BlockTable() takes no arguments");
+        return NULL;
+    }
+    BlockTable *t = (BlockTable *)type->tp_alloc(type, 0);
+    if (t == NULL) return NULL;
+    t->cap = MIN_CAP;
+    t->len = 0;
+    t->slots = slots_alloc(t->cap);
+    if (t->slots == NULL) {
+        Py_DECREF(t);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)t;
+}
+
+static void BlockTable_dealloc(BlockTable *t) {
+    Py_XDECREF(t->zero.big);
+    if (t->slots != NULL)
+        for (size_t i = 0; i < t->cap; i++) Py_XDECREF(t->slots[i].big);
+    slots_free(t->slots, t->cap);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static Py_ssize_t BlockTable_len(BlockTable *t) { return (Py_ssize_t)t->len; }
+
+static PyObject *BlockTable_subscript(BlockTable *t, PyObject *key) {
+    uint64_t k0, k1;
+    const Slot *s = parse_key(key, &k0, &k1, 0) > 0 ? table_lookup(t, k0, k1) : NULL;
+    if (s != NULL) return slot_value(s);
+    PyErr_SetObject(PyExc_KeyError, key);
+    return NULL;
+}
+
+static int BlockTable_ass_subscript(BlockTable *t, PyObject *key, PyObject *value) {
+    uint64_t k0, k1;
+    if (value == NULL) {  /* del t[key] */
+        const Slot *s = parse_key(key, &k0, &k1, 0) > 0 ? table_lookup(t, k0, k1) : NULL;
+        if (s == NULL) {
+            PyErr_SetObject(PyExc_KeyError, key);
+            return -1;
+        }
+        if (s == &t->zero) {
+            Py_CLEAR(t->zero.big);
+            t->has_zero = 0;
+            t->len--;
+        } else {
+            table_remove(t, (Slot *)s);
+        }
+        return 0;
+    }
+    if (parse_key(key, &k0, &k1, 1) < 0) return -1;
+    PyObject *mask = PyNumber_Index(value);  /* an exact int: its & runs no Python code */
+    if (mask == NULL) return -1;
+    PyObject *zero = PyLong_FromLong(0);
+    int neg = zero == NULL ? -1 : PyObject_RichCompareBool(mask, zero, Py_LT);
+    Py_XDECREF(zero);
+    if (neg != 0) {
+        if (neg > 0) PyErr_SetString(PyExc_ValueError, "BlockTable masks are non-negative");
+        Py_DECREF(mask);
+        return -1;
+    }
+    uint64_t small = PyLong_AsUnsignedLongLong(mask);
+    PyObject *big = NULL;
+    if (small == (uint64_t)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            Py_DECREF(mask);
+            return -1;
+        }
+        PyErr_Clear();
+        big = mask;  /* 64 bits or more: kept as the object */
+        small = 0;
+    } else {
+        Py_DECREF(mask);
+    }
+    Slot *s;
+    if (k0 == 0 && k1 == 0) {
+        s = &t->zero;
+        t->len += !t->has_zero;
+        t->has_zero = 1;
+    } else if (!slot_used(s = table_probe(t, k0, k1))) {
+        if ((t->len + 1) * 10 > t->cap * 7) {
+            if (table_grow(t) < 0) {
+                Py_XDECREF(big);
+                return -1;
+            }
+            s = table_probe(t, k0, k1);
+        }
+        s->k0 = k0;
+        s->k1 = k1;
+        t->len++;
+    }
+    Py_XSETREF(s->big, big);
+    s->small = small;
+    return 0;
+}
+
+static int BlockTable_contains(BlockTable *t, PyObject *key) {
+    uint64_t k0, k1;
+    return parse_key(key, &k0, &k1, 0) > 0 && table_lookup(t, k0, k1) != NULL;
+}
+
+static PyObject *BlockTable_get(BlockTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
+        return NULL;
+    }
+    uint64_t k0, k1;
+    const Slot *s = parse_key(args[0], &k0, &k1, 0) > 0 ? table_lookup(t, k0, k1) : NULL;
+    if (s != NULL) return slot_value(s);
+    return Py_NewRef(nargs == 2 ? args[1] : Py_None);
+}
+
+/* Position i of the table, 0 <= i <= cap (cap: the all-zero digest's slot): NULL if empty. */
+static const Slot *table_nth(const BlockTable *t, size_t i) {
+    if (i == t->cap) return t->has_zero ? &t->zero : NULL;
+    return slot_used(&t->slots[i]) ? &t->slots[i] : NULL;
+}
+
+static PyObject *slot_key(const Slot *s) {
+    uint8_t d[DIGEST];
+    store64(d, s->k0);
+    store64(d + 8, s->k1);
+    return PyBytes_FromStringAndSize((const char *)d, DIGEST);
+}
+
+static PyObject *BlockTable_items(BlockTable *t, PyObject *Py_UNUSED(ignored)) {
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    for (size_t i = 0; i <= t->cap; i++) {
+        const Slot *s = table_nth(t, i);
+        if (s == NULL) continue;
+        PyObject *k = slot_key(s), *v = k == NULL ? NULL : slot_value(s);
+        PyObject *pair = v == NULL ? NULL : PyTuple_Pack(2, k, v);
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+        if (pair == NULL || PyList_Append(out, pair) < 0) {
+            Py_XDECREF(pair);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(pair);
+    }
+    return out;
+}
+
+static PyObject *BlockTable_iter(BlockTable *t) {
+    PyObject *keys = PyList_New(0);
+    if (keys == NULL) return NULL;
+    for (size_t i = 0; i <= t->cap; i++) {
+        const Slot *s = table_nth(t, i);
+        if (s == NULL) continue;
+        PyObject *k = slot_key(s);
+        if (k == NULL || PyList_Append(keys, k) < 0) {
+            Py_XDECREF(k);
+            Py_DECREF(keys);
+            return NULL;
+        }
+        Py_DECREF(k);
+    }
+    PyObject *it = PyObject_GetIter(keys);
+    Py_DECREF(keys);
+    return it;
+}
+
+static PyObject *BlockTable_sizeof(BlockTable *t, PyObject *Py_UNUSED(ignored)) {
+    size_t total = sizeof(BlockTable) + t->cap * sizeof(Slot);
+    for (size_t i = 0; i <= t->cap; i++) {
+        const Slot *s = table_nth(t, i);
+        if (s != NULL && s->big != NULL) total += _PySys_GetSizeOf(s->big);
+    }
+    return PyLong_FromSize_t(total);
+}
+
+static PyMethodDef BlockTable_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))BlockTable_get, METH_FASTCALL,
+     "get(key, default=None): the mask held for a digest"},
+    {"items", (PyCFunction)BlockTable_items, METH_NOARGS, "items() -> list of (digest, mask)"},
+    {"__sizeof__", (PyCFunction)BlockTable_sizeof, METH_NOARGS, "bytes held"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMappingMethods BlockTable_as_mapping = {
+    (lenfunc)BlockTable_len, (binaryfunc)BlockTable_subscript,
+    (objobjargproc)BlockTable_ass_subscript,
+};
+
+static PySequenceMethods BlockTable_as_sequence = {
+    .sq_contains = (objobjproc)BlockTable_contains,
+};
+
+static PyTypeObject BlockTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "pdserve._blockhash.BlockTable",
+    .tp_doc = "BlockTable(): 16-byte digest -> non-negative int mask (see the module source)",
+    .tp_basicsize = sizeof(BlockTable),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = BlockTable_new,
+    .tp_dealloc = (destructor)BlockTable_dealloc,
+    .tp_as_mapping = &BlockTable_as_mapping,
+    .tp_as_sequence = &BlockTable_as_sequence,
+    .tp_iter = (getiterfunc)BlockTable_iter,
+    .tp_methods = BlockTable_methods,
+};
+
+/* Is `d` a key of `stop` (a dict or a BlockTable)? 1/0, -1 with an error set. */
+static int stop_holds(PyObject *stop, const uint8_t d[DIGEST], PyObject *h) {
+    if (Py_IS_TYPE(stop, &BlockTableType)) {
+        uint64_t k0, k1;
+        key_of(d, &k0, &k1);
+        return table_lookup((BlockTable *)stop, k0, k1) != NULL;
+    }
+    return PyDict_Contains(stop, h);
+}
+
+/* match() over a BlockTable: while some worker holds every block so far, the next block is
+ * hashed while this one's slot is fetched from memory. Masks below 2^64 are ANDed as
+ * integers; a wider one switches the walk to int objects. */
+typedef struct {
+    uint64_t small;
+    PyObject *big;  /* owned; NULL: `small` is the mask */
+} Mask;
+
+static PyObject *mask_object(const Mask *m) {
+    return m->big != NULL ? Py_NewRef(m->big) : PyLong_FromUnsignedLongLong(m->small);
+}
+
+/* a = a & s (the slot's mask); the workers that left appended at `depth`. 1: some worker is
+ * still active, 0: none, -1: error. */
+static int mask_narrow(Mask *a, const Slot *s, PyObject *out, Py_ssize_t depth) {
+    if (a->big == NULL && s->big == NULL) {
+        uint64_t still = a->small & s->small;
+        if (still != a->small) {
+            PyObject *gone = PyLong_FromUnsignedLongLong(a->small ^ still);
+            int rc = gone == NULL ? -1 : append_pair(out, depth, gone);
+            Py_XDECREF(gone);
+            if (rc < 0) return -1;
+        }
+        a->small = still;
+        return still != 0;
+    }
+    PyObject *cur = mask_object(a), *other = slot_value(s), *still = NULL, *gone = NULL;
+    int rc = -1;
+    if (cur == NULL || other == NULL || (still = PyNumber_And(cur, other)) == NULL) goto done;
+    int same = PyObject_RichCompareBool(still, cur, Py_EQ);
+    if (same < 0) goto done;
+    if (!same && ((gone = PyNumber_Xor(cur, still)) == NULL || append_pair(out, depth, gone) < 0))
+        goto done;
+    rc = PyObject_IsTrue(still);
+    if (rc >= 0) {
+        Py_XSETREF(a->big, Py_NewRef(still));
+        a->small = 0;
+    }
+done:
+    Py_XDECREF(cur);
+    Py_XDECREF(other);
+    Py_XDECREF(still);
+    Py_XDECREF(gone);
+    return rc;
+}
+
+static PyObject *match_table(Walk *w, BlockTable *t) {
+    PyObject *out = PyList_New(0);
+    Mask active = {0, NULL};
+    int have = 0;
+    uint8_t cur[DIGEST], next[DIGEST];
+    uint64_t k0, k1;
+    Py_ssize_t depth = 0;
+    if (out == NULL) return NULL;
+    if (w->n == 0) return out;
+    if (walk_digest(w, 0, cur) < 0) goto fail;
+    key_of(cur, &k0, &k1);
+    __builtin_prefetch(&t->slots[(size_t)k0 & (t->cap - 1)]);
+    for (; depth < w->n; depth++) {
+        uint64_t n0 = 0, n1 = 0;
+        if (depth + 1 < w->n) {  /* hash the next block while this one's slot arrives */
+            if (walk_digest(w, depth + 1, next) < 0) goto fail;
+            key_of(next, &n0, &n1);
+            __builtin_prefetch(&t->slots[(size_t)n0 & (t->cap - 1)]);
+        }
+        const Slot *s = table_lookup(t, k0, k1);
+        if (s == NULL) break;  /* nobody holds this block: everyone still active ends here */
+        if (!have) {
+            if (s->big == NULL && s->small == 0) break;  /* held by no one, as a dict's 0 */
+            have = 1;
+            active.small = s->small;
+            active.big = s->big != NULL ? Py_NewRef(s->big) : NULL;
+        } else {
+            int any = mask_narrow(&active, s, out, depth);
+            if (any < 0) goto fail;
+            if (!any) {
+                have = 0;
+                break;
+            }
+        }
+        k0 = n0;
+        k1 = n1;
+    }
+    if (have) {
+        PyObject *m = mask_object(&active);
+        int rc = m == NULL ? -1 : append_pair(out, depth, m);
+        Py_XDECREF(m);
+        if (rc < 0) goto fail;
+    }
+    Py_XDECREF(active.big);
+    return out;
+fail:
+    Py_XDECREF(active.big);
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyObject *match(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"tokens", "block_size", "extra", "holders", NULL};
     PyObject *tokens, *holders, *out = NULL, *active = NULL;
@@ -259,9 +712,21 @@ static PyObject *match(PyObject *self, PyObject *args, PyObject *kwargs) {
     Py_buffer extra;
     Walk w;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Ony*O!", kwlist, &tokens, &block_size,
-                                     &extra, &PyDict_Type, &holders))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Ony*O", kwlist, &tokens, &block_size,
+                                     &extra, &holders))
         return NULL;
+    if (Py_IS_TYPE(holders, &BlockTableType)) {
+        if (walk_open(&w, tokens, block_size, &extra) == 0)
+            out = match_table(&w, (BlockTable *)holders);
+        walk_close(&w);
+        PyBuffer_Release(&extra);
+        return out;
+    }
+    if (!PyDict_Check(holders)) {
+        PyErr_SetString(PyExc_TypeError, "holders must be a dict or a BlockTable");
+        PyBuffer_Release(&extra);
+        return NULL;
+    }
     if (walk_open(&w, tokens, block_size, &extra) < 0 || (out = PyList_New(0)) == NULL)
         goto done;
     Py_ssize_t depth = 0;
@@ -332,4 +797,13 @@ static struct PyModuleDef module = {
     methods,
 };
 
-PyMODINIT_FUNC PyInit__blockhash(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__blockhash(void) {
+    if (PyType_Ready(&BlockTableType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "BlockTable", (PyObject *)&BlockTableType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -17,8 +17,9 @@ what the index knew of that worker and answers RESYNC; the caller then asks the 
 snapshot, and until it arrives the worker simply counts as holding nothing (routing degrades
 to load balancing, never to a wrong answer about KV). Plain Python, no I/O.
 
-Memory: one dict entry per distinct block (its hash and an int bitmask of holders) plus one
-entry per (worker, block) in its worker's dict; `memory_bytes()` measures it.
+Memory: one entry per distinct block (its hash and an int bitmask of holders: a 32-byte slot
+of pdserve._blockhash.BlockTable where that is built, a dict entry otherwise) plus one entry
+per (worker, block) in its worker's dict; `memory_bytes()` measures it.
 """
 
 from __future__ import annotations
@@ -27,16 +28,29 @@ import enum
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeAlias
 
 from pdserve.engine.block_manager import block_hashes
 from pdserve.kv_events import KVEventBatch, KVOp
 
-_native_match: Callable[[Sequence[int], int, bytes, dict[bytes, int]],
-                        list[tuple[int, int]]] | None
+if TYPE_CHECKING:
+    from pdserve._blockhash import BlockTable
+
+
+# Block hash -> int bitmask of the slots holding it.
+Holders: TypeAlias = "dict[bytes, int] | BlockTable"
+
+_native_match: Callable[[Sequence[int], int, bytes, Holders], list[tuple[int, int]]] | None
+_new_holders: Callable[[], Holders]
 try:
+    # The digests in one flat array (one cache line a lookup, on huge pages where the kernel
+    # allows) instead of a dict whose lookup touches four places in memory: the router's
+    # walk over a 1M-block index is mostly waiting on those (pdserve/_blockhash.c).
+    from pdserve._blockhash import BlockTable as _new_holders
     from pdserve._blockhash import match as _native_match
 except ImportError:  # not compiled here: hash in Python, then walk (the same answer)
     _native_match = None
+    _new_holders = dict
 
 
 class Applied(enum.Enum):
@@ -67,7 +81,7 @@ class KVIndex:
         self._workers: dict[str, _Worker] = {}
         self._ids: list[str | None] = []  # slot -> worker id
         self._free_slots: list[int] = []
-        self._holders: dict[bytes, int] = {}  # hash -> bitmask of slots
+        self._holders: Holders = _new_holders()  # hash -> bitmask of slots
         self._geometry: dict[str, int] = {}  # synced worker -> block size
         self.geometry_version = 0  # grows whenever `geometry()` changes
         self.ops_applied = 0

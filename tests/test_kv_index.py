@@ -256,6 +256,47 @@ def test_the_c_block_hashes_equal_hashlibs() -> None:
         block_hashes(["a"] * 16, 16)  # type: ignore[list-item]
 
 
+def test_the_c_block_table_is_a_dict_of_masks() -> None:
+    """pdserve._blockhash.BlockTable (the index's holders where built) against a dict under
+    random sets, deletes and lookups, with masks past 64 bits and the all-zero digest (its
+    empty-slot marker, kept apart); `match` and `chain(stop=)` over it equal theirs over the
+    dict, walking prompts some of whose blocks are held."""
+    from pdserve._blockhash import BlockTable, chain, match
+    rng = random.Random(11)
+    table, ref = BlockTable(), {}
+    keys = [rng.randbytes(16) for _ in range(3000)] + [bytes(16)]
+    for _ in range(60_000):  # grows past several resizes; deletes shift probe runs back
+        k, r = rng.choice(keys), rng.random()
+        if r < 0.5:
+            v = rng.choice([rng.getrandbits(8), rng.getrandbits(64), 1 << rng.randrange(300)])
+            table[k] = ref[k] = v
+        elif r < 0.8:
+            if k in ref:
+                del table[k], ref[k]
+            else:
+                with pytest.raises(KeyError):
+                    del table[k]
+        else:
+            assert table.get(k, 0) == ref.get(k, 0) and (k in table) == (k in ref)
+        assert len(table) == len(ref)
+    assert sorted(table.items()) == sorted(ref.items()) and sorted(table) == sorted(ref)
+    for bad in (b"short", "str", 3):
+        with pytest.raises(ValueError):
+            table[bad] = 1  # type: ignore[index]
+    with pytest.raises(ValueError):
+        table[keys[0]] = -1
+    assert not gc.is_tracked(table)
+    for _ in range(400):
+        ids = [rng.randrange(50_000) for _ in range(16 * rng.randrange(20) + rng.randrange(16))]
+        held, plain = BlockTable(), {}
+        for h in chain(ids, 16, EXTRA):
+            if rng.random() < 0.9:
+                held[h] = plain[h] = rng.choice(
+                    [0, rng.getrandbits(4), rng.getrandbits(64) | 1, rng.getrandbits(100)])
+        assert match(ids, 16, EXTRA, held) == match(ids, 16, EXTRA, plain)
+        assert chain(ids, 16, EXTRA, held) == chain(ids, 16, EXTRA, plain)
+
+
 # ---------------------------------------------------------------------- through real Redis
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from collections.abc import Sequence as Seq
 from typing import NewType
 
@@ -40,7 +40,7 @@ def hash_block(parent: BlockHash | None, tokens: Seq[int], extra: bytes = b"") -
 
 
 def block_hashes(token_ids: Seq[int], block_size: int, extra: bytes = b"",
-                 stop: dict[bytes, int] | None = None) -> list[BlockHash]:
+                 stop: Container[bytes] | None = None) -> list[BlockHash]:
     """Chained hashes of every *full* block of ``token_ids``: `hash_block` down the prompt,
     with the token bytes packed once. With `stop`, the list ends before the first hash that
     is not a key of it (a prefix index: no later block can match once one does not).
@@ -55,7 +55,7 @@ def block_hashes(token_ids: Seq[int], block_size: int, extra: bytes = b"",
 
 
 def _chain(raw: memoryview, step: int, extra: bytes,
-           stop: dict[bytes, int] | None) -> list[BlockHash]:
+           stop: Container[bytes] | None) -> list[BlockHash]:
     parent = b"\0" * 16
     hashes: list[BlockHash] = []
     for off in range(0, len(raw) - step + 1, step):
@@ -69,7 +69,8 @@ def _chain(raw: memoryview, step: int, extra: bytes,
     return hashes
 
 
-_native_chain: Callable[[Seq[int], int, bytes, dict[bytes, int] | None], list[bytes]] | None
+# `stop` in C: a dict or a pdserve._blockhash.BlockTable (router.kv_index's holders).
+_native_chain: Callable[[Seq[int], int, bytes, Container[bytes] | None], list[bytes]] | None
 try:
     from pdserve._blockhash import chain as _native_chain
 except ImportError:  # not compiled here (setup.py builds it where a C compiler exists)
