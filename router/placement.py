@@ -22,6 +22,7 @@ candidate list changes) with exactly the arithmetic and tie-breaking of
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -101,7 +102,9 @@ class _Priced:
 
 class _Cached:
     """One candidate list's columns, rebuilt only when the list holds other objects or the
-    index learned another worker's block size."""
+    index learned another worker's block size. A heartbeat replaces one worker's record:
+    only its row is rewritten (64 heartbeats a second at 64 workers would otherwise rebuild
+    every column several times a second)."""
 
     def __init__(self) -> None:
         self._key: tuple[int, ...] = ()
@@ -112,10 +115,18 @@ class _Cached:
     def get(self, workers: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
         key = tuple(map(id, workers))
         cols = self._cols
-        if (cols is None or key != self._key or index is not self._index
-                or index.geometry_version != self._version):
-            cols = self._cols = _build(workers, index)
-            self._key, self._index, self._version = key, index, index.geometry_version
+        if cols is not None and key == self._key and index is self._index \
+                and index.geometry_version == self._version:
+            return cols
+        if (cols is not None and len(key) == len(self._key) and index is self._index
+                and index.geometry_version == self._version):
+            changed = [i for i, (a, b) in enumerate(zip(key, self._key, strict=True)) if a != b]
+            if len(changed) * 4 <= len(key):
+                cols = _update_rows(cols, workers, changed)
+        if cols is None or cols is self._cols:
+            cols = _build(workers, index)
+        self._cols, self._key, self._index, self._version = (
+            cols, key, index, index.geometry_version)
         return cols
 
 
@@ -136,18 +147,13 @@ class DecodeTable:
         return self._prefill.get(prefills, index)
 
 
-def _column(workers: Sequence[WorkerInfo], value: Callable[[WorkerLoad], float | None]
-            ) -> Floats:
-    return np.array([value(w.load) or 0.0 for w in workers], dtype=np.float64)
-
-
 def _build(decoders: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
     """Columns of any role's candidates (the prefill-only ones stay 0 on decode workers)."""
     ids = tuple(w.worker_id for w in decoders)
-    free = np.array([w.load.free_blocks for w in decoders], dtype=np.float64)
-    total = np.array([w.load.total_blocks for w in decoders], dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        memory = np.where(total != 0, 0.5 * free / np.where(total != 0, total, 1.0), 0.0)
+    rows = np.array([_row(w.load) for w in decoders], dtype=np.float64).reshape(
+        len(decoders), len(_FLOAT_COLUMNS))
+    (running, waiting, memory, rate, step, prompt_waiting, queued_tokens,
+     transfer) = (np.ascontiguousarray(rows[:, k]) for k in range(len(_FLOAT_COLUMNS)))
     geometry = index.geometry()
     members: dict[tuple[int, bytes], set[int]] = {}
     for i, w in enumerate(decoders):
@@ -156,16 +162,43 @@ def _build(decoders: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
             members.setdefault((bs, w.model_id.encode()), set()).add(i)
     return _Columns(
         workers=tuple(decoders), ids=ids, pos={w: i for i, w in enumerate(ids)},
-        running=np.array([w.load.running for w in decoders], dtype=np.float64),
-        waiting=np.array([w.load.backlog for w in decoders], dtype=np.float64),
-        memory=memory,
-        rate=(rate := _column(decoders, lambda load: load.prefill_tokens_per_s)),
+        running=running, waiting=waiting, memory=memory, rate=rate, step=step,
+        prompt_waiting=prompt_waiting, queued_tokens=queued_tokens, transfer=transfer,
         min_rate=float(rate[rate != 0].min()) if rate.any() else np.inf,
-        step=_column(decoders, lambda load: load.decode_step_s),
-        prompt_waiting=_column(decoders, lambda load: load.waiting_prompt_tokens),
-        queued_tokens=_column(decoders, lambda load: load.queued_tokens),
-        transfer=_column(decoders, lambda load: load.kv_transfer_s_per_token),
         groups=tuple((bs, extra, frozenset(m)) for (bs, extra), m in members.items()))
+
+
+def _row(load: WorkerLoad) -> tuple[float, ...]:
+    """One worker's values in `_Columns`' float columns (in `_FLOAT_COLUMNS` order)."""
+    total = load.total_blocks
+    return (float(load.running), float(load.backlog),
+            0.5 * load.free_blocks / total if total else 0.0,
+            load.prefill_tokens_per_s or 0.0, load.decode_step_s or 0.0,
+            load.waiting_prompt_tokens or 0.0, load.queued_tokens or 0.0,
+            load.kv_transfer_s_per_token or 0.0)
+
+
+_FLOAT_COLUMNS = ("running", "waiting", "memory", "rate", "step", "prompt_waiting",
+                  "queued_tokens", "transfer")
+
+
+def _update_rows(cols: _Columns, workers: Sequence[WorkerInfo], changed: list[int]
+                 ) -> _Columns | None:
+    """`cols` with the rows at `changed` taken from `workers` (new columns: a caller may
+    still hold the old ones), or None where a row is another worker or changes the block
+    geometry (then everything is rebuilt)."""
+    for i in changed:
+        if workers[i].worker_id != cols.ids[i] \
+                or workers[i].model_id != cols.workers[i].model_id:
+            return None
+    arrays = {name: getattr(cols, name).copy() for name in _FLOAT_COLUMNS}
+    for i in changed:
+        for name, value in zip(_FLOAT_COLUMNS, _row(workers[i].load), strict=True):
+            arrays[name][i] = value
+    rate = arrays["rate"]
+    return dataclasses.replace(
+        cols, workers=tuple(workers), priced={},
+        min_rate=float(rate[rate != 0].min()) if rate.any() else np.inf, **arrays)
 
 
 def _cached(index: KVIndex, ids: Sequence[int], *colsets: _Columns) -> list[Floats]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -97,6 +98,39 @@ def test_the_routers_array_scoring_equals_best_decode(
     assert best_of(cols, cached, placed, prompt_len, policy, tiebreak) == want
     weight = affinity / max(prompt_len, 1)  # the numpy fallback too, where C is built
     assert placement._best_of_numpy(cols, cached, placed, weight, tiebreak) == want
+
+
+def _load(rng: np.random.Generator) -> WorkerLoad:
+    total = int(rng.choice([0, 64]))
+    return WorkerLoad(running=int(rng.integers(8)), waiting=int(rng.integers(8)),
+                      free_blocks=int(rng.integers(total + 1)), total_blocks=total,
+                      prefill_tokens_per_s=float(rng.choice([0.0, 800.0, 1234.5])),
+                      decode_step_s=float(rng.choice([0.0, 0.03])),
+                      queued_tokens=int(rng.integers(3)) * 100)
+
+
+def test_heartbeats_rewrite_only_their_rows_and_equal_a_rebuild() -> None:
+    """The router's cached columns after a stream of heartbeats (each replaces one worker's
+    record: its row is rewritten in new arrays), workers leaving and joining, equal columns
+    built from scratch; the columns handed out before a change stay as they were."""
+    rng = np.random.default_rng(5)
+    index, table = KVIndex(), DecodeTable()
+    workers = [WorkerInfo(worker_id=f"d{i}", role="decode", grpc_address="127.0.0.1:1",
+                          model_id="m", epoch=1, started_at=0.0, load=_load(rng))
+               for i in range(12)]
+    for step in range(300):
+        before = table.columns(workers, index)
+        kept = before.running.copy()
+        if step % 50 == 49:
+            workers = workers[1:]  # a worker left: a full rebuild
+        else:
+            for i in rng.choice(len(workers), size=int(rng.integers(1, 3)), replace=False):
+                workers[i] = dataclasses.replace(workers[i], load=_load(rng))
+        got = table.columns(workers, index)
+        want = placement._build(workers, index)
+        for name in (*placement._FLOAT_COLUMNS, "ids", "pos", "groups", "min_rate"):
+            assert np.array_equal(getattr(got, name), getattr(want, name)), (step, name)
+        assert got.workers == tuple(workers) and np.array_equal(before.running, kept)
 
 
 def test_the_c_scoring_is_built_and_checks_its_input() -> None:
