@@ -12,6 +12,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -129,14 +130,23 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* w, const float* 
 
 // ------------------------------------------------------------------ AVX-512 (F + BW)
 
+// half_at with the F16C instruction (the same value: both are exact IEEE conversions).
+__attribute__((target("f16c"))) inline float half_at_f16c(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// `ahead`: bytes past each block to prefetch (0: none), for a caller streaming rows.
 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void dequant_row_avx512(
-    const uint8_t* row, int64_t nb, int64_t qtype, float* out) {
+    const uint8_t* row, int64_t nb, int64_t qtype, float* out, int64_t ahead = 0) {
   const int64_t bb = block_bytes(qtype);
   const __m128i low4 = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * bb;
+    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(blk + ahead), _MM_HINT_T0);
     float* o = out + b * kBlock;
-    const __m512 vd = _mm512_set1_ps(half_at(blk));
+    const __m512 vd = _mm512_set1_ps(half_at_f16c(blk));
     if (qtype == kQ8_0) {
       const __m128i* qs = reinterpret_cast<const __m128i*>(blk + 2);
       _mm512_storeu_ps(o, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(
@@ -151,7 +161,7 @@ __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void dequant_row_avx51
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
     __m512 wl, wh;
     if (qtype == kQ4_1) {
-      const __m512 vm = _mm512_set1_ps(half_at(blk + 2));
+      const __m512 vm = _mm512_set1_ps(half_at_f16c(blk + 2));
       wl = _mm512_add_ps(_mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo))), vm);
       wh = _mm512_add_ps(_mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi))), vm);
     } else {
@@ -206,9 +216,9 @@ __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void gemv_q4_avx512(
       const __m512 qh =
           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low4)));
       const __m512 t = _mm512_fmadd_ps(qh, xh, _mm512_mul_ps(ql, xl));
-      const float d = half_at(blk);
+      const float d = half_at_f16c(blk);
       acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(d), t, acc[j]);
-      macc[j] += (qtype == kQ4_1 ? half_at(blk + 2) : -8.f * d) * xsum[b];
+      macc[j] += (qtype == kQ4_1 ? half_at_f16c(blk + 2) : -8.f * d) * xsum[b];
     }
   }
   for (int j = 0; j < R; ++j) out[j] = _mm512_reduce_add_ps(acc[j]) + macc[j];
@@ -228,10 +238,31 @@ __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void gemv_q8_0_avx512(
       const __m512 ql = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs)));
       const __m512 qh = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs + 1)));
       const __m512 t = _mm512_fmadd_ps(qh, xh, _mm512_mul_ps(ql, xl));
-      acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(half_at(blk)), t, acc[j]);
+      acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(half_at_f16c(blk)), t, acc[j]);
     }
   }
   for (int j = 0; j < R; ++j) out[j] = _mm512_reduce_add_ps(acc[j]);
+}
+
+// A small batch (2..kSmallM rows of x) against `rows` dequantized weight rows w (row j at
+// w + j * k): y[i][j] = w_j . x_i, written at out[i * ldo + j]. Full 4 x 4 tiles keep 16
+// accumulators in registers, so each load of w or x feeds four FMAs (one row of w against
+// one row of x at a time loaded two floats per FMA: the load ports, not the FMAs, set the pace).
+__attribute__((target("avx512f,avx512bw,avx2,fma"))) void tile_4x4_avx512(
+    const float* w, const float* x, int64_t k, float* out, int64_t ldo) {
+  __m512 acc[4][4];
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += 16) {
+    __m512 wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_ps(w + j * k + c);
+    for (int i = 0; i < 4; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + i * k + c);
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(wv[j], xv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) out[i * ldo + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
 // Rows [begin, end) of a single-row GEMV, kRows at a time, then one by one.
@@ -332,6 +363,29 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& blocks, 
           [&](int64_t r) { gemv_q4_avx512<kRows>(src + r * bpr, bpr, nb, qtype, xp, xs, yp + r); },
           [&](int64_t r) { gemv_q4_avx512<1>(src + r * bpr, bpr, nb, qtype, xp, xs, yp + r); });
       for (int64_t r = begin; r < end; ++r) yp[r] += bp ? bp[r] : 0.f;
+    });
+    return y;
+  }
+  if (isa == kAvx512) {  // small batches: four weight rows at a time against four of x
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+      std::vector<float> w(4 * k);
+      for (int64_t r = begin; r < end; r += 4) {
+        const int64_t rows = std::min<int64_t>(4, end - r);
+        for (int64_t j = 0; j < rows; ++j)  // prefetching the next four rows
+          dequant_row_avx512(src + (r + j) * bpr, nb, qtype, w.data() + j * k, 4 * bpr);
+        for (int64_t i = 0; i < m; i += 4) {
+          if (rows == 4 && i + 4 <= m) {
+            tile_4x4_avx512(w.data(), xp + i * k, k, yp + i * n + r, n);
+            continue;
+          }
+          for (int64_t a = i; a < std::min<int64_t>(i + 4, m); ++a)
+            for (int64_t j = 0; j < rows; ++j)
+              yp[a * n + r + j] = dot(w.data() + j * k, xp + a * k, k, isa);
+        }
+        if (bp)
+          for (int64_t a = 0; a < m; ++a)
+            for (int64_t j = 0; j < rows; ++j) yp[a * n + r + j] += bp[r + j];
+      }
     });
     return y;
   }
