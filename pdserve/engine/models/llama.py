@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -106,8 +107,9 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj, self.o_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_pool: torch.Tensor, meta: AttentionMetadata,
+                kv_layer: torch.Tensor, meta: AttentionMetadata,
                 kernels: TorchKernels) -> torch.Tensor:
+        """`kv_layer`: this layer's K/V in the pool (kv_pool[:, layer_idx])."""
         assert self.qkv is not None and self.o is not None, "call LlamaForCausalLM.pack()"
         n = x.shape[0]
         h, hkv = self.num_heads, self.num_kv_heads
@@ -116,8 +118,8 @@ class Attention(nn.Module):
             qkv[:, :h] = self.q_norm(qkv[:, :h])
             qkv[:, h:h + hkv] = self.k_norm(qkv[:, h:h + hkv])
         kernels.rope_(qkv, h + hkv, cos, sin)  # q and k heads, in place, in one pass
-        o = paged_attention(qkv[:, :h], qkv[:, h:h + hkv], qkv[:, h + hkv:],
-                            kv_pool[:, self.layer_idx], meta, self.scale, kernels)
+        q, k, v = qkv.split((h, hkv, hkv), dim=1)  # views, one call (three slices cost three)
+        o = paged_attention(q, k, v, kv_layer, meta, self.scale, kernels)
         return self.o(o.reshape(n, h * self.head_dim))
 
 
@@ -164,6 +166,20 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
 
 
+@dataclass(frozen=True)
+class _LayerStep:
+    """What the forward loop reads of one decoder layer, gathered once by `pack()`."""
+
+    attn: Attention
+    mlp: MLP
+    norm_weight: torch.Tensor  # input_layernorm
+    norm_eps: float
+    post_weight: torch.Tensor  # post_attention_layernorm
+    post_eps: float
+    next_weight: torch.Tensor | None  # the next layer's input_layernorm (None: the last)
+    next_eps: float
+
+
 class LlamaForCausalLM(nn.Module):
     """Forward over packed tokens of many sequences; logits only where asked."""
 
@@ -177,6 +193,12 @@ class LlamaForCausalLM(nn.Module):
         self.head: LinearKernel | None = None
         self.weight_format = ""
         self.kernels = TorchKernels()
+        # Set by pack(): each layer's modules and norm weights, read once per step without
+        # nn.Module's attribute lookups and call hooks (~1 ms a decode step in Python).
+        self._steps: list[_LayerStep] = []
+        self._kv_pool: torch.Tensor | None = None
+        self._kv_mode: bool | None = None
+        self._kv_layers: tuple[torch.Tensor, ...] = ()
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -193,6 +215,15 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.pack(weight_format)
         self.head = pack_linear([self.lm_head.weight], [None], weight_format=weight_format)
         del self.lm_head
+        layers = self.model.layers
+        self._steps = [_LayerStep(
+            attn=layer.self_attn, mlp=layer.mlp,
+            norm_weight=layer.input_layernorm.weight, norm_eps=layer.input_layernorm.eps,
+            post_weight=layer.post_attention_layernorm.weight,
+            post_eps=layer.post_attention_layernorm.eps,
+            next_weight=layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else None,
+            next_eps=layers[i + 1].input_layernorm.eps if i + 1 < len(layers) else 0.0)
+            for i, layer in enumerate(layers)]
         self.weight_format = weight_format
         self.kernels = kernels_for(self.model.embed_tokens.weight.device, self.activation_dtype)
         return self
@@ -212,21 +243,22 @@ class LlamaForCausalLM(nn.Module):
         """Packed tokens of many sequences -> logits at ``logits_indices``. ``max_position``
         (the largest of ``positions``) saves a device sync when the caller knows it."""
         assert self.head is not None, "call pack()"
-        kernels, layers = self.kernels, self.model.layers
+        kernels = self.kernels
         x = self.model.embed_tokens(input_ids)  # the residual stream, updated in place
         if max_position is None:
             max_position = int(positions.max())
         cos, sin = self.model.rotary_emb(positions, x.dtype, max_position)
-        first = layers[0].input_layernorm
-        h = kernels.rms_norm(x, first.weight, first.eps)
-        for i, layer in enumerate(layers):
-            a = layer.self_attn(h, cos, sin, kv_pool, meta, kernels)
-            post = layer.post_attention_layernorm
-            h = kernels.add_rms_norm_(x, a, post.weight, post.eps)
-            m = layer.mlp(h, kernels)
-            if i + 1 < len(layers):
-                nxt = layers[i + 1].input_layernorm
-                h = kernels.add_rms_norm_(x, m, nxt.weight, nxt.eps)
+        mode = torch.is_inference_mode_enabled()  # views made in one mode stay in it
+        if self._kv_pool is not kv_pool or self._kv_mode is not mode:  # once per pool
+            self._kv_pool, self._kv_mode, self._kv_layers = kv_pool, mode, kv_pool.unbind(1)
+        steps = self._steps
+        h = kernels.rms_norm(x, steps[0].norm_weight, steps[0].norm_eps)
+        for step, kv_layer in zip(steps, self._kv_layers, strict=True):
+            a = step.attn.forward(h, cos, sin, kv_layer, meta, kernels)
+            h = kernels.add_rms_norm_(x, a, step.post_weight, step.post_eps)
+            m = step.mlp.forward(h, kernels)
+            if step.next_weight is not None:
+                h = kernels.add_rms_norm_(x, m, step.next_weight, step.next_eps)
             else:
                 x.add_(m)
         final = self.model.norm
