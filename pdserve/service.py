@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
@@ -36,6 +37,17 @@ from pdserve.runtime import start_server
 log = structlog.get_logger(__name__)
 
 Fields = Mapping[str, object]
+
+
+def freeze_startup_heap() -> None:
+    """Take what start-up allocated out of the cyclic GC's walks (`gc.freeze`, after one
+    full collection so no garbage is kept). A service imports torch and builds its
+    tokenizer, engine or index first: ~370,000 tracked objects in a router, which every
+    full collection walked again, a ~170 ms pause every few seconds of load for every
+    request in the process (bench.router_harness, 64 workers). Objects made later are
+    collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,7 @@ class Service:
         lines."""
         if register is not None:
             await register()
+        freeze_startup_heap()
         await transport.set_serving(self._health, self._health_service)
         log.info(f"{self.name}_ready", **(ready_fields or {}))
         if ready is not None:
