@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
@@ -39,13 +40,19 @@ log = structlog.get_logger(__name__)
 Fields = Mapping[str, object]
 
 
+NO_GC_FREEZE_ENV = "PDSERVE_NO_GC_FREEZE"
+
+
 def freeze_startup_heap() -> None:
     """Take what start-up allocated out of the cyclic GC's walks (`gc.freeze`, after one
     full collection so no garbage is kept). A service imports torch and builds its
     tokenizer, engine or index first: ~370,000 tracked objects in a router, which every
     full collection walked again, a ~170 ms pause every few seconds of load for every
     request in the process (bench.router_harness, 64 workers). Objects made later are
-    collected as before."""
+    collected as before. `PDSERVE_NO_GC_FREEZE=1` leaves the heap as it is (to measure
+    what this saves: bench/gc_trace)."""
+    if os.environ.get(NO_GC_FREEZE_ENV):
+        return
     gc.collect()
     gc.freeze()
 
