@@ -196,9 +196,7 @@ class LlamaForCausalLM(nn.Module):
         # Set by pack(): each layer's modules and norm weights, read once per step without
         # nn.Module's attribute lookups and call hooks (~1 ms a decode step in Python).
         self._steps: list[_LayerStep] = []
-        self._kv_pool: torch.Tensor | None = None
-        self._kv_mode: bool | None = None
-        self._kv_layers: tuple[torch.Tensor, ...] = ()
+        self._kv_views: tuple[torch.Tensor, bool, tuple[torch.Tensor, ...]] | None = None
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -248,12 +246,16 @@ class LlamaForCausalLM(nn.Module):
         if max_position is None:
             max_position = int(positions.max())
         cos, sin = self.model.rotary_emb(positions, x.dtype, max_position)
+        # The pool's per-layer views, made once per pool. One model may step for several
+        # engines on their own threads (tests run a prefill and a decode engine on one
+        # model), so the cache is one tuple read once and replaced whole, never mutated.
         mode = torch.is_inference_mode_enabled()  # views made in one mode stay in it
-        if self._kv_pool is not kv_pool or self._kv_mode is not mode:  # once per pool
-            self._kv_pool, self._kv_mode, self._kv_layers = kv_pool, mode, kv_pool.unbind(1)
+        views = self._kv_views
+        if views is None or views[0] is not kv_pool or views[1] is not mode:
+            views = self._kv_views = (kv_pool, mode, kv_pool.unbind(1))
         steps = self._steps
         h = kernels.rms_norm(x, steps[0].norm_weight, steps[0].norm_eps)
-        for step, kv_layer in zip(steps, self._kv_layers, strict=True):
+        for step, kv_layer in zip(steps, views[2], strict=True):
             a = step.attn.forward(h, cos, sin, kv_layer, meta, kernels)
             h = kernels.add_rms_norm_(x, a, step.post_weight, step.post_eps)
             m = step.mlp.forward(h, kernels)
