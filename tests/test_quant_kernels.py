@@ -63,20 +63,66 @@ def test_kernels_match_reference(ext, qtype: str, isa: str) -> None:  # type: ig
         torch.testing.assert_close(got.double(), want - bias.double(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.skipif("avx512vnni" not in ISAS, reason="this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_panels_match_the_int8_activation_reference(ext, qtype: str) -> None:  # type: ignore[no-untyped-def]
+    """16-row panels with int8 activations: the reference's exact per-block integer products,
+    up to float32 sums, at every batch size (odd rows: a partial last panel)."""
+    g = torch.Generator().manual_seed(4)
+    code = quant.QTYPES[qtype]
+    for n, k in ((67, 320), (16, 96), (5, 64)):
+        blocks = quant.quantize_reference(torch.randn(n, k, generator=g), qtype)
+        panels = ext.repack_panels(blocks, code, k)
+        bias = torch.randn(n, generator=g)
+        for m in (1, 2, 3, 5, 16, 33):
+            x = torch.randn(m, k, generator=g) * 3
+            want = quant.quant_linear_int8_reference(x, blocks, qtype, k)
+            got = ext.quant_linear_panels(x, panels, code, n, bias).double() - bias.double()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        # and the activations' rounding is the whole of the difference from float
+        x = torch.randn(8, k, generator=g)
+        exact = x.double() @ quant.dequantize_reference(blocks, qtype, k).double().T
+        got = ext.quant_linear_panels(x, panels, code, n, None).double()
+        assert (got - exact).norm() / exact.norm() < 0.02
+
+
+def test_activation_quantization_is_llama_cpp_q8() -> None:
+    x = torch.tensor([[0.0] * 32 + [1.0, -2.54] + [0.5] * 30])
+    qx, dx, sx = quant.quantize_activations_reference(x)
+    assert qx[0, 0].abs().sum() == 0 and dx[0, 0] == 0 and sx[0, 0] == 0
+    assert dx[0, 1] == torch.tensor(2.54) / 127
+    assert qx[0, 1, :3].tolist() == [50, -127, 25]  # 1 / 0.02 = 50, 0.5 / 0.02 = 25
+    assert sx[0, 1] == dx[0, 1] * float(qx[0, 1].sum())
+
+
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_quant_linear_small_and_large_batches(qtype: str) -> None:
-    """Decode batches through the kernel, prefill batches through the fp32 GEMM: both equal the
-    reference; fused projections concatenate their rows."""
+    """Decode batches through the kernel, prefill batches through the fp32 GEMM (or, on a VNNI
+    CPU, every batch through the panels): each equals its reference; fused projections
+    concatenate their rows."""
     g = torch.Generator().manual_seed(3)
     w1, w2 = torch.randn(64, 128, generator=g), torch.randn(32, 128, generator=g)
     kernel = pack_linear([w1, w2], [None, None], weight_format=qtype)
     assert isinstance(kernel, QuantLinear) and kernel.out_features == 96
-    ref = torch.cat([quant.dequantize_reference(quant.quantize_reference(w, qtype), qtype, 128)
-                     for w in (w1, w2)])
+    parts = [quant.quantize_reference(w, qtype) for w in (w1, w2)]
+    ref = torch.cat([quant.dequantize_reference(b, qtype, 128) for b in parts])
     assert torch.equal(kernel.dequantize(), ref)
+    int8_activations = quant.default_isa() == "avx512vnni" and quant.quant_extension() is not None
     for m in (1, 7, QuantLinear.SMALL_M + 1, 100):
         x = torch.randn(m, 128, generator=g)
-        torch.testing.assert_close(kernel(x), x @ ref.T, rtol=1e-5, atol=1e-4)
+        if int8_activations:
+            want = quant.quant_linear_int8_reference(x, torch.cat(parts), qtype, 128).float()
+            torch.testing.assert_close(kernel(x), want, rtol=1e-5, atol=1e-4)
+        else:
+            torch.testing.assert_close(kernel(x), x @ ref.T, rtol=1e-5, atol=1e-4)
+
+
+def test_quant_isa_can_be_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(quant.ISA_ENV, "generic")
+    assert quant.default_isa() == "generic"
+    monkeypatch.setenv(quant.ISA_ENV, "avx9000")
+    with pytest.raises(ValueError, match="this CPU runs"):
+        quant.default_isa()
 
 
 def test_attached_gguf_blocks_are_used_as_stored() -> None:

@@ -173,11 +173,16 @@ class QuantLinear(LinearKernel):
         self.bias = None if bias is None else bias.float().contiguous()
         self._nbytes = self.blocks.numel()
         self._code = quant.QTYPES[qtype]
-        self._isa = quant.ISAS[quant.default_isa()]
+        isa = quant.default_isa()
+        self._isa = quant.ISAS[isa]
         self._ext = quant.quant_extension()
         self._dense: torch.Tensor | None = None
+        self._panels: torch.Tensor | None = None
         if self._ext is None:
             self._dense = quant.dequantize_reference(self.blocks, qtype, in_features)
+        elif isa == "avx512vnni":  # int8 activations against 16-row panels, every batch size
+            self._panels = self._ext.repack_panels(self.blocks, self._code, in_features)
+            self._nbytes = self._panels.numel()
 
     def dequantize(self) -> torch.Tensor:
         """The weights as float32 [out, in] (bitwise gguf-py's dequantization)."""
@@ -187,6 +192,10 @@ class QuantLinear(LinearKernel):
         return self._ext.dequantize(self.blocks, self._code, self.in_features, self._isa)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._panels is not None:
+            assert self._ext is not None
+            return self._ext.quant_linear_panels(x, self._panels, self._code, self.out_features,
+                                                 self.bias)
         if self._dense is not None or x.shape[0] > self.SMALL_M:
             return F.linear(x, self.dequantize(), self.bias)
         assert self._ext is not None

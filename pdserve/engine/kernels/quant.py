@@ -28,18 +28,22 @@ from pdserve.engine.kernels import BUILD_WAIT_S, _build_root, _exclusive
 log = structlog.get_logger(__name__)
 _SOURCE = Path(__file__).with_name("quant_ops.cpp")
 DISABLE_ENV = "PDSERVE_DISABLE_QUANT_KERNELS"
+# Pin a narrower path than the CPU's widest, e.g. "avx512" for float32 activations on a VNNI CPU.
+ISA_ENV = "PDSERVE_QUANT_ISA"
 BLOCK = 32
 # Our codes (the C++ enum), the GGML type ids (gguf.GGMLQuantizationType) and bytes per block.
 QTYPES = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
 GGML_IDS = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
-ISAS = {"generic": 0, "avx2": 1, "avx512": 2}
+ISAS = {"generic": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3}
 
 
 def isa_for(info: CpuInfo) -> str:
-    """The widest vector path this CPU has (by its flags, never assumed)."""
+    """The widest vector path this CPU has (by its flags, never assumed). ``avx512vnni``
+    quantizes activations to int8 per block of 32 (llama.cpp's arithmetic; see quant_ops.cpp);
+    the others multiply float32 activations by the exactly dequantized weights."""
     if {"avx512f", "avx512bw", "avx2", "fma", "f16c"} <= info.flags:
-        return "avx512"
+        return "avx512vnni" if {"avx512vl", "avx512_vnni"} <= info.flags else "avx512"
     if {"avx2", "fma", "f16c"} <= info.flags:
         return "avx2"
     return "generic"
@@ -69,6 +73,38 @@ def dequantize_reference(blocks: torch.Tensor, qtype: str, in_features: int) -> 
     if qtype == "q4_1":
         return (d * q.float() + _halves(b[..., 2:4])).reshape(rows, in_features)
     return (d * (q.to(torch.int8) - 8).float()).reshape(rows, in_features)
+
+
+def quantize_activations_reference(
+        x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [m, k] float32 -> (qx int8 [m, nb, 32], dx [m, nb], sx [m, nb]): each block of 32
+    scaled to its max-abs (dx = max|x| / 127, qx = round(x / dx), ties to even) and
+    sx = dx * sum(qx), the avx512vnni path's activations (llama.cpp's Q8_1), bit for bit."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // BLOCK, BLOCK)
+    dx = xb.abs().amax(-1) / 127
+    inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
+    qx = torch.round(xb * inv[..., None]).clamp(-128, 127).to(torch.int8)
+    return qx, dx, dx * qx.sum(-1, dtype=torch.int32).float()
+
+
+def quant_linear_int8_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
+                                in_features: int) -> torch.Tensor:
+    """[m, out] float64: x @ W.T with x quantized as `quantize_activations_reference` does and
+    the per-block products exact (what the avx512vnni kernel computes, up to float32 sums)."""
+    qx, dx, sx = quantize_activations_reference(x)
+    w = dequantize_reference(blocks, qtype, in_features).double()
+    rows, nb = blocks.shape[0], in_features // BLOCK
+    b = blocks.view(rows, nb, BLOCK_BYTES[qtype])
+    d = _halves(b[..., 0:2])[..., 0].double()  # [rows, nb]
+    # w = d * u + c per block, so the codes are (w - c) / d; c as the kernel takes it
+    c = {"q4_0": -8 * d, "q8_0": torch.zeros_like(d)}.get(qtype)
+    if c is None:
+        c = _halves(b[..., 2:4])[..., 0].double()
+    wq = w.view(rows, nb, BLOCK)
+    codes = torch.where(d[..., None] != 0, (wq - c[..., None]) / d[..., None], 0).round()
+    dots = torch.einsum("jbk,ibk->ijb", codes, qx.double())  # exact integers
+    return (dots * d[None] * dx.double()[:, None]).sum(-1) + sx.double() @ c.T
 
 
 def quantize_reference(weight: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -117,4 +153,10 @@ def quant_extension() -> ModuleType | None:
 
 
 def default_isa() -> str:
-    return isa_for(cpu_info())
+    """The CPU's widest path, or the one `PDSERVE_QUANT_ISA` names (if this CPU can run it)."""
+    asked = os.environ.get(ISA_ENV)
+    if not asked:
+        return isa_for(cpu_info())
+    if asked not in available_isas(cpu_info()):
+        raise ValueError(f"{ISA_ENV}={asked}: this CPU runs {available_isas(cpu_info())}")
+    return asked
