@@ -63,13 +63,14 @@ def test_kernels_match_reference(ext, qtype: str, isa: str) -> None:  # type: ig
         torch.testing.assert_close(got.double(), want - bias.double(), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.skipif("avx512vnni" not in ISAS, reason="this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("isa", [i for i in quant.INT8_ACTIVATION_ISAS if i in ISAS])
 @pytest.mark.parametrize("qtype", FORMATS)
-def test_panels_match_the_int8_activation_reference(ext, qtype: str) -> None:  # type: ignore[no-untyped-def]
-    """16-row panels with int8 activations: the reference's exact per-block integer products,
-    up to float32 sums, at every batch size (odd rows: a partial last panel)."""
+def test_panels_match_the_int8_activation_reference(ext, qtype: str, isa: str) -> None:  # type: ignore[no-untyped-def]
+    """16-row panels with int8 activations (AVX2 and AVX-512 VNNI): the reference's exact
+    per-block integer products, up to float32 sums, at every batch size (odd rows: a partial
+    last panel)."""
     g = torch.Generator().manual_seed(4)
-    code = quant.QTYPES[qtype]
+    code, isa_code = quant.QTYPES[qtype], quant.ISAS[isa]
     for n, k in ((67, 320), (16, 96), (5, 64)):
         blocks = quant.quantize_reference(torch.randn(n, k, generator=g), qtype)
         panels = ext.repack_panels(blocks, code, k)
@@ -77,12 +78,13 @@ def test_panels_match_the_int8_activation_reference(ext, qtype: str) -> None:  #
         for m in (1, 2, 3, 5, 16, 33):
             x = torch.randn(m, k, generator=g) * 3
             want = quant.quant_linear_int8_reference(x, blocks, qtype, k)
-            got = ext.quant_linear_panels(x, panels, code, n, bias).double() - bias.double()
+            got = ext.quant_linear_panels(x, panels, code, n, isa_code, bias).double()
+            got -= bias.double()
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
         # and the activations' rounding is the whole of the difference from float
         x = torch.randn(8, k, generator=g)
         exact = x.double() @ quant.dequantize_reference(blocks, qtype, k).double().T
-        got = ext.quant_linear_panels(x, panels, code, n, None).double()
+        got = ext.quant_linear_panels(x, panels, code, n, isa_code, None).double()
         assert (got - exact).norm() / exact.norm() < 0.02
 
 
@@ -97,9 +99,9 @@ def test_activation_quantization_is_llama_cpp_q8() -> None:
 
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_quant_linear_small_and_large_batches(qtype: str) -> None:
-    """Decode batches through the kernel, prefill batches through the fp32 GEMM (or, on a VNNI
-    CPU, every batch through the panels): each equals its reference; fused projections
-    concatenate their rows."""
+    """Decode batches through the kernel, prefill batches through the fp32 GEMM (or, on a path
+    with int8 activations, every batch through the panels): each equals its reference; fused
+    projections concatenate their rows."""
     g = torch.Generator().manual_seed(3)
     w1, w2 = torch.randn(64, 128, generator=g), torch.randn(32, 128, generator=g)
     kernel = pack_linear([w1, w2], [None, None], weight_format=qtype)
@@ -107,7 +109,8 @@ def test_quant_linear_small_and_large_batches(qtype: str) -> None:
     parts = [quant.quantize_reference(w, qtype) for w in (w1, w2)]
     ref = torch.cat([quant.dequantize_reference(b, qtype, 128) for b in parts])
     assert torch.equal(kernel.dequantize(), ref)
-    int8_activations = quant.default_isa() == "avx512vnni" and quant.quant_extension() is not None
+    int8_activations = (quant.default_isa() in quant.INT8_ACTIVATION_ISAS
+                        and quant.quant_extension() is not None)
     for m in (1, 7, QuantLinear.SMALL_M + 1, 100):
         x = torch.randn(m, 128, generator=g)
         if int8_activations:

@@ -23,11 +23,15 @@ Formats (`pack_linear`, picked by `EngineConfig.dtype`):
   weights are expanded to float32 and go through the fp32 GEMM, so int8 prefill is never slower
   than float32's (and exact weight-only int8 arithmetic).
 - ``q4_0`` / ``q4_1`` / ``q8_0``: GGUF's own 32-weight blocks (4.5-8.5 bits per weight), kept as
-  blocks and multiplied by the extension in kernels/quant_ops.cpp (AVX-512 or AVX2 picked from
-  the detected CPU flags); float32 activations. A weight carrying blocks read from the model's
-  GGUF (`attach_gguf_blocks`) is used as stored when they are of the requested type or Q8_0;
-  any other weight is quantized at load with gguf-py's quantizer. Large batches (prefill) are
-  expanded to float32 and use the fp32 GEMM.
+  blocks and multiplied by the extension in kernels/quant_ops.cpp (the path picked from the
+  detected CPU flags). A weight carrying blocks read from the model's GGUF
+  (`attach_gguf_blocks`) is used as stored when they are of the requested type or Q8_0; any
+  other weight is quantized at load with gguf-py's quantizer. On a CPU with AVX-512 VNNI the
+  blocks are also repacked at load into 16-row panels and every batch, prefill included, runs
+  with activations rounded to int8 per block of 32 (llama.cpp's arithmetic, 3-5x the float
+  kernels' speed; agreement in docs/BENCHMARKS.md). Elsewhere, or with
+  ``PDSERVE_QUANT_ISA=avx512``, activations stay float32 (the weights exactly as dequantized)
+  and large batches (prefill) are expanded to float32 for the fp32 GEMM.
 """
 
 from __future__ import annotations
@@ -180,7 +184,7 @@ class QuantLinear(LinearKernel):
         self._panels: torch.Tensor | None = None
         if self._ext is None:
             self._dense = quant.dequantize_reference(self.blocks, qtype, in_features)
-        elif isa == "avx512vnni":  # int8 activations against 16-row panels, every batch size
+        elif isa in quant.INT8_ACTIVATION_ISAS:  # int8 activations, 16-row panels, any batch
             self._panels = self._ext.repack_panels(self.blocks, self._code, in_features)
             self._nbytes = self._panels.numel()
 
@@ -195,7 +199,7 @@ class QuantLinear(LinearKernel):
         if self._panels is not None:
             assert self._ext is not None
             return self._ext.quant_linear_panels(x, self._panels, self._code, self.out_features,
-                                                 self.bias)
+                                                 self._isa, self.bias)
         if self._dense is not None or x.shape[0] > self.SMALL_M:
             return F.linear(x, self.dequantize(), self.bias)
         assert self._ext is not None

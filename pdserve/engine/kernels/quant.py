@@ -35,17 +35,21 @@ BLOCK = 32
 QTYPES = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
 GGML_IDS = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
-ISAS = {"generic": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3}
+# Narrowest first. avx2_int8 and avx512vnni round activations to int8 (panels); the rest keep
+# them float32.
+ISAS = {"generic": 0, "avx2": 1, "avx2_int8": 4, "avx512": 2, "avx512vnni": 3}
+INT8_ACTIVATION_ISAS = ("avx2_int8", "avx512vnni")
 
 
 def isa_for(info: CpuInfo) -> str:
-    """The widest vector path this CPU has (by its flags, never assumed). ``avx512vnni``
-    quantizes activations to int8 per block of 32 (llama.cpp's arithmetic; see quant_ops.cpp);
-    the others multiply float32 activations by the exactly dequantized weights."""
+    """The widest vector path this CPU has (by its flags, never assumed). ``avx512vnni`` and
+    ``avx2_int8`` round activations to int8 per block of 32 (llama.cpp's arithmetic; see
+    quant_ops.cpp); the others multiply float32 activations by the exactly dequantized
+    weights."""
     if {"avx512f", "avx512bw", "avx2", "fma", "f16c"} <= info.flags:
         return "avx512vnni" if {"avx512vl", "avx512_vnni"} <= info.flags else "avx512"
     if {"avx2", "fma", "f16c"} <= info.flags:
-        return "avx2"
+        return "avx2_int8"
     return "generic"
 
 

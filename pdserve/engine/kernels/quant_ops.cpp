@@ -24,7 +24,12 @@
 namespace {
 
 enum QType : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
-enum Isa : int64_t { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
+// kAvx2Int8 and kAvx512Vnni are the int8-activation panel paths; for the float kernels they mean
+// kAvx2 and kAvx512.
+enum Isa : int64_t { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx2Int8 = 4 };
+inline int64_t float_isa(int64_t isa) {
+  return isa == kAvx512Vnni ? kAvx512 : (isa == kAvx2Int8 ? kAvx2 : isa);
+}
 constexpr int64_t kBlock = 32;
 
 int64_t block_bytes(int64_t qtype) {
@@ -304,6 +309,46 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_rows_avx512(
   }
 }
 
+// quantize_rows_avx512 with AVX2: the same arithmetic (RNE conversion, saturating packs).
+__attribute__((target("avx2,fma"))) void quantize_rows_avx2(const float* x, int64_t m, int64_t k,
+                                                            int8_t* qx, float* dx, float* sx) {
+  const int64_t nb = k / kBlock;
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + i * k + b * kBlock;
+      __m256 v[4];
+      __m256 mx = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(xb + 8 * j);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      const float d = _mm_cvtss_f32(h) / 127.f;
+      const float id = d != 0.f ? 1.f / d : 0.f;
+      __m256i q[4];
+      __m256i total = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(id)));
+        total = _mm256_add_epi32(total, q[j]);
+      }
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                           _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qx + (i * nb + b) * kBlock),
+                          _mm256_permutevar8x32_epi32(p, order));
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+      t = _mm_hadd_epi32(t, t);
+      t = _mm_hadd_epi32(t, t);
+      dx[i * nb + b] = d;
+      sx[i * nb + b] = d * static_cast<float>(_mm_cvtsi128_si32(t));
+    }
+  }
+}
+
+
 // Rows [begin, end) of a single-row GEMV, kRows at a time, then one by one.
 constexpr int kRows = 4;
 
@@ -317,7 +362,7 @@ void gemv_rows(int64_t begin, int64_t end, Group group, One one) {
 
 void dequant_row(const uint8_t* row, int64_t nb, int64_t qtype, float* out, int64_t isa) {
 #ifdef PDS_X86
-  if (isa >= kAvx512) return dequant_row_avx512(row, nb, qtype, out);
+  if (isa == kAvx512) return dequant_row_avx512(row, nb, qtype, out);
   if (isa == kAvx2) return dequant_row_avx2(row, nb, qtype, out);
 #endif
   dequant_row_generic(row, nb, qtype, out);
@@ -325,7 +370,7 @@ void dequant_row(const uint8_t* row, int64_t nb, int64_t qtype, float* out, int6
 
 float dot(const float* w, const float* x, int64_t k, int64_t isa) {
 #ifdef PDS_X86
-  if (isa >= kAvx512) return dot_avx512(w, x, k);
+  if (isa == kAvx512) return dot_avx512(w, x, k);
   if (isa == kAvx2) return dot_avx2(w, x, k);
 #endif
   return dot_generic(w, x, k);
@@ -390,10 +435,11 @@ torch::Tensor repack_panels(const torch::Tensor& blocks, int64_t qtype, int64_t 
 template <int MI, int64_t QT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c"))) void panel_tile(
     const uint8_t* panel, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
-    int64_t ld, int64_t lds, float* out, int64_t ldo, __mmask16 rows) {
+    int64_t ld, int64_t lds, float* out, int64_t ldo, int64_t rows) {
   constexpr bool Q8 = QT == kQ8_0;
   constexpr int64_t code = Q8 ? 512 : 256, pbb = code + 64;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
   __m512 facc[MI];
   for (int i = 0; i < MI; ++i) facc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -429,25 +475,94 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c"))) void pa
       facc[i] = _mm512_fmadd_ps(cw, _mm512_set1_ps(sx[i * lds + b]), facc[i]);
     }
   }
-  for (int i = 0; i < MI; ++i) _mm512_mask_storeu_ps(out + i * ldo, rows, facc[i]);
+  for (int i = 0; i < MI; ++i) _mm512_mask_storeu_ps(out + i * ldo, mask, facc[i]);
 }
 
-template <int64_t QT>
+// The same panels with AVX2 (no VNNI): each 16-row panel as two halves of eight rows, the byte
+// products by VPMADDUBSW (u8 x s8 -> pairs summed to int16) and VPMADDWD. Q4 codes (<= 15)
+// times |qx| <= 127 cannot saturate int16, even summed over a block's eight quads; Q8_0 codes
+// go in as |q| against qx carrying q's sign (llama.cpp's trick: 128 * 127 * 2 fits), so its sum
+// is the signed one and needs no offset term.
+template <int MI, int64_t QT>
+__attribute__((target("avx2,fma,f16c"))) void panel_tile_avx2(
+    const uint8_t* panel, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
+    int64_t ld, int64_t lds, float* out, int64_t ldo, int64_t rows) {
+  constexpr bool Q8 = QT == kQ8_0;
+  constexpr int64_t code = Q8 ? 512 : 256, pbb = code + 64;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t half = 0; half < 2 && 8 * half < rows; ++half) {
+    __m256 facc[MI];
+    for (int i = 0; i < MI; ++i) facc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = panel + b * pbb + 32 * half;
+      __m256i w[8];
+      if constexpr (Q8) {  // back to signed q
+        for (int q = 0; q < 8; ++q)
+          w[q] = _mm256_xor_si256(
+              _mm256_load_si256(reinterpret_cast<const __m256i*>(blk + 64 * q)), flip);
+      } else {
+        for (int q = 0; q < 4; ++q) {
+          const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(blk + 64 * q));
+          w[q] = _mm256_and_si256(v, low4);
+          w[q + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+      }
+      const uint8_t* scales = panel + b * pbb + code + 16 * half;
+      const __m256 dw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(scales)));
+      const __m256 cw =
+          QT == kQ4_1 ? _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(scales + 32)))
+                      : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
+      for (int i = 0; i < MI; ++i) {
+        const int32_t* xq = reinterpret_cast<const int32_t*>(qx + i * ld + b * kBlock);
+        __m256i acc;
+        if constexpr (Q8) {
+          acc = _mm256_setzero_si256();
+          for (int q = 0; q < 8; ++q) {
+            const __m256i xb = _mm256_set1_epi32(xq[q]);
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                _mm256_abs_epi8(w[q]), _mm256_sign_epi8(xb, w[q])), ones));
+          }
+        } else {
+          __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xq[0]));
+          for (int q = 1; q < 8; ++q)
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[q], _mm256_set1_epi32(xq[q])));
+          acc = _mm256_madd_epi16(s16, ones);
+        }
+        facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc),
+                                  _mm256_mul_ps(dw, _mm256_set1_ps(dx[i * lds + b])), facc[i]);
+        if constexpr (!Q8) facc[i] = _mm256_fmadd_ps(cw, _mm256_set1_ps(sx[i * lds + b]), facc[i]);
+      }
+    }
+    const int64_t n8 = std::min<int64_t>(8, rows - 8 * half);
+    for (int i = 0; i < MI; ++i) {
+      alignas(32) float t[8];
+      _mm256_store_ps(t, facc[i]);
+      std::memcpy(out + i * ldo + 8 * half, t, n8 * sizeof(float));
+    }
+  }
+}
+
+template <int64_t QT, bool Vnni>
 void panel_rows(int mi, const uint8_t* panel, int64_t nb, const int8_t* qx, const float* dx,
                 const float* sx, int64_t ld, int64_t lds, float* out, int64_t ldo,
-                __mmask16 rows) {
+                int64_t rows) {
+  const auto tile = [&](auto vnni_tile, auto avx2_tile) {
+    if constexpr (Vnni) vnni_tile(panel, nb, qx, dx, sx, ld, lds, out, ldo, rows);
+    else avx2_tile(panel, nb, qx, dx, sx, ld, lds, out, ldo, rows);
+  };
   switch (mi) {
-    case 4: return panel_tile<4, QT>(panel, nb, qx, dx, sx, ld, lds, out, ldo, rows);
-    case 3: return panel_tile<3, QT>(panel, nb, qx, dx, sx, ld, lds, out, ldo, rows);
-    case 2: return panel_tile<2, QT>(panel, nb, qx, dx, sx, ld, lds, out, ldo, rows);
-    default: return panel_tile<1, QT>(panel, nb, qx, dx, sx, ld, lds, out, ldo, rows);
+    case 4: return tile(panel_tile<4, QT>, panel_tile_avx2<4, QT>);
+    case 3: return tile(panel_tile<3, QT>, panel_tile_avx2<3, QT>);
+    case 2: return tile(panel_tile<2, QT>, panel_tile_avx2<2, QT>);
+    default: return tile(panel_tile<1, QT>, panel_tile_avx2<1, QT>);
   }
 }
 #endif
 
 // y [M, N] = x @ W.T (+ bias) with W as `repack_panels` laid it out, int8 activations.
 torch::Tensor quant_linear_panels(const torch::Tensor& x, const torch::Tensor& panels,
-                                  int64_t qtype, int64_t n,
+                                  int64_t qtype, int64_t n, int64_t isa,
                                   const c10::optional<torch::Tensor>& bias) {
 #ifdef PDS_X86
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
@@ -458,13 +573,16 @@ torch::Tensor quant_linear_panels(const torch::Tensor& x, const torch::Tensor& p
                   panels.size(1) == nb * panel_block_bytes(qtype),
               "panels do not match x and n");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(panels.data_ptr()) % 64 == 0, "panels not aligned");
+  TORCH_CHECK(isa == kAvx512Vnni || isa == kAvx2Int8, "panels run on avx512vnni or avx2_int8");
+  const bool vnni = isa == kAvx512Vnni;
   auto y = torch::empty({m, n}, torch::kFloat32);
   std::vector<int8_t> qx(m * k);
   std::vector<float> dx(m * nb), sx(m * nb);
   const float* xp = xc.data_ptr<float>();
   at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
-    quantize_rows_avx512(xp + begin * k, end - begin, k, qx.data() + begin * k,
-                         dx.data() + begin * nb, sx.data() + begin * nb);
+    (vnni ? quantize_rows_avx512 : quantize_rows_avx2)(
+        xp + begin * k, end - begin, k, qx.data() + begin * k, dx.data() + begin * nb,
+        sx.data() + begin * nb);
   });
   torch::Tensor bc;
   const float* bp = nullptr;
@@ -479,14 +597,17 @@ torch::Tensor quant_linear_panels(const torch::Tensor& x, const torch::Tensor& p
   at::parallel_for(0, panels.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t r = p * kPanel, rows = std::min<int64_t>(kPanel, n - r);
-      const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
+      const auto rows_fn =
+          vnni ? (qtype == kQ8_0   ? panel_rows<kQ8_0, true>
+                  : qtype == kQ4_1 ? panel_rows<kQ4_1, true>
+                                   : panel_rows<kQ4_0, true>)
+               : (qtype == kQ8_0   ? panel_rows<kQ8_0, false>
+                  : qtype == kQ4_1 ? panel_rows<kQ4_1, false>
+                                   : panel_rows<kQ4_0, false>);
       for (int64_t i = 0; i < m; i += 4) {
         const int mi = static_cast<int>(std::min<int64_t>(4, m - i));
-        const auto rows_fn = qtype == kQ8_0   ? panel_rows<kQ8_0>
-                             : qtype == kQ4_1 ? panel_rows<kQ4_1>
-                                              : panel_rows<kQ4_0>;
         rows_fn(mi, pp + p * pstride, nb, qx.data() + i * k, dx.data() + i * nb,
-                sx.data() + i * nb, k, nb, yp + i * n + r, n, mask);
+                sx.data() + i * nb, k, nb, yp + i * n + r, n, rows);
       }
       if (bp)
         for (int64_t a = 0; a < m; ++a)
@@ -495,12 +616,13 @@ torch::Tensor quant_linear_panels(const torch::Tensor& x, const torch::Tensor& p
   });
   return y;
 #else
-  TORCH_CHECK(false, "panels need an x86-64 CPU with AVX-512 VNNI");
+  TORCH_CHECK(false, "panels need an x86-64 CPU (AVX2 or AVX-512 VNNI)");
 #endif
 }
 
 // [N, K] float32: the weights exactly as gguf-py's dequantize gives them.
 torch::Tensor dequantize(const torch::Tensor& blocks, int64_t qtype, int64_t k, int64_t isa) {
+  isa = float_isa(isa);
   check_blocks(blocks, qtype, k);
   const int64_t n = blocks.size(0), nb = k / kBlock, bpr = blocks.size(1);
   auto out = torch::empty({n, k}, torch::kFloat32);
@@ -516,6 +638,7 @@ torch::Tensor dequantize(const torch::Tensor& blocks, int64_t qtype, int64_t k, 
 // large M through `dequantize` and a float GEMM.
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t qtype,
                            int64_t isa, const c10::optional<torch::Tensor>& bias) {
+  isa = float_isa(isa);
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
   const auto xc = x.contiguous();
   const int64_t m = xc.size(0), k = xc.size(1);
@@ -533,7 +656,7 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& blocks, 
     bp = bc.data_ptr<float>();
   }
 #ifdef PDS_X86
-  if (m == 1 && qtype == kQ8_0 && isa >= kAvx512) {
+  if (m == 1 && qtype == kQ8_0 && isa == kAvx512) {
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
       gemv_rows(
           begin, end, [&](int64_t r) { gemv_q8_0_avx512<kRows>(src + r * bpr, bpr, nb, xp, yp + r); },
@@ -542,7 +665,7 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& blocks, 
     });
     return y;
   }
-  if (m == 1 && isa >= kAvx512) {  // Q4_0, Q4_1
+  if (m == 1 && isa == kAvx512) {  // Q4_0, Q4_1
     std::vector<float> xsum(nb);
     for (int64_t b = 0; b < nb; ++b) {
       float s = 0.f;
@@ -559,7 +682,7 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& blocks, 
     });
     return y;
   }
-  if (isa >= kAvx512) {  // small batches: four weight rows at a time against four of x
+  if (isa == kAvx512) {  // small batches: four weight rows at a time against four of x
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
       std::vector<float> w(4 * k);
       for (int64_t r = begin; r < end; r += 4) {
