@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import mmap
+import os
 
 import torch
 
@@ -27,6 +30,29 @@ def kv_layout(model: ModelConfig, config: EngineConfig, model_id: str) -> KVLayo
     return layout
 
 
+def kv_pool_tensor(shape: tuple[int, ...], dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+    """A zeroed pool. On a Linux CPU it lives in its own anonymous mapping marked for
+    transparent huge pages (where the kernel's THP mode is "madvise", the common default): a
+    decode step reads every sequence's blocks scattered through the pool, and with 4 KiB pages
+    each block's rows cost TLB misses. Faulted in here, not during the first steps.
+    ``PDSERVE_NO_KV_HUGEPAGES=1``: plain torch.zeros."""
+    if (device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE")
+            or os.environ.get("PDSERVE_NO_KV_HUGEPAGES") == "1"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    # private and anonymous (shared memory has its own THP setting, usually off): zero-filled,
+    # and kept alive by the tensor made over it
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # THP unavailable: 4 KiB pages, as torch.zeros would give
+        pass
+    pool = torch.frombuffer(region, dtype=dtype, count=math.prod(shape)).view(shape)
+    pool.zero_()  # touch every page now
+    return pool
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
                  model_id: str):
@@ -36,8 +62,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.layout = kv_layout(model_config, config, model_id)
         # One contiguous allocation for the whole pool: kvxfer addresses it by byte range.
-        self.kv_pool = torch.zeros(self.layout.shape, dtype=_DTYPES[self.layout.dtype],
-                                   device=self.device)
+        self.kv_pool = kv_pool_tensor(self.layout.shape, _DTYPES[self.layout.dtype], self.device)
         self.use_flash = HAVE_FLASH_ATTN and self.device.type == "cuda"
 
     def _metadata(self, pieces: list[ScheduledSeq], decodes: list[ScheduledSeq]) -> tuple[
