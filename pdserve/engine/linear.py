@@ -26,12 +26,12 @@ Formats (`pack_linear`, picked by `EngineConfig.dtype`):
   blocks and multiplied by the extension in kernels/quant_ops.cpp (the path picked from the
   detected CPU flags). A weight carrying blocks read from the model's GGUF
   (`attach_gguf_blocks`) is used as stored when they are of the requested type or Q8_0; any
-  other weight is quantized at load with gguf-py's quantizer. On a CPU with AVX-512 VNNI the
-  blocks are also repacked at load into 16-row panels and every batch, prefill included, runs
-  with activations rounded to int8 per block of 32 (llama.cpp's arithmetic, 3-5x the float
-  kernels' speed; agreement in docs/BENCHMARKS.md). Elsewhere, or with
-  ``PDSERVE_QUANT_ISA=avx512``, activations stay float32 (the weights exactly as dequantized)
-  and large batches (prefill) are expanded to float32 for the fp32 GEMM.
+  other weight is quantized at load with gguf-py's quantizer. On a CPU with AVX2 or AVX-512
+  VNNI the blocks are also repacked at load into 16-row panels and every batch, prefill
+  included, runs with activations rounded to int8 per block of 32 (llama.cpp's arithmetic,
+  2-3x the float kernels' speed; agreement in docs/BENCHMARKS.md). Without AVX2, or with
+  ``PDSERVE_QUANT_ISA=avx512`` (``avx2``), activations stay float32 (the weights exactly as
+  dequantized) and large batches (prefill) are expanded to float32 for the fp32 GEMM.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def quantize_activations_reference(
         x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [m, k] float32 -> (qx int8 [m, nb, 32], dx [m, nb], sx [m, nb]): each block of 32
     scaled to its max-abs (dx = max|x| / 127, qx = round(x / dx), ties to even) and
-    sx = dx * sum(qx), the avx512vnni path's activations (llama.cpp's Q8_1), bit for bit."""
+    sx = dx * sum(qx): the int8-activation paths' activations (llama.cpp's Q8_1), bit for bit."""
     m, k = x.shape
     xb = x.float().reshape(m, k // BLOCK, BLOCK)
     dx = xb.abs().amax(-1) / 127
@@ -95,7 +95,7 @@ def quantize_activations_reference(
 def quant_linear_int8_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
                                 in_features: int) -> torch.Tensor:
     """[m, out] float64: x @ W.T with x quantized as `quantize_activations_reference` does and
-    the per-block products exact (what the avx512vnni kernel computes, up to float32 sums)."""
+    the per-block products exact (what the panel kernels compute, up to float32 sums)."""
     qx, dx, sx = quantize_activations_reference(x)
     w = dequantize_reference(blocks, qtype, in_features).double()
     rows, nb = blocks.shape[0], in_features // BLOCK

@@ -7,6 +7,11 @@
 // -ffp-contract=off), then dotted with every activation row. The vector ISA is chosen at run
 // time by the caller (from /proc/cpuinfo, see engine/cpu.py): each path is compiled with its
 // own target attribute, so one build serves any x86-64 and nothing is assumed.
+//
+// On AVX2 and AVX-512 VNNI the caller instead repacks the blocks once into 16-row panels
+// (`repack_panels`) and multiplies with int8 activations (`quant_linear_panels`, llama.cpp's
+// arithmetic; see "int8 activations" below). The float path stays for other CPUs and for
+// callers that pin it (PDSERVE_QUANT_ISA).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
