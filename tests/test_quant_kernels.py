@@ -81,6 +81,7 @@ def test_panels_match_the_int8_activation_reference(ext, qtype: str, isa: str) -
             got = ext.quant_linear_panels(x, panels, code, n, isa_code, bias).double()
             got -= bias.double()
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        assert torch.equal(ext.panels_to_blocks(panels, code, n, k), blocks)
         # and the activations' rounding is the whole of the difference from float
         x = torch.randn(8, k, generator=g)
         exact = x.double() @ quant.dequantize_reference(blocks, qtype, k).double().T

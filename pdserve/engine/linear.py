@@ -172,10 +172,10 @@ class QuantLinear(LinearKernel):
         from pdserve.engine.kernels import quant
 
         self.qtype, self.in_features = qtype, in_features
-        self.blocks = blocks.contiguous()
+        self._blocks: torch.Tensor | None = blocks.contiguous()
         self.out_features = blocks.shape[0]
         self.bias = None if bias is None else bias.float().contiguous()
-        self._nbytes = self.blocks.numel()
+        self._nbytes = blocks.numel()
         self._code = quant.QTYPES[qtype]
         isa = quant.default_isa()
         self._isa = quant.ISAS[isa]
@@ -183,10 +183,20 @@ class QuantLinear(LinearKernel):
         self._dense: torch.Tensor | None = None
         self._panels: torch.Tensor | None = None
         if self._ext is None:
-            self._dense = quant.dequantize_reference(self.blocks, qtype, in_features)
+            self._dense = quant.dequantize_reference(blocks, qtype, in_features)
         elif isa in quant.INT8_ACTIVATION_ISAS:  # int8 activations, 16-row panels, any batch
-            self._panels = self._ext.repack_panels(self.blocks, self._code, in_features)
+            self._panels = self._ext.repack_panels(self._blocks, self._code, in_features)
             self._nbytes = self._panels.numel()
+            self._blocks = None  # the panels hold the same bytes: keep one copy
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """The GGUF blocks [out_features, bytes] (rebuilt from the panels where those are kept)."""
+        if self._blocks is not None:
+            return self._blocks
+        assert self._ext is not None and self._panels is not None
+        return self._ext.panels_to_blocks(self._panels, self._code, self.out_features,
+                                          self.in_features)
 
     def dequantize(self) -> torch.Tensor:
         """The weights as float32 [out, in] (bitwise gguf-py's dequantization)."""
@@ -217,6 +227,13 @@ def attach_gguf_blocks(weight: torch.Tensor, qtype: str, blocks: torch.Tensor) -
     """Mark a (float) weight with the GGUF blocks it was dequantized from, so `pack_linear`
     for a quantized format uses the stored blocks instead of quantizing again."""
     setattr(weight, _GGUF_ATTR, (qtype, blocks))
+
+
+def detach_gguf_blocks(weight: torch.Tensor) -> None:
+    """Drop what `attach_gguf_blocks` marked (once the kernels are packed they hold their own;
+    a weight kept in float, such as an embedding tied to the head, would keep them alive)."""
+    if hasattr(weight, _GGUF_ATTR):
+        delattr(weight, _GGUF_ATTR)
 
 
 def _quant_blocks(weight: torch.Tensor, weight_format: str) -> tuple[str, torch.Tensor]:

@@ -434,6 +434,36 @@ torch::Tensor repack_panels(const torch::Tensor& blocks, int64_t qtype, int64_t 
   return out;
 }
 
+// The GGUF blocks back from their panels, byte for byte (the panels are all a layer keeps).
+torch::Tensor panels_to_blocks(const torch::Tensor& panels, int64_t qtype, int64_t n,
+                               int64_t k) {
+  const int64_t nb = k / kBlock, pbb = panel_block_bytes(qtype), bb = block_bytes(qtype);
+  TORCH_CHECK(k % kBlock == 0 && panels.dtype() == torch::kUInt8 && panels.is_contiguous() &&
+                  panels.size(0) == (n + kPanel - 1) / kPanel && panels.size(1) == nb * pbb,
+              "panels do not match n and k");
+  auto out = torch::empty({n, nb * bb}, torch::kUInt8);
+  const uint8_t* src = panels.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t qoff = qtype == kQ4_1 ? 4 : 2, code = panel_code_bytes(qtype);
+  at::parallel_for(0, n, kPanel, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t p = row / kPanel, r = row % kPanel;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* o = src + p * nb * pbb + b * pbb;
+        uint8_t* blk = dst + row * nb * bb + b * bb;
+        std::memcpy(blk, o + code + 2 * r, 2);
+        if (qtype == kQ4_1) std::memcpy(blk + 2, o + code + 32 + 2 * r, 2);
+        for (int64_t q = 0; q < code / 64; ++q)
+          for (int t = 0; t < 4; ++t) {
+            const uint8_t v = o[q * 64 + r * 4 + t];
+            blk[qoff + 4 * q + t] = qtype == kQ8_0 ? static_cast<uint8_t>(v ^ 0x80) : v;
+          }
+      }
+    }
+  });
+  return out;
+}
+
 #ifdef PDS_X86
 // y[i][16 rows] for MI rows of x against one panel. Two integer accumulators per row of x halve
 // the chain of dependent VPDPBUSDs (the one-row decode case is latency-bound otherwise).
@@ -726,6 +756,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("dequantize", &dequantize, "GGUF blocks -> float32 weights");
   mod.def("quant_linear", &quant_linear, "x @ W.T (+ bias) with W in GGUF blocks");
   mod.def("repack_panels", &repack_panels, "GGUF blocks -> 16-row panels for quant_linear_panels");
+  mod.def("panels_to_blocks", &panels_to_blocks, "16-row panels -> the GGUF blocks they hold");
   mod.def("quant_linear_panels", &quant_linear_panels,
           "x @ W.T (+ bias) with W in panels, int8 activations (AVX-512 VNNI)");
 }

@@ -19,7 +19,7 @@ from torch import nn
 from pdserve.engine.attention import AttentionMetadata, paged_attention
 from pdserve.engine.config import ModelConfig, RopeScaling
 from pdserve.engine.kernels import TorchKernels, kernels_for
-from pdserve.engine.linear import LinearKernel, pack_linear
+from pdserve.engine.linear import LinearKernel, detach_gguf_blocks, pack_linear
 
 
 class RMSNorm(nn.Module):
@@ -213,6 +213,8 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.pack(weight_format)
         self.head = pack_linear([self.lm_head.weight], [None], weight_format=weight_format)
         del self.lm_head
+        for param in self.parameters():  # the kernels hold their own copies now
+            detach_gguf_blocks(param)
         layers = self.model.layers
         self._steps = [_LayerStep(
             attn=layer.self_attn, mlp=layer.mlp,
