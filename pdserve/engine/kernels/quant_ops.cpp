@@ -404,8 +404,8 @@ constexpr int64_t kGrain = 16;
 // llama.cpp repacks its CPU weights), so a block of x is broadcast four bytes at a time against
 // sixteen rows and the float work per block is one scale per sixteen rows, not per row.
 constexpr int64_t kPanel = 16;
-inline int64_t panel_code_bytes(int64_t qtype) { return qtype == kQ8_0 ? 512 : 256; }
-inline int64_t panel_block_bytes(int64_t qtype) { return panel_code_bytes(qtype) + 64; }
+constexpr int64_t panel_code_bytes(int64_t qtype) { return qtype == kQ8_0 ? 512 : 256; }
+constexpr int64_t panel_block_bytes(int64_t qtype) { return panel_code_bytes(qtype) + 64; }
 
 torch::Tensor repack_panels(const torch::Tensor& blocks, int64_t qtype, int64_t k) {
   check_blocks(blocks, qtype, k);
@@ -472,7 +472,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c"))) void pa
     const uint8_t* panel, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
     int64_t ld, int64_t lds, float* out, int64_t ldo, int64_t rows) {
   constexpr bool Q8 = QT == kQ8_0;
-  constexpr int64_t code = Q8 ? 512 : 256, pbb = code + 64;
+  constexpr int64_t code = panel_code_bytes(QT), pbb = panel_block_bytes(QT);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
   __m512 facc[MI];
@@ -523,7 +523,7 @@ __attribute__((target("avx2,fma,f16c"))) void panel_tile_avx2(
     const uint8_t* panel, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
     int64_t ld, int64_t lds, float* out, int64_t ldo, int64_t rows) {
   constexpr bool Q8 = QT == kQ8_0;
-  constexpr int64_t code = Q8 ? 512 : 256, pbb = code + 64;
+  constexpr int64_t code = panel_code_bytes(QT), pbb = panel_block_bytes(QT);
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t half = 0; half < 2 && 8 * half < rows; ++half) {
