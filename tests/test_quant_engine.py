@@ -2,7 +2,7 @@
 
 The default model's float32 checkpoint is the dequantization of its Q4_1 GGUF, so q4_1 with float
 activations runs the very same weights in another summation order: agreement with float32 must be
-near total. On an AVX-512 VNNI CPU the default path also rounds activations to 8 bits.
+near total. On AVX2 and AVX-512 VNNI CPUs the default path also rounds activations to 8 bits.
 q8_0 requantizes those 4-bit weights to 8 bits (the GGUF's Q8_0 embedding is kept as stored).
 """
 
