@@ -40,11 +40,10 @@ def test_quantized_formats_stay_close_to_float32(model_dir: Path, activations: s
     """With float32 activations (the dequantized weights exactly), and with int8 activations
     (the panels, llama.cpp's arithmetic: bounds from bench.quality's measurement)."""
     widest = quant.isa_for(cpu_info())
-    floats = {"avx512vnni": "avx512", "avx2_int8": "avx2"}
     if activations == "int8" and widest not in quant.INT8_ACTIVATION_ISAS:
         pytest.skip("this CPU has no int8-activation path")
     monkeypatch.setenv(quant.ISA_ENV, widest if activations == "int8"
-                       else floats.get(widest, widest))
+                       else quant.FLOAT_PATH_OF.get(widest, widest))
     ref, q41, q80 = measure(model_dir, ["q4_1", "q8_0"], n_prompts=4, tokens=16,
                             ppl_window=256)
     exact = activations == "float32"

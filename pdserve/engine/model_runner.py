@@ -40,15 +40,16 @@ def kv_pool_tensor(shape: tuple[int, ...], dtype: torch.dtype,
     if (device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE")
             or os.environ.get("PDSERVE_NO_KV_HUGEPAGES") == "1"):
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    count = math.prod(shape)
     # private and anonymous (shared memory has its own THP setting, usually off): zero-filled,
     # and kept alive by the tensor made over it
-    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region = mmap.mmap(-1, max(count * dtype.itemsize, 1),
+                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         region.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # THP unavailable: 4 KiB pages, as torch.zeros would give
         pass
-    pool = torch.frombuffer(region, dtype=dtype, count=math.prod(shape)).view(shape)
+    pool = torch.frombuffer(region, dtype=dtype, count=count).view(shape)
     pool.zero_()  # touch every page now
     return pool
 

@@ -38,7 +38,9 @@ BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 # Narrowest first. avx2_int8 and avx512vnni round activations to int8 (panels); the rest keep
 # them float32.
 ISAS = {"generic": 0, "avx2": 1, "avx2_int8": 4, "avx512": 2, "avx512vnni": 3}
-INT8_ACTIVATION_ISAS = ("avx2_int8", "avx512vnni")
+# Each int8-activation path and the float-activation path of the same ISA.
+FLOAT_PATH_OF = {"avx2_int8": "avx2", "avx512vnni": "avx512"}
+INT8_ACTIVATION_ISAS = tuple(FLOAT_PATH_OF)
 
 
 def isa_for(info: CpuInfo) -> str:

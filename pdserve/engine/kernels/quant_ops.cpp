@@ -46,6 +46,9 @@ int64_t block_bytes(int64_t qtype) {
   TORCH_CHECK(false, "unknown quant type ", qtype);
 }
 
+// Where a block's codes start (after d, and Q4_1's m).
+inline int64_t codes_offset(int64_t qtype) { return qtype == kQ4_1 ? 4 : 2; }
+
 inline float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -106,7 +109,7 @@ __attribute__((target("avx2,fma,f16c"))) void dequant_row_avx2(const uint8_t* ro
       }
       continue;
     }
-    const uint8_t* qs = blk + (qtype == kQ4_1 ? 4 : 2);
+    const uint8_t* qs = blk + codes_offset(qtype);
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
     __m128i lo = _mm_and_si128(q, low4);
     __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
@@ -165,7 +168,7 @@ __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void dequant_row_avx51
                                                      _mm_loadu_si128(qs + 1)))));
       continue;
     }
-    const uint8_t* qs = blk + (qtype == kQ4_1 ? 4 : 2);
+    const uint8_t* qs = blk + codes_offset(qtype);
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
     const __m128i lo = _mm_and_si128(q, low4);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
@@ -209,7 +212,7 @@ __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void gemv_q4_avx512(
     const uint8_t* row, int64_t bpr, int64_t nb, int64_t qtype, const float* x,
     const float* xsum, float* out) {
   const __m128i low4 = _mm_set1_epi8(0x0F);
-  const int64_t bb = qtype == kQ4_1 ? 20 : 18, qoff = qtype == kQ4_1 ? 4 : 2;
+  const int64_t bb = block_bytes(qtype), qoff = codes_offset(qtype);
   __m512 acc[R];
   float macc[R];
   for (int j = 0; j < R; ++j) {
@@ -407,6 +410,20 @@ constexpr int64_t kPanel = 16;
 constexpr int64_t panel_code_bytes(int64_t qtype) { return qtype == kQ8_0 ? 512 : 256; }
 constexpr int64_t panel_block_bytes(int64_t qtype) { return panel_code_bytes(qtype) + 64; }
 
+// The one mapping between row r's GGUF block and its place in a panel's block, either way.
+void move_block(int64_t qtype, int64_t r, const uint8_t* from, uint8_t* to, bool to_panel) {
+  const int64_t code = panel_code_bytes(qtype), qoff = codes_offset(qtype);
+  const auto move = [&](int64_t gguf_at, int64_t panel_at, int64_t n, uint8_t flip) {
+    const uint8_t* s = from + (to_panel ? gguf_at : panel_at);
+    uint8_t* d = to + (to_panel ? panel_at : gguf_at);
+    for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint8_t>(s[i] ^ flip);
+  };
+  move(0, code + 2 * r, 2, 0);                           // d
+  if (qtype == kQ4_1) move(2, code + 32 + 2 * r, 2, 0);  // m
+  const uint8_t flip = qtype == kQ8_0 ? 0x80 : 0;        // Q8_0's codes as unsigned bytes
+  for (int64_t q = 0; q < code / 64; ++q) move(qoff + 4 * q, q * 64 + 4 * r, 4, flip);
+}
+
 torch::Tensor repack_panels(const torch::Tensor& blocks, int64_t qtype, int64_t k) {
   check_blocks(blocks, qtype, k);
   const int64_t n = blocks.size(0), nb = k / kBlock, bpr = blocks.size(1);
@@ -414,22 +431,11 @@ torch::Tensor repack_panels(const torch::Tensor& blocks, int64_t qtype, int64_t 
   auto out = torch::zeros({panels, nb * pbb}, torch::kUInt8);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t bb = block_bytes(qtype), qoff = qtype == kQ8_0 ? 2 : (qtype == kQ4_1 ? 4 : 2);
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t r = 0; r < kPanel && p * kPanel + r < n; ++r)
-        for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* blk = src + (p * kPanel + r) * bpr + b * bb;
-          uint8_t* o = dst + p * nb * pbb + b * pbb;
-          const int64_t chunks = panel_code_bytes(qtype) / 64;
-          for (int64_t q = 0; q < chunks; ++q)
-            for (int t = 0; t < 4; ++t) {
-              const uint8_t v = blk[qoff + 4 * q + t];
-              o[q * 64 + r * 4 + t] = qtype == kQ8_0 ? static_cast<uint8_t>(v ^ 0x80) : v;
-            }
-          std::memcpy(o + panel_code_bytes(qtype) + 2 * r, blk, 2);  // d
-          if (qtype == kQ4_1) std::memcpy(o + panel_code_bytes(qtype) + 32 + 2 * r, blk + 2, 2);
-        }
+  at::parallel_for(0, n, kPanel, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row)
+      for (int64_t b = 0; b < nb; ++b)
+        move_block(qtype, row % kPanel, src + row * bpr + b * block_bytes(qtype),
+                   dst + (row / kPanel * nb + b) * pbb, true);
   });
   return out;
 }
@@ -444,22 +450,11 @@ torch::Tensor panels_to_blocks(const torch::Tensor& panels, int64_t qtype, int64
   auto out = torch::empty({n, nb * bb}, torch::kUInt8);
   const uint8_t* src = panels.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t qoff = qtype == kQ4_1 ? 4 : 2, code = panel_code_bytes(qtype);
   at::parallel_for(0, n, kPanel, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t p = row / kPanel, r = row % kPanel;
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* o = src + p * nb * pbb + b * pbb;
-        uint8_t* blk = dst + row * nb * bb + b * bb;
-        std::memcpy(blk, o + code + 2 * r, 2);
-        if (qtype == kQ4_1) std::memcpy(blk + 2, o + code + 32 + 2 * r, 2);
-        for (int64_t q = 0; q < code / 64; ++q)
-          for (int t = 0; t < 4; ++t) {
-            const uint8_t v = o[q * 64 + r * 4 + t];
-            blk[qoff + 4 * q + t] = qtype == kQ8_0 ? static_cast<uint8_t>(v ^ 0x80) : v;
-          }
-      }
-    }
+    for (int64_t row = begin; row < end; ++row)
+      for (int64_t b = 0; b < nb; ++b)
+        move_block(qtype, row % kPanel, src + (row / kPanel * nb + b) * pbb,
+                   dst + row * nb * bb + b * bb, false);
   });
   return out;
 }
