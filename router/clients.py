@@ -189,7 +189,8 @@ async def _read(call: grpc.aio.UnaryStreamCall, timeout_s: float) -> object:
     """A decode stream's next message within `timeout_s` (else WorkerTimeoutError); a stream
     that ends here, before its final token, is CapacityError (the worker went away)."""
     try:
-        msg = await asyncio.wait_for(call.read(), timeout_s)
+        async with asyncio.timeout(timeout_s):  # no task per message, as wait_for makes
+            msg = await call.read()
     except TimeoutError as exc:
         raise WorkerTimeoutError(f"decode worker sent nothing for {timeout_s:.0f}s") from exc
     if msg is grpc.aio.EOF:

@@ -148,37 +148,63 @@ async def until_lost(lost: asyncio.Future[None], events: AsyncIterator[TokenEven
     """`events`, until the worker is lost *and* its stream silent: once `lost` resolves, a
     read that has waited `stall_s` since the last event is cancelled (the stream closes) and
     `error()` is raised; a stream still delivering goes on (a live worker whose lease lapsed
-    because it was starved of CPU). `on_stall()` is called each time a read waits `stall_s`."""
+    because it was starved of CPU). `on_stall()` is called each time a read waits `stall_s`.
+
+    The events are read in the consumer's own task: one timer per stream, re-armed only when
+    it fires (at most once per `stall_s`), and one callback on `lost` watch the silence, and
+    cancel the read when it must end. Nothing is created per event (a task and a wait per
+    token cost the router more than the token's own relay)."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
     last = time.monotonic()
+    reading = cut = False
+    timer: asyncio.TimerHandle | None = None
+
+    def cut_read() -> None:
+        nonlocal cut
+        if reading and not cut:
+            cut = True
+            task.cancel()
+
+    def tick() -> None:
+        nonlocal timer
+        silent = time.monotonic() - last
+        if reading and silent >= stall_s:
+            if lost.done():
+                cut_read()
+                return
+            if on_stall is not None:
+                on_stall()
+            silent = 0.0
+        # next when the silence would reach stall_s (a held stream: stall_s from now)
+        timer = loop.call_later(stall_s - silent if reading else stall_s, tick)
+
+    def on_lost(_: asyncio.Future[None]) -> None:
+        if time.monotonic() - last >= stall_s:
+            cut_read()  # else the timer cuts it when the silence reaches stall_s
+
+    timer = loop.call_later(stall_s, tick)
+    lost.add_done_callback(on_lost)
     try:
         while True:
-            read = asyncio.ensure_future(anext(events))
+            if lost.done() and time.monotonic() - last >= stall_s:
+                raise error()  # lost, and silent since before this read
+            reading = True
             try:
-                while not read.done():
-                    if lost.done():
-                        left = last + stall_s - time.monotonic()
-                        if left <= 0:
-                            break
-                        await asyncio.wait({read}, timeout=left)
-                        continue
-                    either: set[asyncio.Future[Any]] = {read, lost}
-                    await asyncio.wait(either, timeout=stall_s,
-                                       return_when=asyncio.FIRST_COMPLETED)
-                    if (on_stall is not None and not read.done() and not lost.done()
-                            and time.monotonic() - last >= stall_s):
-                        on_stall()
-            finally:
-                if not read.done():
-                    read.cancel()
-                    with contextlib.suppress(BaseException):
-                        await read
-            if read.cancelled():
-                raise error()
-            try:
-                ev = read.result()
+                ev = await anext(events)
             except StopAsyncIteration:
                 return
+            except asyncio.CancelledError:
+                if cut and task.uncancel() == 0:
+                    raise error() from None
+                raise
+            finally:
+                reading = False
             last = time.monotonic()
             yield ev
     finally:
+        if timer is not None:
+            timer.cancel()
+        lost.remove_done_callback(on_lost)
         await events.aclose()  # type: ignore[attr-defined]
