@@ -21,7 +21,7 @@ from pdserve.control.kv_events import KVEventPublisher, KVEventStreams
 from pdserve.control.load import WorkerLoad
 from pdserve.control.registry import WorkerRegistry
 from pdserve.control.signing import signer_for
-from pdserve.control.workers import WorkerInfo
+from pdserve.control.workers import WorkerInfo, this_cpus, this_host
 from pdserve.engine.async_engine import AsyncEngine, load_engine
 from pdserve.engine.metrics import labelled_registry
 from pdserve.engine.model_store import resolve_model
@@ -98,7 +98,8 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
                                       grpc_address=address, model_id=engine.layout.model_id,
                                       epoch=epoch, started_at=time.time(),
                                       ucx_address=receiver.address,
-                                      descriptor_id=descriptor_id, load=load())
+                                      descriptor_id=descriptor_id, load=load(),
+                                      host_id=this_host(), cpus=this_cpus())
 
                     async def register() -> None:
                         await registry.register(info, config.lease_ttl_s,

@@ -17,7 +17,7 @@ from pdserve.control.kv_events import KVEventPublisher, KVEventStreams
 from pdserve.control.load import WorkerLoad
 from pdserve.control.registry import WorkerRegistry
 from pdserve.control.signing import signer_for
-from pdserve.control.workers import WorkerInfo
+from pdserve.control.workers import WorkerInfo, this_cpus, this_host
 from pdserve.engine.async_engine import AsyncEngine, load_engine
 from pdserve.engine.metrics import labelled_registry
 from pdserve.engine.model_store import resolve_model
@@ -94,7 +94,8 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
 
                 info = WorkerInfo(worker_id=config.worker_id, role="prefill",
                                   grpc_address=address, model_id=engine.layout.model_id,
-                                  epoch=epoch, started_at=time.time(), load=load())
+                                  epoch=epoch, started_at=time.time(), load=load(),
+                                  host_id=this_host(), cpus=this_cpus())
 
                 async def deregister() -> None:
                     worker.accepting = False  # a prefill sent before routers notice: refused

@@ -13,7 +13,11 @@ worker p holding c_p in its own (both from the router's KV index, router.kv_inde
 - remote via p, decode on w:
                 TTFT = (p's queued + unfinished prompt tokens + (L - c_p)) / p's prefill rate
                        + (L - c_w) x p's transfer seconds per token + a fixed hand-off
-                       + one decode step on w; no stall on w.
+                       + one decode step on w; no stall on w, unless p shares w's CPUs
+                (the same host, overlapping CPU sets: `WorkerInfo.shares_cpus`; `pdserve
+                cluster up` puts a prefill worker on every CPU at a lower priority): then
+                its compute takes the cores w's streams run on, and they stall as if w
+                computed those tokens itself.
                 p computes what *its* cache lacks; only the blocks w lacks cross the wire.
 - either way, the stream then decodes on w: its TPOT is w's measured decode step, grown by
   `decode_row_fraction` of it for each stream more than w ran when it measured (the ones
@@ -140,9 +144,12 @@ def local_estimate(decode: WorkerLoad, uncached: int, model: CostModel, *,
 
 def remote_estimate(prefill: WorkerLoad, decode: WorkerLoad, uncached: int, model: CostModel,
                     *, inflight_tokens: float = 0.0, prefill_uncached: int | None = None,
-                    streams: float | None = None, peer_rate: float | None = None) -> Estimate:
+                    streams: float | None = None, peer_rate: float | None = None,
+                    shares_cpus: bool = False) -> Estimate:
     """`uncached`: prompt tokens the decode worker lacks (transferred); `prefill_uncached`:
-    the ones the prefill worker lacks (computed; default: the same)."""
+    the ones the prefill worker lacks (computed; default: the same); `shares_cpus`: the
+    prefill worker computes on the decode worker's CPUs (its streams stall as if the decode
+    worker computed those tokens)."""
     n = decode.running if streams is None else streams
     computed = uncached if prefill_uncached is None else prefill_uncached
     rate = model.prefill_rate(prefill, peer_rate)
@@ -151,7 +158,11 @@ def remote_estimate(prefill: WorkerLoad, decode: WorkerLoad, uncached: int, mode
     transfer = uncached * (prefill.kv_transfer_s_per_token or model.prior_transfer_s_per_token)
     ttft = ((pending + computed) / rate + transfer + model.remote_overhead_s
             + model.decode_step(decode))
-    return Estimate(Route.REMOTE, ttft, 0.0, computed / rate, model.tpot(decode, n))
+    stall = 0.0
+    if shares_cpus:
+        stall = max(0, computed - model.absorbed_tokens) / model.prefill_rate(
+            decode, peer_rate) * n
+    return Estimate(Route.REMOTE, ttft, stall, computed / rate, model.tpot(decode, n))
 
 
 def decide_by_cost(local: Estimate, remote: Estimate | None, uncached: int, target_s: float,

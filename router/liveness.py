@@ -10,7 +10,6 @@ stopped answering (gRPC path cut, process wedged) is found long before a token d
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass

@@ -73,6 +73,8 @@ class _Columns:
     # Per block geometry (block size, model id) the index knows: the positions in it.
     groups: tuple[tuple[int, bytes, frozenset[int]], ...]
     min_rate: float  # the slowest measured prefill rate (inf: none measured)
+    # Per position: (host id, CPUs) as published, for `DecodeTable.shares`.
+    hosts: tuple[tuple[str, tuple[int, ...]], ...]
     # Per cost model and peer rate: the columns above with the peer rate or the model's
     # priors in place of what was not measured (computed once per table and peer rate).
     priced: dict[tuple[CostModel, float | None], _Priced] = field(default_factory=dict,
@@ -139,12 +141,38 @@ class DecodeTable:
     def __init__(self) -> None:
         self._decode = _Cached()
         self._prefill = _Cached()
+        self._shares: tuple[object, object, npt.NDArray[np.bool_] | None] = (None, None, None)
 
     def columns(self, decoders: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
         return self._decode.get(decoders, index)
 
     def prefill_columns(self, prefills: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
         return self._prefill.get(prefills, index)
+
+    def shares(self, dcols: _Columns, pcols: _Columns) -> npt.NDArray[np.bool_] | None:
+        """[prefill position, decode position] -> whether they compete for CPUs
+        (`WorkerInfo.shares_cpus`); None where no pair does. Recomputed only when either
+        list's workers change (a heartbeat keeps its row's host)."""
+        d, p, matrix = self._shares
+        if d is not dcols.hosts or p is not pcols.hosts:
+            matrix = shares_matrix(pcols.workers, dcols.workers)
+            self._shares = (dcols.hosts, pcols.hosts, matrix)
+        return matrix
+
+
+def shares_matrix(prefills: Sequence[WorkerInfo], decoders: Sequence[WorkerInfo]
+                  ) -> npt.NDArray[np.bool_] | None:
+    """`DecodeTable.shares` computed: one test per distinct pair of placements."""
+    seen: dict[tuple[tuple[str, tuple[int, ...]], tuple[str, tuple[int, ...]]], bool] = {}
+    matrix = np.zeros((len(prefills), len(decoders)), dtype=bool)
+    for i, p in enumerate(prefills):
+        for j, d in enumerate(decoders):
+            key = ((p.host_id, p.cpus), (d.host_id, d.cpus))
+            got = seen.get(key)
+            if got is None:
+                got = seen[key] = p.shares_cpus(d)
+            matrix[i, j] = got
+    return matrix if matrix.any() else None
 
 
 def _build(decoders: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
@@ -165,7 +193,8 @@ def _build(decoders: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
         running=running, waiting=waiting, memory=memory, rate=rate, step=step,
         prompt_waiting=prompt_waiting, queued_tokens=queued_tokens, transfer=transfer,
         min_rate=float(rate[rate != 0].min()) if rate.any() else np.inf,
-        groups=tuple((bs, extra, frozenset(m)) for (bs, extra), m in members.items()))
+        groups=tuple((bs, extra, frozenset(m)) for (bs, extra), m in members.items()),
+        hosts=tuple((w.host_id, w.cpus) for w in decoders))
 
 
 def _row(load: WorkerLoad) -> tuple[float, ...]:
@@ -189,7 +218,8 @@ def _update_rows(cols: _Columns, workers: Sequence[WorkerInfo], changed: list[in
     geometry (then everything is rebuilt)."""
     for i in changed:
         if workers[i].worker_id != cols.ids[i] \
-                or workers[i].model_id != cols.workers[i].model_id:
+                or workers[i].model_id != cols.workers[i].model_id \
+                or (workers[i].host_id, workers[i].cpus) != cols.hosts[i]:
             return None
     arrays = {name: getattr(cols, name).copy() for name in _FLOAT_COLUMNS}
     for i in changed:
@@ -306,14 +336,16 @@ def _first_from(mask: npt.NDArray[np.bool_], tiebreak: int) -> int:
 def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Columns,
                  pcached: Floats, placed: Mapping[str, int],
                  inflight_tokens: Mapping[str, float], target_s: float, model: CostModel,
-                 tiebreak: int = 0) -> CostChoice:
+                 tiebreak: int = 0, shares: npt.NDArray[np.bool_] | None = None
+                 ) -> CostChoice:
     """router.cost's formulas (`local_estimate`, `remote_estimate`, `decide_by_cost`'s rule) over
     every candidate at once: local on each decode worker, remote on each (prefill, decode)
     pair: the least cost, a predicted TTFT past `target_s` priced at `model.late_weight` per
     second; a local prefill longer than `max_local_prefill_s` only where no remote candidate
     meets `target_s`. Equal values take turns like `best_of`: the first decode worker at or
     after `tiebreak` (local before remote on one worker), and the first prefill worker from
-    the same place."""
+    the same place. `shares`: [prefill, decode] pairs that compete for CPUs
+    (`DecodeTable.shares`), whose remote prefill stalls the decode worker's streams."""
     n, m = len(dcols.ids), len(pcols.ids)
     length = float(prompt_len)
     # Decode side, per w.
@@ -331,8 +363,8 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
     tpot = step * (1.0 + model.decode_row_fraction
                    * np.maximum(0.0, streams + 1.0 - dcols.running))
     cost_local = ttft_local + model.stall_weight * stall + model.tpot_weight * tpot
-    # Remote: a (prefill, decode) matrix; each w's best p by TTFT (its cost differs from the
-    # TTFT by w's TPOT term alone), equal ones from position `tiebreak` on.
+    # Remote: a (prefill, decode) matrix; each w's best p by cost less w's TPOT term (the
+    # same for every p): by TTFT where no pair shares CPUs; equal ones from `tiebreak` on.
     if m:
         lack = np.maximum(0.0, length - pcached)
         pp = pcols.prices(model, peer_rate)
@@ -341,10 +373,23 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
         ttft_pw = ((((ppending + lack) / pp.rate)[:, None] + unc[None, :] * pp.transfer[:, None])
                    + model.remote_overhead_s) + step[None, :]
         order = np.arange(tiebreak, tiebreak + m) % m  # argmin takes the first minimum
-        best_p = order[np.argmin(ttft_pw[order], axis=0)]
-        ttft_remote = ttft_pw[best_p, np.arange(n)]
+        cols_n = np.arange(n)
+        if shares is None:
+            best_p = order[np.argmin(ttft_pw[order], axis=0)]
+            stall_remote = np.zeros(n)
+        else:
+            # Where p computes on w's CPUs, w's streams stall as if w computed p's tokens.
+            stall_pw = np.where(shares, (np.maximum(0.0, lack - model.absorbed_tokens)[:, None]
+                                         / rate[None, :]) * streams[None, :], 0.0)
+            key = (ttft_pw + model.late_weight * np.maximum(0.0, ttft_pw - target_s)
+                   + model.stall_weight * stall_pw)
+            best_p = order[np.argmin(key[order], axis=0)]
+            stall_remote = stall_pw[best_p, cols_n]
+        ttft_remote = ttft_pw[best_p, cols_n]
         cost_remote = ttft_remote + model.tpot_weight * tpot
         cost_remote = cost_remote + model.late_weight * np.maximum(0.0, ttft_remote - target_s)
+        if shares is not None:
+            cost_remote = cost_remote + model.stall_weight * stall_remote
         # A long local prefill only where no remote candidate meets the target.
         allowed_local = ~((ttft_remote <= target_s)
                           & (compute_local > model.max_local_prefill_s))
@@ -393,7 +438,7 @@ def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerIn
         pcols = table.prefill_columns(prefills, index)
         cached, pcached = _cached(index, ids, cols, pcols)
         c = best_by_cost(len(ids), cols, cached, pcols, pcached, placed, inflight_tokens,
-                         target_s, cost or CostModel(), tiebreak)
+                         target_s, cost or CostModel(), tiebreak, table.shares(cols, pcols))
         return Placement(decoders[c.decode], None if c.prefill is None else prefills[c.prefill],
                          Decision(c.route, c.reason, c.uncached_tokens, c.ttft_s),
                          int(cached[c.decode]))

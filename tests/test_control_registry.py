@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sys
 import textwrap
 import time
@@ -22,6 +23,7 @@ from pdserve.control import (
     WorkerRegistry,
     make_descriptor_id,
 )
+from pdserve.control.workers import this_cpus, this_host
 from pdserve.errors import ControlPlaneError
 from pdserve.kv_layout import KVLayout
 
@@ -70,6 +72,22 @@ def test_worker_info_json_roundtrip_and_validation() -> None:
         WorkerInfo("w", "prefill", "nohostport", "m", 1, 0.0)
     with pytest.raises(WorkerInfoError, match="load"):
         worker(load={"running": "many"})
+
+
+def test_worker_info_where_it_computes() -> None:
+    """host_id and cpus (for placement to price CPU sharing) round-trip, are bounded, and a
+    record without them (an older worker) reads as unknown."""
+    info = worker(host_id=this_host(), cpus=this_cpus())
+    assert info.host_id and info.cpus and WorkerInfo.from_json(info.to_json()) == info
+    assert worker(cpus=[3, 1, 1]).cpus == (1, 3)
+    old = json.loads(worker().to_json())
+    del old["host_id"], old["cpus"]
+    back = WorkerInfo.from_json(json.dumps(old))
+    assert (back.host_id, back.cpus) == ("", ())
+    for bad in ({"host_id": "x" * 65}, {"host_id": "a b"}, {"cpus": [-1]}, {"cpus": [True]},
+                {"cpus": list(range(5000))}, {"cpus": "0-3"}):
+        with pytest.raises(WorkerInfoError):
+            worker(**bad)
 
 
 def test_worker_load_record_round_trip() -> None:

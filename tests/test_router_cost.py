@@ -81,9 +81,11 @@ def test_priors_stand_in_until_workers_measure() -> None:
     assert est.ttft_s == 500 / MODEL.prior_prefill_tokens_per_s + MODEL.prior_decode_step_s
 
 
-def _worker(worker_id: str, role: str, load: WorkerLoad) -> WorkerInfo:
+def _worker(worker_id: str, role: str, load: WorkerLoad,
+            where: tuple[str, tuple[int, ...]] = ("", ())) -> WorkerInfo:
     return WorkerInfo(worker_id=worker_id, role=role, grpc_address="127.0.0.1:1",  # type: ignore[arg-type]
-                      model_id="m", epoch=1, started_at=time.time(), load=load)
+                      model_id="m", epoch=1, started_at=time.time(), load=load,
+                      host_id=where[0], cpus=where[1])
 
 
 def test_placement_with_the_cost_policy() -> None:
@@ -131,8 +133,15 @@ loads = st.builds(
     kv_transfer_s_per_token=st.sampled_from([None, 0.0, 1e-5, 1e-3]))
 
 
-@settings(max_examples=300, deadline=None)
+# Where a worker computes: unknown, or a host with a CPU set (("h1", ()): every CPU of h1).
+wheres = st.sampled_from([("", ()), ("h1", ()), ("h1", (0,)), ("h1", (1,)), ("h1", (0, 1)),
+                          ("h2", (0,))])
+
+
+@settings(max_examples=400, deadline=None)
 @given(dloads=st.lists(loads, min_size=1, max_size=6), ploads=st.lists(loads, max_size=4),
+       dwhere=st.lists(wheres, min_size=6, max_size=6),
+       pwhere=st.lists(wheres, min_size=4, max_size=4),
        dheld=st.lists(st.integers(0, 8), min_size=6, max_size=6),
        pheld=st.lists(st.integers(0, 8), min_size=4, max_size=4),
        placed=st.lists(st.integers(0, 4), min_size=6, max_size=6),
@@ -140,17 +149,19 @@ loads = st.builds(
        length=st.integers(1, 140), target=st.sampled_from([0.3, 2.0, 30.0]),
        tiebreak=st.integers(0, 50))
 def test_cost_placement_takes_the_cheapest_candidate(
-        dloads: list[WorkerLoad], ploads: list[WorkerLoad], dheld: list[int],
+        dloads: list[WorkerLoad], ploads: list[WorkerLoad],
+        dwhere: list[tuple[str, tuple[int, ...]]], pwhere: list[tuple[str, tuple[int, ...]]],
+        dheld: list[int],
         pheld: list[int], placed: list[int], inflight: list[int], length: int, target: float,
         tiebreak: int) -> None:
     """Over every candidate (local on each decode worker, remote on each (prefill, decode)
     pair), priced by the scalar reference (`local_estimate`, `remote_estimate`, with the
     tokens each worker lacks from the index and the router's in-flight accounting), place()
     takes one of least cost, time past the target priced, and reports its prediction's
-    numbers."""
+    numbers. A prefill worker that shares a decode worker's CPUs stalls its streams."""
     ids = list(range(1000, 1000 + length))
-    decoders = [_worker(f"d{i}", "decode", w) for i, w in enumerate(dloads)]
-    prefills = [_worker(f"p{i}", "prefill", w) for i, w in enumerate(ploads)]
+    decoders = [_worker(f"d{i}", "decode", w, dwhere[i]) for i, w in enumerate(dloads)]
+    prefills = [_worker(f"p{i}", "prefill", w, pwhere[i]) for i, w in enumerate(ploads)]
     index = _index({**{f"d{i}": dheld[i] for i in range(len(dloads))},
                     **{f"p{i}": pheld[i] for i in range(len(ploads))}}, ids)
     placed_by = {f"d{i}": placed[i] for i in range(len(dloads)) if placed[i]}
@@ -168,9 +179,10 @@ def test_cost_placement_takes_the_cheapest_candidate(
                                streams=n, peer_rate=peer)
         remotes = [remote_estimate(q.load, d.load, lacks(d), MODEL,
                                    inflight_tokens=infl[q.worker_id],
-                                   prefill_uncached=lacks(q), streams=n, peer_rate=peer)
+                                   prefill_uncached=lacks(q), streams=n, peer_rate=peer,
+                                   shares_cpus=q.shares_cpus(d))
                    for q in prefills]
-        best_remote = min(remotes, key=lambda e: e.ttft_s) if remotes else None
+        best_remote = min(remotes, key=lambda e: e.cost(MODEL, target)) if remotes else None
         allowed = not (best_remote is not None and best_remote.ttft_s <= target
                        and local.compute_s > MODEL.max_local_prefill_s)
         if allowed:
@@ -198,7 +210,7 @@ def test_cost_placement_takes_the_cheapest_candidate(
         got = remote_estimate(p.prefill.load, d.load, lacks(d), MODEL,
                               inflight_tokens=infl[p.prefill.worker_id],
                               prefill_uncached=lacks(p.prefill), streams=n,
-                              peer_rate=peer)
+                              peer_rate=peer, shares_cpus=p.prefill.shares_cpus(d))
         assert p.decision.uncached_tokens == lacks(p.prefill)
     assert (p.decision.reason == "cost_over_target") == (got.ttft_s > target) or not prefills
     assert objective((got, "", None, 0)) == pytest.approx(best, rel=1e-9, abs=1e-12)
@@ -297,3 +309,28 @@ def test_a_queue_that_misses_the_class_target_is_avoided() -> None:
     assert _route(decode, pool, 200, target_s=30.0) is Route.REMOTE
     assert _route(decode, pool, 200, target_s=RouterPolicy().ttft_target_s(
         LatencyClass.STANDARD, 30.0)) is Route.LOCAL
+
+
+def test_a_prefill_worker_on_the_decode_workers_cpus_stalls_its_streams() -> None:
+    """`pdserve cluster up`: the prefill worker runs on every CPU the decode worker has, at a
+    lower priority and so slower. A short prompt to a decode worker with running streams:
+    remote used to look free of stall and went there; computed on the same cores, it is not,
+    and local (faster, no transfer) wins. On a host of its own the prefill worker still takes
+    it."""
+    busy = WorkerLoad(running=3, prefill_tokens_per_s=2000.0, decode_step_s=0.02,
+                      waiting_prompt_tokens=200.0)
+    pool = WorkerLoad(prefill_tokens_per_s=1000.0, kv_transfer_s_per_token=1e-5)
+    ids = list(range(2000, 2200))
+    here = ("h1", (0, 1))
+    for prefill_where, route in ((here, Route.LOCAL), (("h2", (0, 1)), Route.REMOTE),
+                                 (("", ()), Route.REMOTE)):
+        decoders = [_worker("d0", "decode", busy, here)]
+        prefills = [_worker("p0", "prefill", pool, prefill_where)]
+        p = place(ids, LatencyClass.STANDARD, decoders, prefills, KVIndex(), {},
+                  RouterPolicy(placement="cost"), cost=MODEL, target_s=3.0)
+        assert p.decision.route is route, prefill_where
+    d0 = _worker("d0", "decode", busy, ("h1", (0,)))
+    assert not _worker("p0", "prefill", pool, ("h1", (1,))).shares_cpus(d0)  # pinned apart
+    assert _worker("p0", "prefill", pool, ("h1", ())).shares_cpus(d0)  # CPUs unknown
+    assert not _worker("p0", "prefill", pool, ("", ())).shares_cpus(
+        _worker("d1", "decode", busy, ("", ())))  # hosts unknown: nothing shared

@@ -156,10 +156,14 @@ class Simulation(Clock):
                          for i in range(c.n_prefill)]
         self.by_id: dict[str, SimWorker] = {w.worker_id: w
                                             for w in [*self.decoders, *self.prefills]}
+        # Where each computes, as a real worker publishes it: its host, and its core (an
+        # unpinned one may run on every core of its host), so cost placement sees sharing.
         self.infos = {w.worker_id: WorkerInfo(
             worker_id=w.worker_id, role="decode" if isinstance(w, DecodeSim) else "prefill",
             grpc_address=f"127.0.0.1:{20000 + i}", model_id=MODEL_ID, epoch=1, started_at=0.0,
-            load=w.load()) for i, w in enumerate(self.by_id.values())}
+            load=w.load(), host_id=f"host-{hosts.index(w.host)}",
+            cpus=tuple(range(w.host.cores)) if w.core is None else (w.core,))
+            for i, w in enumerate(self.by_id.values())}
         # One index for both roles, as the router keeps it: prefill workers publish too.
         self.index = KVIndex()
         self._event_seq = dict.fromkeys(self.by_id, 1)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from pdserve.control.descriptors import split_address
@@ -36,6 +39,10 @@ class WorkerInfo:
     ucx_address: str = ""
     descriptor_id: str = ""
     load: WorkerLoad = field(default_factory=WorkerLoad)
+    # Where it computes, for placement to price sharing (`shares_cpus`), never for trust: an
+    # opaque id of its host ("" unknown: `this_host`) and the CPUs it may run on (() unknown).
+    host_id: str = ""
+    cpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.worker_id or any(c.isspace() for c in self.worker_id):
@@ -52,10 +59,28 @@ class WorkerInfo:
                 raise WorkerInfoError(f"{name}: {exc}") from None
         if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 0:
             raise WorkerInfoError(f"epoch must be an integer >= 0, got {self.epoch!r}")
+        if not isinstance(self.host_id, str) or len(self.host_id) > 64 \
+                or any(c.isspace() for c in self.host_id):
+            raise WorkerInfoError("host_id must be a string of at most 64 characters without "
+                                  "spaces")
+        cpus = self.cpus
+        if not isinstance(cpus, (list, tuple)) or len(cpus) > MAX_CPUS or any(
+                isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < MAX_CPUS
+                for c in cpus):
+            raise WorkerInfoError(f"cpus must be at most {MAX_CPUS} CPU numbers below "
+                                  f"{MAX_CPUS}")
+        object.__setattr__(self, "cpus", tuple(sorted(set(cpus))))
         try:
             object.__setattr__(self, "load", WorkerLoad.from_dict(self.load))
         except (WorkerLoadError, TypeError) as exc:
             raise WorkerInfoError(f"load: {exc}") from None
+
+    def shares_cpus(self, other: WorkerInfo) -> bool:
+        """Whether the two compete for CPUs: the same host, and CPU sets that overlap (or
+        either unknown). Unknown hosts share nothing."""
+        return (bool(self.host_id) and self.host_id == other.host_id
+                and (not self.cpus or not other.cpus
+                     or not set(self.cpus).isdisjoint(other.cpus)))
 
     def with_load(self, load: WorkerLoad | Mapping[str, float]) -> WorkerInfo:
         return WorkerInfo(**{**self._fields(), "load": WorkerLoad.from_dict(load)})
@@ -91,4 +116,26 @@ _FIELDS = (
     "ucx_address",
     "descriptor_id",
     "load",
+    "host_id",
+    "cpus",
 )
+MAX_CPUS = 4096
+
+
+def this_host() -> str:
+    """This host's id for `WorkerInfo.host_id`: a digest of the kernel's boot id, equal for
+    every process (and container) on one running kernel; "" where there is none."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_bytes().strip()
+    except OSError:
+        return ""
+    return hashlib.blake2b(boot, digest_size=8, person=b"pdserve-host").hexdigest() \
+        if boot else ""
+
+
+def this_cpus() -> tuple[int, ...]:
+    """The CPUs this process may run on (its affinity), for `WorkerInfo.cpus`."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))[:MAX_CPUS]
+    except (AttributeError, OSError):
+        return ()
