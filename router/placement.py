@@ -378,7 +378,9 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
             best_p = order[np.argmin(ttft_pw[order], axis=0)]
             stall_remote = np.zeros(n)
         else:
-            # Where p computes on w's CPUs, w's streams stall as if w computed p's tokens.
+            # Where p computes on w's CPUs it waits for w's queued prompt work, and w's
+            # streams stall as if w computed p's tokens.
+            ttft_pw = np.where(shares, ttft_pw + (pending / rate)[None, :], ttft_pw)
             stall_pw = np.where(shares, (np.maximum(0.0, lack - model.absorbed_tokens)[:, None]
                                          / rate[None, :]) * streams[None, :], 0.0)
             key = (ttft_pw + model.late_weight * np.maximum(0.0, ttft_pw - target_s)

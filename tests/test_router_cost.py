@@ -180,7 +180,8 @@ def test_cost_placement_takes_the_cheapest_candidate(
         remotes = [remote_estimate(q.load, d.load, lacks(d), MODEL,
                                    inflight_tokens=infl[q.worker_id],
                                    prefill_uncached=lacks(q), streams=n, peer_rate=peer,
-                                   shares_cpus=q.shares_cpus(d))
+                                   shares_cpus=q.shares_cpus(d),
+                                   decode_inflight_tokens=infl[d.worker_id])
                    for q in prefills]
         best_remote = min(remotes, key=lambda e: e.cost(MODEL, target)) if remotes else None
         allowed = not (best_remote is not None and best_remote.ttft_s <= target
@@ -210,7 +211,8 @@ def test_cost_placement_takes_the_cheapest_candidate(
         got = remote_estimate(p.prefill.load, d.load, lacks(d), MODEL,
                               inflight_tokens=infl[p.prefill.worker_id],
                               prefill_uncached=lacks(p.prefill), streams=n,
-                              peer_rate=peer, shares_cpus=p.prefill.shares_cpus(d))
+                              peer_rate=peer, shares_cpus=p.prefill.shares_cpus(d),
+                              decode_inflight_tokens=infl[d.worker_id])
         assert p.decision.uncached_tokens == lacks(p.prefill)
     assert (p.decision.reason == "cost_over_target") == (got.ttft_s > target) or not prefills
     assert objective((got, "", None, 0)) == pytest.approx(best, rel=1e-9, abs=1e-12)
