@@ -11,8 +11,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 
 from pdserve.cluster import LocalCluster
+from pdserve.control.workers import WorkerInfo, this_host
 from pdserve.rpc import transport as gu
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from tests.helpers.cluster_util import cluster_fixture, generate, wait_blocks_free
@@ -190,3 +192,19 @@ def test_workers_share_cores_by_priority_and_idle_quietly(cluster) -> None:
     for pid, t0 in before.items():
         busy = (_cpu_seconds(pid) - t0) / 3
         assert busy < 0.25, f"idle worker {pid} used {busy:.0%} of a core"
+
+
+def test_workers_publish_where_they_compute(cluster) -> None:
+    """Each worker's record says its host and CPUs (what cost placement prices sharing by);
+    on `cluster up`'s layout the prefill worker shares the decode worker's CPUs."""
+    client = redis.Redis.from_url(str(cluster.redis_url), socket_timeout=5)
+    records = {}
+    for name in ("decode-0", "prefill-0"):
+        raw = client.get(f"pdserve:{cluster.namespace}:worker:{name}")
+        assert raw is not None, name
+        records[name] = WorkerInfo.from_json(raw)  # the signature is verified elsewhere
+    decode, prefill = records["decode-0"], records["prefill-0"]
+    assert decode.host_id == prefill.host_id == this_host() != ""
+    assert decode.cpus == tuple(sorted(os.sched_getaffinity(cluster.procs["decode-0"].pid)))
+    assert prefill.shares_cpus(decode)
+
