@@ -153,16 +153,15 @@ async def until_lost(lost: asyncio.Future[None], events: AsyncIterator[TokenEven
     it fires (at most once per `stall_s`), and one callback on `lost` watch the silence, and
     cancel the read when it must end. Nothing is created per event (a task and a wait per
     token cost the router more than the token's own relay)."""
-    task = asyncio.current_task()
-    assert task is not None
     loop = asyncio.get_running_loop()
+    task: asyncio.Task[Any] | None = None  # the one reading now (the consumer's)
     last = time.monotonic()
     reading = cut = False
     timer: asyncio.TimerHandle | None = None
 
     def cut_read() -> None:
         nonlocal cut
-        if reading and not cut:
+        if reading and not cut and task is not None:
             cut = True
             task.cancel()
 
@@ -189,13 +188,14 @@ async def until_lost(lost: asyncio.Future[None], events: AsyncIterator[TokenEven
         while True:
             if lost.done() and time.monotonic() - last >= stall_s:
                 raise error()  # lost, and silent since before this read
+            task = asyncio.current_task()  # whichever task iterates this one now
             reading = True
             try:
                 ev = await anext(events)
             except StopAsyncIteration:
                 return
             except asyncio.CancelledError:
-                if cut and task.uncancel() == 0:
+                if cut and task is not None and task.uncancel() == 0:
                     raise error() from None
                 raise
             finally:
