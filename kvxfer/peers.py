@@ -84,7 +84,8 @@ Finish = Callable[[Peer, dict[str, Any]], Awaitable[None]]
 
 class Peers:
     """The open endpoints by address (`by_address`); see the module docstring. `host_id`
-    (`kvxfer.shm.host_id`, None without the same-host paths) is offered to each receiver."""
+    (`pdserve.control.workers.boot_id`, None without the same-host paths) is offered to each
+    receiver."""
 
     def __init__(self, *, auth: KVAuth | None, host_id: str | None,
                  connect_timeout_s: float, max_idle_s: float) -> None:

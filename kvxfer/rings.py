@@ -15,7 +15,8 @@ from kvxfer.cma import lanes as cma_lanes
 from kvxfer.inbound import Connection, Transfer
 from kvxfer.pool import PoolBytes
 from kvxfer.protocol import error
-from kvxfer.shm import Ring, SenderRing, chunks, host_id, receive_chunks
+from kvxfer.shm import Ring, SenderRing, chunks, receive_chunks
+from pdserve.control.workers import boot_id as host_id  # equal ends: the same host
 from pdserve.errors import ErrorCode, KVTransferError
 
 log = structlog.get_logger(__name__)

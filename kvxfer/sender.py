@@ -26,9 +26,10 @@ from kvxfer.peers import Peer, Peers, Unreachable
 from kvxfer.pool import DIGEST_RUN_BYTES, INLINE_DIGEST_BYTES, PoolBytes, check_blocks, digest
 from kvxfer.protocol import ProtocolError, UCXError, data_tag, error, recv_frame, reply_tag
 from kvxfer.runs import merge_pairs, split_runs
-from kvxfer.shm import SenderRing, chunks, host_id, send_chunks
+from kvxfer.shm import SenderRing, chunks, send_chunks
 from pdserve.aio import AsyncResource
 from pdserve.control.descriptors import KVDescriptor
+from pdserve.control.workers import boot_id as host_id  # equal ends: the same host
 from pdserve.errors import ErrorCode, KVTransferError
 from pdserve.kv_layout import KVLayout
 

@@ -82,14 +82,6 @@ READY_BYTES = _READY.size + MAC_BYTES
 Segment = tuple[int, int, int]  # (pool byte offset, slot byte offset, bytes)
 
 
-def host_id() -> str | None:
-    """This kernel's boot id: equal on both ends only on the same host (None: unknown)."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
-    except OSError:
-        return None
-
-
 class Ring:
     """A mapped staging file: `slots` slots of `slot_bytes` after a header holding `token`.
 

@@ -152,26 +152,21 @@ class DecodeTable:
     def shares(self, dcols: _Columns, pcols: _Columns) -> npt.NDArray[np.bool_] | None:
         """[prefill position, decode position] -> whether they compete for CPUs
         (`WorkerInfo.shares_cpus`); None where no pair does. Recomputed only when either
-        list's workers change (a heartbeat keeps its row's host)."""
+        list's placements change: a heartbeat keeps its row's hosts tuple, and a rebuild
+        with the same placements is compared once, then held by identity again."""
         d, p, matrix = self._shares
         if d is not dcols.hosts or p is not pcols.hosts:
-            matrix = shares_matrix(pcols.workers, dcols.workers)
+            if d != dcols.hosts or p != pcols.hosts:
+                matrix = shares_matrix(pcols.workers, dcols.workers)
             self._shares = (dcols.hosts, pcols.hosts, matrix)
         return matrix
 
 
 def shares_matrix(prefills: Sequence[WorkerInfo], decoders: Sequence[WorkerInfo]
                   ) -> npt.NDArray[np.bool_] | None:
-    """`DecodeTable.shares` computed: one test per distinct pair of placements."""
-    seen: dict[tuple[tuple[str, tuple[int, ...]], tuple[str, tuple[int, ...]]], bool] = {}
-    matrix = np.zeros((len(prefills), len(decoders)), dtype=bool)
-    for i, p in enumerate(prefills):
-        for j, d in enumerate(decoders):
-            key = ((p.host_id, p.cpus), (d.host_id, d.cpus))
-            got = seen.get(key)
-            if got is None:
-                got = seen[key] = p.shares_cpus(d)
-            matrix[i, j] = got
+    """`DecodeTable.shares` computed."""
+    matrix = np.array([[p.shares_cpus(d) for d in decoders] for p in prefills],
+                      dtype=bool).reshape(len(prefills), len(decoders))
     return matrix if matrix.any() else None
 
 

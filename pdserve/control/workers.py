@@ -122,14 +122,20 @@ _FIELDS = (
 MAX_CPUS = 4096
 
 
-def this_host() -> str:
-    """This host's id for `WorkerInfo.host_id`: a digest of the kernel's boot id, equal for
-    every process (and container) on one running kernel; "" where there is none."""
+def boot_id() -> str | None:
+    """This kernel's boot id: equal for every process (and container) on one running
+    kernel, so on two ends only on the same host (None: unknown). kvxfer's same-host paths
+    offer it as is; worker records carry `this_host`'s digest of it."""
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_bytes().strip()
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
     except OSError:
-        return ""
-    return hashlib.blake2b(boot, digest_size=8, person=b"pdserve-host").hexdigest() \
+        return None
+
+
+def this_host() -> str:
+    """This host's id for `WorkerInfo.host_id`: a digest of `boot_id` ("" where none)."""
+    boot = boot_id()
+    return hashlib.blake2b(boot.encode(), digest_size=8, person=b"pdserve-host").hexdigest() \
         if boot else ""
 
 

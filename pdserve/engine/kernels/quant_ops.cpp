@@ -424,6 +424,15 @@ void move_block(int64_t qtype, int64_t r, const uint8_t* from, uint8_t* to, bool
   for (int64_t q = 0; q < code / 64; ++q) move(qoff + 4 * q, q * 64 + 4 * r, 4, flip);
 }
 
+// f(row, b) for block b of every row of an n-row layer, a panel's rows per task.
+template <typename F>
+void each_row_block(int64_t n, int64_t nb, const F& f) {
+  at::parallel_for(0, n, kPanel, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row)
+      for (int64_t b = 0; b < nb; ++b) f(row, b);
+  });
+}
+
 torch::Tensor repack_panels(const torch::Tensor& blocks, int64_t qtype, int64_t k) {
   check_blocks(blocks, qtype, k);
   const int64_t n = blocks.size(0), nb = k / kBlock, bpr = blocks.size(1);
@@ -431,11 +440,9 @@ torch::Tensor repack_panels(const torch::Tensor& blocks, int64_t qtype, int64_t 
   auto out = torch::zeros({panels, nb * pbb}, torch::kUInt8);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n, kPanel, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row)
-      for (int64_t b = 0; b < nb; ++b)
-        move_block(qtype, row % kPanel, src + row * bpr + b * block_bytes(qtype),
-                   dst + (row / kPanel * nb + b) * pbb, true);
+  each_row_block(n, nb, [&](int64_t row, int64_t b) {
+    move_block(qtype, row % kPanel, src + row * bpr + b * block_bytes(qtype),
+               dst + (row / kPanel * nb + b) * pbb, true);
   });
   return out;
 }
@@ -450,11 +457,9 @@ torch::Tensor panels_to_blocks(const torch::Tensor& panels, int64_t qtype, int64
   auto out = torch::empty({n, nb * bb}, torch::kUInt8);
   const uint8_t* src = panels.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n, kPanel, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row)
-      for (int64_t b = 0; b < nb; ++b)
-        move_block(qtype, row % kPanel, src + (row / kPanel * nb + b) * pbb,
-                   dst + row * nb * bb + b * bb, false);
+  each_row_block(n, nb, [&](int64_t row, int64_t b) {
+    move_block(qtype, row % kPanel, src + (row / kPanel * nb + b) * pbb,
+               dst + row * nb * bb + b * bb, false);
   });
   return out;
 }
