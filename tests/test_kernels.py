@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.kernels import FusedCpuKernels, TorchKernels, kernels_for
-from pdserve.engine.linear import DenseLinear, pack_linear
+from pdserve.engine.linear import DenseLinear, OneDnnLinear, PanelLinear, pack_linear
 
 REF = TorchKernels()
 
@@ -109,6 +109,36 @@ def test_packed_linear_fuses_projections(fmt: str) -> None:
     tol = 1e-5 if fmt == "float32" else 0.03 * want.abs().max().item()
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
     assert kernel.nbytes == sum(w.numel() for w in ws) * (4 if fmt == "float32" else 1)
+
+
+@pytest.mark.parametrize("n,k", [(96, 64), (50, 17), (1, 3), (33, 160)])
+def test_panel_linear_against_float64(fused: FusedCpuKernels, n: int, k: int) -> None:
+    """Every batch size the tile split meets (whole tiles, each remainder, one row), ragged
+    last panels, with and without a bias, against the float64 product."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    kernel = pack_linear([w], [b], weight_format="float32")
+    assert isinstance(kernel, PanelLinear)
+    no_bias = PanelLinear(w, None, fused._ext)
+    for m in (*range(1, 18), 31, 64):
+        x = torch.randn(m, k, generator=g)
+        want = F.linear(x.double(), w.double())
+        torch.testing.assert_close(no_bias(x).double(), want, rtol=0, atol=1e-5 * k ** 0.5)
+        torch.testing.assert_close(kernel(x).double(), want + b.double(), rtol=0,
+                                   atol=1e-5 * k ** 0.5)
+    x = torch.randn(4, 2 * k, generator=g)[:, ::2]  # strided rows are copied, not misread
+    torch.testing.assert_close(kernel(x), F.linear(x, w, b), rtol=0, atol=1e-5 * k ** 0.5)
+    x = torch.randn(2, 3, k, generator=g)  # leading dims kept
+    assert kernel(x).shape == (2, 3, n)
+
+
+def test_float32_without_the_extension_uses_onednn(monkeypatch) -> None:
+    monkeypatch.setenv("PDSERVE_DISABLE_CPU_KERNELS", "1")
+    w = torch.randn(48, 64)
+    kernel = pack_linear([w], [None], weight_format="float32")
+    assert isinstance(kernel, (OneDnnLinear, DenseLinear))
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(kernel(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_int8_rows_do_not_depend_on_batchmates() -> None:

@@ -7,8 +7,11 @@ layout its kernel wants (fused projections are packed as one matrix) and compute
 
 Formats (`pack_linear`, picked by `EngineConfig.dtype`):
 
-- ``float32``: oneDNN's prepacked (blocked) fp32 GEMM on CPU; exact fp32 arithmetic, 1.3-2.7x
-  faster than `F.linear` here, most at the small batches of decode. `F.linear` elsewhere.
+- ``float32``: on CPU, the weights repacked once into panels of 32 (AVX-512; 16 on AVX2)
+  output rows for the extension's GEMM (kernels/cpu_ops.cpp `panel_linear`): exact fp32
+  arithmetic that streams the weights at memory speed at decode's batches (1.6-2.2x oneDNN's
+  prepacked GEMM at 1-16 rows, 1.1x at prefill's hundreds; docs/BENCHMARKS.md). Without the
+  extension, oneDNN's prepacked (blocked) fp32 GEMM; `F.linear` elsewhere.
 - ``bfloat16`` / ``float16``: the weights and activations in that dtype (`F.linear`, oneDNN on
   CPU). Only sensible where the CPU has native bf16 (see engine.cpu).
 - ``int8``: per-output-channel symmetric int8 weights (a quarter of float32's bytes) through
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import abc
 import warnings
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +103,32 @@ class OneDnnLinear(LinearKernel):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+class PanelLinear(LinearKernel):
+    """The extension's fp32 GEMM over the weight repacked into panels of output rows
+    (cpu_ops.cpp `pack_panels` / `panel_linear`): one copy of the weights, read once per call
+    at every batch size. Same fp32 arithmetic as `F.linear` (fused multiply-adds, each
+    output's sum over k in order)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ext: ModuleType):
+        self.out_features, self.in_features = weight.shape
+        self._nbytes = weight.numel() * weight.element_size()
+        self._ext = ext
+        self.panels = ext.pack_panels(weight)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        lead = x.shape[:-1]
+        y = self._ext.panel_linear(x.reshape(-1, self.in_features), self.panels,
+                                   self.out_features, self.bias)
+        return y.view(*lead, self.out_features)
 
     @property
     def nbytes(self) -> int:
@@ -290,6 +320,12 @@ def pack_linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None], 
     dtype = _FLOAT[weight_format]
     weight = weight.to(dtype).contiguous()
     bias = None if bias is None else bias.to(dtype)
+    if weight.device.type == "cpu" and dtype == torch.float32:
+        from pdserve.engine.kernels import cpu_extension
+
+        ext = cpu_extension()
+        if ext is not None:
+            return PanelLinear(weight, bias, ext)
     if weight.device.type == "cpu" and _onednn_ok(dtype):
         try:
             return OneDnnLinear(weight, bias)

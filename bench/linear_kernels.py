@@ -1,0 +1,97 @@
+"""The float32 linear kernels side by side on the model's own shapes, in one run.
+
+    python -m bench.linear_kernels --rows 1,2,4,8,16,32,64,512 --out rec.json
+
+For each batch of rows: one pass over every projection of the model (q/k/v fused, o,
+gate/up fused, down, per layer, and the LM head) with random weights of those shapes, timed
+for each kernel the engine could use (`PanelLinear`: the extension's panels; `OneDnnLinear`:
+oneDNN's prepacked GEMM; `DenseLinear`: `F.linear`), median of `--reps`. Prints ms, the
+weight-read rate it reached (weight bytes / time) and each kernel's time over the panels',
+beside the machine's read bandwidth and CPU flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from bench.profile_step import _commit, read_bandwidth_gbs
+from pdserve.engine.cpu import cpu_summary
+from pdserve.engine.kernels import cpu_extension
+from pdserve.engine.linear import DenseLinear, LinearKernel, OneDnnLinear, PanelLinear
+from pdserve.engine.model_store import resolve_model
+
+
+def model_shapes(model: str | None) -> list[tuple[int, int]]:
+    """(out, in) of every linear call of one forward, fused as the engine fuses them."""
+    cfg = json.loads((resolve_model(model) / "config.json").read_text())
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = cfg.get("head_dim", h // cfg["num_attention_heads"])
+    kvh = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    qkv = cfg["num_attention_heads"] * hd + 2 * kvh * hd
+    layer = [(qkv, h), (h, cfg["num_attention_heads"] * hd), (2 * inter, h), (h, inter)]
+    return layer * cfg["num_hidden_layers"] + [(cfg["vocab_size"], h)]
+
+
+def pass_ms(kernels: list[LinearKernel], shapes: list[tuple[int, int]], rows: int,
+            reps: int) -> float:
+    xs = {k: torch.randn(rows, k) for k in {i for _, i in shapes}}
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        for (_, i), kernel in zip(shapes, kernels, strict=True):
+            kernel(xs[i])
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:]) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64,512")
+    ap.add_argument("--reps", type=int, default=11)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ext = cpu_extension()
+    if ext is None:
+        sys.exit("the CPU extension could not be built here: nothing to compare")
+    shapes = model_shapes(args.model)
+    weights = [torch.randn(o, i) * 0.05 for o, i in shapes]
+    nbytes = sum(w.numel() * 4 for w in weights)
+    kinds: dict[str, list[LinearKernel]] = {
+        "panels": [PanelLinear(w, None, ext) for w in weights],
+        "onednn": [OneDnnLinear(w, None) for w in weights],
+        "F.linear": [DenseLinear(w, None) for w in weights],
+    }
+    bw = read_bandwidth_gbs()
+    print(f"CPU: {cpu_summary()}; torch threads {torch.get_num_threads()}; read bandwidth "
+          f"{bw:.1f} GB/s; {nbytes / 1e6:.0f} MB of float32 weights in {len(shapes)} calls")
+    print("\n| rows | " + " | ".join(f"{k} ms (GB/s)" for k in kinds)
+          + " | onednn / panels | F.linear / panels |")
+    print("|---:|" + "---:|" * (len(kinds) + 2))
+    out = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        ms = {k: pass_ms(v, shapes, rows, args.reps) for k, v in kinds.items()}
+        out.append({"rows": rows, **{f"{k}_ms": v for k, v in ms.items()}})
+        print(f"| {rows} | " + " | ".join(
+            f"{v:.1f} ({nbytes / v / 1e6:.1f})" for v in ms.values())
+            + f" | {ms['onednn'] / ms['panels']:.2f}x | {ms['F.linear'] / ms['panels']:.2f}x |")
+    if args.out:
+        record = {"benchmark": "bench.linear_kernels", "commit": _commit(), "argv": sys.argv[1:],
+                  "cpu": cpu_summary(), "threads": torch.get_num_threads(),
+                  "read_bandwidth_gbs": bw, "weight_bytes": nbytes,
+                  "panel_width": ext.panel_width(), "rows": out}
+        with open(args.out, "w") as fh:
+            json.dump(record, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
