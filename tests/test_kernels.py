@@ -49,6 +49,10 @@ def test_rope_and_silu(fused: FusedCpuKernels) -> None:
     assert torch.equal(a[:, heads + kv:], qkv[:, heads + kv:])  # v heads untouched
     gu = torch.randn(4, 2 * 1536, generator=g) * 4
     _close(fused.silu_mul(gu), REF.silu_mul(gu))
+    gu = torch.randn(3, 2 * 37, generator=g)  # rows of vector tiles, a tail, gates far out
+    gu[:, :37] = torch.linspace(-200, 200, 111).view(3, 37)
+    _close(fused.silu_mul(gu), REF.silu_mul(gu))
+    _close(fused.silu_mul(gu[1:, :]), REF.silu_mul(gu[1:, :]))
 
 
 @pytest.mark.parametrize(("lens", "d"), [

@@ -9,9 +9,10 @@ Formats (`pack_linear`, picked by `EngineConfig.dtype`):
 
 - ``float32``: on CPU, the weights repacked once into panels of 32 (AVX-512; 16 on AVX2)
   output rows for the extension's GEMM (kernels/cpu_ops.cpp `panel_linear`): exact fp32
-  arithmetic that streams the weights at memory speed at decode's batches (1.6-2.2x oneDNN's
-  prepacked GEMM at 1-16 rows, 1.1x at prefill's hundreds; docs/BENCHMARKS.md). Without the
-  extension, oneDNN's prepacked (blocked) fp32 GEMM; `F.linear` elsewhere.
+  arithmetic that streams the weights at memory speed at decode's batches (1.9-2.7x oneDNN's
+  prepacked GEMM at 1-16 rows, 1.1x at 512, on a Zen 4: bench.linear_kernels, record in
+  docs/BENCHMARKS.md). Without the extension, oneDNN's prepacked (blocked) fp32 GEMM;
+  `F.linear` elsewhere.
 - ``bfloat16`` / ``float16``: the weights and activations in that dtype (`F.linear`, oneDNN on
   CPU). Only sensible where the CPU has native bf16 (see engine.cpu).
 - ``int8``: per-output-channel symmetric int8 weights (a quarter of float32's bytes) through

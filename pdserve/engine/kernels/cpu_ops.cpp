@@ -115,24 +115,6 @@ void rope_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin)
   });
 }
 
-// silu(gate) * up for gu = [gate | up] of shape [n, 2h] (rows contiguous): returns [n, h].
-torch::Tensor silu_mul(torch::Tensor gu) {
-  check_f32(gu, "gate_up");
-  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1, "gate_up must be [n, 2h]");
-  const int64_t n = gu.size(0), h = gu.size(1) / 2, sg = gu.stride(0);
-  auto out = torch::empty({n, h}, gu.options());
-  const float* gp = gu.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, n * h, 1 << 13, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t i = t / h, j = t % h;
-      const float g = gp[i * sg + j], u = gp[i * sg + h + j];
-      op[t] = (g / (1.0f + std::exp(-g))) * u;
-    }
-  });
-  return out;
-}
-
 // Store new K and V rows into the paged layer view kv: [blocks, 2, block_size, kv_heads, hd]
 // (any strides on the first three dims; kv_heads x hd contiguous). k, v: [n, kv_heads, hd].
 void write_kv(torch::Tensor kv, torch::Tensor k, torch::Tensor v, torch::Tensor slot_blocks,
@@ -253,8 +235,9 @@ inline float hsum(vf v) {
 }
 
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline vf vmin(vf a, vf b) { return a < b ? a : b; }
 
-// e^x for x <= 0 (softmax after subtracting the max), Cephes' single-precision polynomial
+// e^x for x <= 88 (softmax after subtracting the max; silu), Cephes' single-precision polynomial
 // with a Cody-Waite split of ln 2: within 2 ulp of expf, 16 lanes at a time.
 inline vf vexp(vf x) {
   x = vmax(x, splat(-87.33654f));
@@ -278,6 +261,35 @@ inline vf vexp(vf x) {
   return y * pow2;
 }
 }  // namespace
+
+// silu(gate) * up for gu = [gate | up] of shape [n, 2h] (rows contiguous): returns [n, h].
+// 16 lanes at a time with vexp (within 2 ulp of expf; its argument clamped to where expf is
+// finite, so a gate below -88 gives -0 * up as torch's does), the tail of a row scalar.
+torch::Tensor silu_mul(torch::Tensor gu) {
+  check_f32(gu, "gate_up");
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1, "gate_up must be [n, 2h]");
+  const int64_t n = gu.size(0), h = gu.size(1) / 2, sg = gu.stride(0);
+  auto out = torch::empty({n, h}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t chunks = (h + 255) / 256;  // 256 outputs per task
+  at::parallel_for(0, n * chunks, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t i = t / chunks, j0 = (t % chunks) * 256, j1 = std::min(h, j0 + 256);
+      const float* g = gp + i * sg;
+      const float* u = g + h;
+      float* o = op + i * h;
+      int64_t j = j0;
+      for (; j + VL <= j1; j += VL) {
+        const vf gv = load(g + j);
+        const vf ex = vexp(vmin(-gv, splat(88.0f)));
+        store(o + j, (gv / (splat(1.0f) + ex)) * load(u + j));
+      }
+      for (; j < j1; ++j) o[j] = (g[j] / (1.0f + std::exp(-g[j]))) * u[j];
+    }
+  });
+  return out;
+}
 
 // One query token per sequence attending over its context (as paged_decode_attention_scalar
 // above), for head_dim a multiple of 16; other head dims go to the scalar version. One task per (sequence, span of
@@ -421,12 +433,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
 // ---- float32 linear layers over weight panels -----------------------------------------------
 // y = x @ W.T (+ b) for x [m, k], W [n, k], with W repacked once at load into panels of PW
 // output rows: panel p holds W[p*PW + j, kk] at [p][kk][j] (rows past n are zero). A panel row
-// is NV vector registers; the micro-kernel keeps MB rows of x times one panel in MB*NV
-// accumulators, broadcasting x[i, kk] against the panel's row kk (one fused multiply-add per
-// weight vector and x row). Each weight is read from memory once per call: panels are split
-// among threads, and every x row of the call passes over a panel while it is in cache. What
-// oneDNN's fp32 GEMM did at decode's batches (1-16 rows) read the weights at ~60 % of the
-// memory's speed; this streams them. Sums over k run in order, one accumulator per output.
+// is PNV vector registers; the micro-kernel keeps up to PMB rows of x times one panel in
+// PMB*PNV accumulators, broadcasting x[i, kk] against the panel's row kk (one fused
+// multiply-add per weight vector and x row). Each weight is read from memory once per call:
+// panels are split among threads, and every x row of the call passes over a panel while it is
+// in cache. At decode's batches (1-16 rows) oneDNN's prepacked fp32 GEMM read the weights at
+// half the memory's speed or less; this streams them (bench.linear_kernels). Each output's sum
+// over k runs in order in one accumulator.
 namespace {
 #if defined(__AVX512F__)
 typedef __m512 pv;
