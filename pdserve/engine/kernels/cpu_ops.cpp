@@ -260,6 +260,73 @@ inline vf vexp(vf x) {
   __builtin_memcpy(&pow2, &bits, sizeof pow2);
   return y * pow2;
 }
+
+// The sums of 16 vectors' lanes, as one vector: lane t = hsum(part[t]), added in hsum's order
+// (lanes i and i+8, then i+4, i+2, i+1), so a score is the same bits either way; 30 shuffles
+// and 15 adds for 16 sums where hsum takes 64 and 64.
+inline vf hsum16(const vf* part) {
+  const vi lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const vi hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const vi lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const vi hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const vi lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const vi hi2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const vi even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const vi odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  vf a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shuffle(part[2 * i], part[2 * i + 1], lo8) +
+           __builtin_shuffle(part[2 * i], part[2 * i + 1], hi8);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo4) +
+           __builtin_shuffle(a[2 * i], a[2 * i + 1], hi4);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], lo2) +
+           __builtin_shuffle(b[2 * i], b[2 * i + 1], hi2);
+  return __builtin_shuffle(c[0], c[1], even) + __builtin_shuffle(c[0], c[1], odd);
+}
+
+// acc[r] += sum over tokens t of w[r * ws + t] * v_t for R query heads sharing one KV head:
+// v_t = rows[t] (NV vectors); the R x NV sums stay in registers while the tokens stream by.
+// Per element the same products, added in token order, as one head at a time in memory.
+template <int NV, int R>
+void pv_heads(const float* const* rows, int64_t m, const float* w, int64_t ws, float* acc) {
+  vf a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) a[r][j] = load(acc + r * NV * VL + j * VL);
+  for (int64_t t = 0; t < m; ++t) {
+    vf v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = load(rows[t] + j * VL);
+    for (int r = 0; r < R; ++r) {
+      const vf wr = splat(w[r * ws + t]);
+      for (int j = 0; j < NV; ++j) a[r][j] = a[r][j] + wr * v[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) store(acc + r * NV * VL + j * VL, a[r][j]);
+}
+
+// The same for any head size and head count, the sums in memory.
+void pv_heads_any(const float* const* rows, int64_t m, const float* w, int64_t ws, float* acc,
+                  int64_t r_heads, int64_t nv) {
+  for (int64_t t = 0; t < m; ++t)
+    for (int64_t r = 0; r < r_heads; ++r) {
+      const vf wr = splat(w[r * ws + t]);
+      float* a = acc + r * nv * VL;
+      for (int64_t j = 0; j < nv; ++j) store(a + j * VL, load(a + j * VL) + wr * load(rows[t] + j * VL));
+    }
+}
+
+// R heads (1 <= R <= 24 / nv) through the register version where one is instantiated.
+void pv_dispatch(const float* const* rows, int64_t m, const float* w, int64_t ws, float* acc,
+                 int64_t r_heads, int64_t nv) {
+#define PV_CASE(NV_, R_) \
+  if (nv == NV_ && r_heads == R_) return pv_heads<NV_, R_>(rows, m, w, ws, acc);
+  PV_CASE(4, 1) PV_CASE(4, 2) PV_CASE(4, 3) PV_CASE(4, 4) PV_CASE(4, 5) PV_CASE(4, 6)
+  PV_CASE(8, 1) PV_CASE(8, 2) PV_CASE(8, 3)
+#undef PV_CASE
+  pv_heads_any(rows, m, w, ws, acc, r_heads, nv);
+}
 }  // namespace
 
 // silu(gate) * up for gu = [gate | up] of shape [n, 2h] (rows contiguous): returns [n, h].
@@ -333,6 +400,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
   at::parallel_for(0, b * spans, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(heads * (span + VL));
     std::vector<float> acc(heads * hd);
+    std::vector<const float*> rows(span);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t s = t / spans, c = t % spans, n = lp[s];
       const int64_t p0 = c * span, p1 = std::min(n, p0 + span);
@@ -345,19 +413,29 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
       const int64_t m = p1 - p0, stride = span + VL;
       const int64_t* table = tp + s * max_blocks;
       const float* qs = qp + s * sq;
-      for (int64_t p = p0; p < p1; ++p) {
-        const float* row = kvp + table[p / bs] * sb + (p % bs) * so;
+      for (int64_t p = p0; p < p1; ++p) rows[p - p0] = kvp + table[p / bs] * sb + (p % bs) * so;
+      // Scores 16 tokens at a time: the tokens' K rows stay in L1 for every head, and one
+      // hsum16 finishes 16 dot products.
+      for (int64_t t0 = 0; t0 < m; t0 += VL)
         for (int64_t g = 0; g < kvh; ++g) {
-          const float* k = row + g * hd;
+          const int64_t cnt = std::min(VL, m - t0);
           for (int64_t r = 0; r < group; ++r) {
             const int64_t h = g * group + r;
             const float* qh = qs + h * hd;
-            vf a = load(qh) * load(k);
-            for (int64_t v = 1; v < nv; ++v) a = a + load(qh + v * VL) * load(k + v * VL);
-            scores[h * stride + (p - p0)] = hsum(a);
+            vf part[VL];
+            for (int64_t t = 0; t < VL; ++t) {
+              if (t >= cnt) {
+                part[t] = vf{};
+                continue;
+              }
+              const float* k = rows[t0 + t] + g * hd;
+              vf a = load(qh) * load(k);
+              for (int64_t v = 1; v < nv; ++v) a = a + load(qh + v * VL) * load(k + v * VL);
+              part[t] = a;
+            }
+            store(scores.data() + h * stride + t0, hsum16(part));  // lanes past m: unread
           }
         }
-      }
       for (int64_t h = 0; h < heads; ++h) {
         float* sr = scores.data() + h * stride;
         vf mv = splat(-INFINITY);
@@ -382,15 +460,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
         pl[h] = sum;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t p = p0; p < p1; ++p) {
-        const float* row = kvp + table[p / bs] * sb + skv + (p % bs) * so;
+      // Weighted V sums 16 tokens at a time (their V rows stay in L1 for every head), a few
+      // query heads' sums in registers at a time.
+      const int64_t rmax = std::max<int64_t>(1, 24 / nv);
+      for (int64_t t0 = 0; t0 < m; t0 += VL) {
+        const int64_t cnt = std::min(VL, m - t0);
         for (int64_t g = 0; g < kvh; ++g) {
-          const float* v = row + g * hd;
-          for (int64_t r = 0; r < group; ++r) {
-            const int64_t h = g * group + r;
-            const vf w = splat(scores[h * stride + (p - p0)]);
-            float* a = acc.data() + h * hd;
-            for (int64_t j = 0; j < nv; ++j) store(a + j * VL, load(a + j * VL) + w * load(v + j * VL));
+          const float* vrows[VL];
+          for (int64_t t = 0; t < cnt; ++t) vrows[t] = rows[t0 + t] + skv + g * hd;
+          for (int64_t r0 = 0; r0 < group; r0 += rmax) {
+            const int64_t h = g * group + r0;
+            pv_dispatch(vrows, cnt, scores.data() + h * stride + t0, stride,
+                        acc.data() + h * hd, std::min(rmax, group - r0), nv);
           }
         }
       }
