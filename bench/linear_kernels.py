@@ -8,15 +8,23 @@ for each kernel the engine could use (`PanelLinear`: the extension's panels; `On
 oneDNN's prepacked GEMM; `DenseLinear`: `F.linear`), median of `--reps`. Prints ms, the
 weight-read rate it reached (weight bytes / time) and each kernel's time over the panels',
 beside the machine's read bandwidth and CPU flags.
+
+`--avx2` runs both sides as an AVX2-only CPU would on a newer one: the extension compiled
+for x86-64-v3 (AVX2 + FMA, no AVX-512) into a scratch directory, and oneDNN held to AVX2
+(`ONEDNN_MAX_CPU_ISA`). An emulation of the instruction set, not of an older core.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -50,17 +58,34 @@ def pass_ms(kernels: list[LinearKernel], shapes: list[tuple[int, int]], rows: in
     return statistics.median(times[1:]) * 1e3
 
 
+def avx2_extension() -> ModuleType:
+    """cpu_ops.cpp built for AVX2 + FMA without AVX-512, in a scratch directory."""
+    from torch.utils import cpp_extension
+
+    import pdserve.engine.kernels as kernels
+
+    source = Path(kernels.__file__).with_name("cpu_ops.cpp")
+    return cpp_extension.load(
+        name="pdserve_cpu_ops_avx2_bench", sources=[str(source)],
+        extra_cflags=["-O3", "-march=x86-64-v3", "-ffp-contract=off", "-fopenmp"],
+        extra_ldflags=["-fopenmp"], build_directory=tempfile.mkdtemp(), verbose=False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,512")
     ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--avx2", action="store_true",
+                    help="both kernels as on an AVX2-only CPU (see the module's docstring)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    ext = cpu_extension()
+    if args.avx2:
+        os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"  # read when oneDNN first dispatches
+    ext = avx2_extension() if args.avx2 else cpu_extension()
     if ext is None:
         sys.exit("the CPU extension could not be built here: nothing to compare")
     shapes = model_shapes(args.model)
@@ -72,7 +97,8 @@ def main() -> None:
         "F.linear": [DenseLinear(w, None) for w in weights],
     }
     bw = read_bandwidth_gbs()
-    print(f"CPU: {cpu_summary()}; torch threads {torch.get_num_threads()}; read bandwidth "
+    isa = "; emulating AVX2 only (extension x86-64-v3, oneDNN AVX2)" if args.avx2 else ""
+    print(f"CPU: {cpu_summary()}{isa}; torch threads {torch.get_num_threads()}; read bandwidth "
           f"{bw:.1f} GB/s; {nbytes / 1e6:.0f} MB of float32 weights in {len(shapes)} calls")
     print("\n| rows | " + " | ".join(f"{k} ms (GB/s)" for k in kinds)
           + " | onednn / panels | F.linear / panels |")
@@ -88,7 +114,7 @@ def main() -> None:
         record = {"benchmark": "bench.linear_kernels", "commit": _commit(), "argv": sys.argv[1:],
                   "cpu": cpu_summary(), "threads": torch.get_num_threads(),
                   "read_bandwidth_gbs": bw, "weight_bytes": nbytes,
-                  "panel_width": ext.panel_width(), "rows": out}
+                  "panel_width": ext.panel_width(), "avx2_emulated": args.avx2, "rows": out}
         with open(args.out, "w") as fh:
             json.dump(record, fh, indent=1)
 
