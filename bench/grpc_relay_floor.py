@@ -1,0 +1,204 @@
+"""The floor under the router's added latency: a bare grpc.aio relay, nothing else.
+
+    python -m bench.grpc_relay_floor [--requests 400] [--tokens 8] [--prompt 1500] \\
+        [--loops asyncio uvloop] [--out docs/bench/grpc_relay_floor.json]
+
+The router's added latency (bench.router_harness: client TTFT minus the worker's own time)
+is two gRPC hops in Python: the client's stream into the router, the router's stream into a
+decode worker, and the first token back along both. This measures what those two hops cost
+with no router in them, laid out as the harness lays the router out:
+
+- a **server** (the worker's place): a grpc.aio server with one unary-stream method that
+  answers each request with `--tokens` small messages at once;
+- a **relay** (the router's place), in its own process pinned to CPU 0 with ``taskset``: a
+  grpc.aio server whose method opens the same call on the server over one kept channel and
+  yields what it reads, message by message, and nothing else (no parsing: bytes in, bytes
+  out);
+- the **client** (the load generator's place), in this process, pinned with the server to the
+  other CPU(s): one request at a time, a `--prompt`-token request (int32 ids, as the router's
+  proto carries them), TTFT measured at the client.
+
+Per loop implementation (the relay's asyncio loop: the standard one, and uvloop where it is
+installed; it is not a dependency of pdserve), interleaved in rounds: TTFT p50/p99 direct (client -> server) and relayed
+(client -> relay -> server), their difference (what one relay hop adds), and the relay's CPU
+time per request (/proc). The router's own added latency over this floor is what the router
+does beyond relaying.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from array import array
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from pdserve.cluster import free_port, wait_port
+from pdserve.deathsig import guarded
+
+METHOD = "/floor.Relay/Generate"
+_IDENT = (lambda b: b, lambda b: b)  # bytes in, bytes out: no (de)serialization
+
+
+def _handler(fn: Any) -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler("floor.Relay", {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            fn, request_deserializer=_IDENT[0], response_serializer=_IDENT[1])})
+
+
+async def _serve(port: int, upstream: int | None, tokens: int) -> None:
+    server = grpc.aio.server()
+    if upstream is None:
+        async def generate(request: bytes, context: Any) -> Any:
+            for i in range(tokens):
+                yield i.to_bytes(4, "little") * 4
+    else:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{upstream}")
+        call_upstream = channel.unary_stream(METHOD, request_serializer=_IDENT[0],
+                                             response_deserializer=_IDENT[1])
+
+        async def generate(request: bytes, context: Any) -> Any:
+            async for msg in call_upstream(request, timeout=30):
+                yield msg
+    server.add_generic_rpc_handlers((_handler(generate),))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def serve_main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--upstream", type=int, default=None)
+    p.add_argument("--tokens", type=int, default=8)
+    p.add_argument("--loop", default="asyncio")
+    a = p.parse_args(argv)
+    factory = None
+    if a.loop == "uvloop":
+        import uvloop
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(_serve(a.port, a.upstream, a.tokens))
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _start(port: int, cpus: str, *extra: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        ["taskset", "-c", cpus, *guarded([sys.executable, "-m", "bench.grpc_relay_floor",
+                                          "serve", "--port", str(port), *extra])],
+        cwd=Path(__file__).parents[1])
+    wait_port(port, proc, 30, "relay floor server")
+    return proc
+
+
+async def _ttfts(port: int, request: bytes, n: int) -> list[float]:
+    out = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_stream(METHOD, request_serializer=_IDENT[0],
+                                    response_deserializer=_IDENT[1])
+        for _ in range(n):
+            t0 = time.perf_counter()
+            first = None
+            async for _msg in call(request, timeout=30):
+                if first is None:
+                    first = time.perf_counter() - t0
+            out.append((first or 0.0) * 1e3)
+    return out
+
+
+def _q(xs: list[float], q: float) -> float:
+    return round(sorted(xs)[min(len(xs) - 1, int(q * len(xs)))], 3)
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["serve"]:
+        serve_main(sys.argv[2:])
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=1500)
+    p.add_argument("--loops", nargs="+", default=["asyncio", *(
+        ["uvloop"] if importlib.util.find_spec("uvloop") else [])])
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args()
+    ncpu = os.cpu_count() or 2
+    others = f"1-{ncpu - 1}" if ncpu > 1 else "0"
+    os.sched_setaffinity(0, set(range(1, ncpu)) if ncpu > 1 else {0})
+    request = array("i", range(a.prompt)).tobytes()
+    sport = free_port()
+    procs = [_start(sport, others, "--tokens", str(a.tokens))]
+    relays = {}
+    try:
+        for loop in a.loops:
+            port = free_port()
+            procs.append(_start(port, "0", "--upstream", str(sport), "--loop", loop))
+            relays[loop] = (port, procs[-1].pid)
+        direct: list[float] = []
+        relayed: dict[str, list[float]] = {k: [] for k in relays}
+        cpu: dict[str, float] = dict.fromkeys(relays, 0.0)
+        per = max(1, a.requests // a.rounds)
+        asyncio.run(_ttfts(sport, request, 20))  # warm
+        for port, _pid in relays.values():
+            asyncio.run(_ttfts(port, request, 20))
+        for _ in range(a.rounds):
+            direct += asyncio.run(_ttfts(sport, request, per))
+            for loop, (port, pid) in relays.items():
+                c0 = _cpu_s(pid)
+                relayed[loop] += asyncio.run(_ttfts(port, request, per))
+                cpu[loop] += _cpu_s(pid) - c0
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+    flags = next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text()
+                  .splitlines() if ln.startswith("flags")), [])
+    result: dict[str, Any] = {
+        "bench": "bench/grpc_relay_floor.py", "command": " ".join(sys.argv),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip(),
+        "machine": {"cpu": platform.processor() or _model_name(), "cpus": ncpu,
+                    "avx512f": "avx512f" in flags, "python": platform.python_version(),
+                    "grpc": grpc.__version__},
+        "config": vars(a) | {"out": str(a.out) if a.out else None},
+        "direct_ttft_ms": {"p50": _q(direct, 0.5), "p99": _q(direct, 0.99),
+                           "mean": round(statistics.mean(direct), 3)},
+        "relayed": {}}
+    for loop, xs in relayed.items():
+        result["relayed"][loop] = {
+            "ttft_ms": {"p50": _q(xs, 0.5), "p99": _q(xs, 0.99),
+                        "mean": round(statistics.mean(xs), 3)},
+            "added_ms_p50": round(_q(xs, 0.5) - _q(direct, 0.5), 3),
+            "relay_cpu_ms_per_request": round(cpu[loop] / len(xs) * 1e3, 3)}
+    print(json.dumps(result, indent=1))
+    if a.out:
+        a.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def _model_name() -> str:
+    for ln in Path("/proc/cpuinfo").read_text().splitlines():
+        if ln.startswith("model name"):
+            return ln.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+if __name__ == "__main__":
+    main()
