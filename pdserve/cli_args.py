@@ -164,6 +164,10 @@ ENGINE_SETTINGS = {
                                       ge=1, group="engine"),
     "max_prefill_chunk": Setting("most prompt tokens of one sequence prefilled per step "
                                  "(chunked prefill)", ge=1, group="engine"),
+    "step_target_ms": Setting("a step's time the scheduler aims for: prompt tokens per step = "
+                              "the measured prefill rate x this, within "
+                              "--max-num-batched-tokens (0: the token budget alone)",
+                              ge=0, metavar="MS", group="engine"),
     "num_threads": Setting("torch intra-op threads (default: the CPUs this process may run "
                            "on)", flag="--threads", kind=int, ge=1, group="engine"),
     "device": Setting("torch device of the engine", group="engine"),

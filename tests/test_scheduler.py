@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.scheduler import (
+    MIN_STEP_PREFILL_TOKENS,
+    Scheduler,
+    SchedulerOutput,
+    step_budget,
+)
 from pdserve.engine.sequence import SeqMode, SeqStatus, Sequence
 from pdserve.types import FinishReason, LatencyClass, SamplingParams
 
@@ -209,3 +214,28 @@ def test_remote_allocation_fails_cleanly_when_pool_is_full() -> None:
     assert not s.allocate_remote(seq)
     assert seq.block_table == [] and not s.awaiting_kv
     assert s.bm.num_free_blocks == 2
+
+
+def test_a_chunk_never_takes_the_token_of_a_decode_after_it() -> None:
+    s = _scheduler(max_num_batched_tokens=64, max_prefill_chunk=64)
+    s.add(_seq("long", 40))
+    _step(s)  # long: 40 of 40 prompt tokens
+    s.add(_seq("short", 8, offset=1000))
+    s.add(_seq("late", 100, offset=2000))
+    _step(s)  # long decodes; short prefills; late takes what is left
+    # Running order: long (decoding), short (decoding), late (prefilling, 64 - 1 - 8 = 55 done).
+    # A budget of 10 leaves late 8 tokens and each decode its one.
+    s.running.reverse()  # late first: its chunk is ahead of both decode rows
+    out = s.schedule(budget=10)
+    assert _plan(out) == [("late", 55, 8), ("short", 8, 1), ("long", 41, 1)]
+
+
+def test_step_budget_from_time() -> None:
+    off = EngineConfig(block_size=BS, num_kv_blocks=64, max_num_batched_tokens=2048)
+    assert step_budget(off, 800.0, 16) == 2048
+    timed = EngineConfig(block_size=BS, num_kv_blocks=64, max_num_batched_tokens=2048,
+                         step_target_ms=500.0)
+    assert step_budget(timed, 0.0, 16) == 2048  # no rate measured yet: the token budget
+    assert step_budget(timed, 800.0, 16) == 16 + 400
+    assert step_budget(timed, 10.0, 16) == 16 + MIN_STEP_PREFILL_TOKENS
+    assert step_budget(timed, 100_000.0, 16) == 2048  # a fast device: the token budget

@@ -133,6 +133,11 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget (decodes + prefill chunks)
     max_prefill_chunk: int = 512  # longest prefill piece of one sequence in one step
+    # A step's time the scheduler aims for: prompt tokens per step = the engine's measured
+    # prefill rate x this (at least MIN_STEP_PREFILL_TOKENS, within max_num_batched_tokens),
+    # so a slow device takes small steps and a fast one its whole budget. 0: the token budget
+    # alone. See pdserve.engine.scheduler.
+    step_target_ms: float = 0.0
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
     # How weights are stored and multiplied (engine.linear): float32 (exact), bfloat16 /
@@ -151,6 +156,8 @@ class EngineConfig:
             raise InvalidRequestError("max_num_batched_tokens must be >= max_num_seqs")
         if not 1 <= self.max_prefill_chunk <= self.max_num_batched_tokens:
             raise InvalidRequestError("max_prefill_chunk must be in [1, max_num_batched_tokens]")
+        if self.step_target_ms < 0:
+            raise InvalidRequestError("step_target_ms must be >= 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise InvalidRequestError("num_kv_blocks must be >= 2")
         if self.dtype not in DTYPES:

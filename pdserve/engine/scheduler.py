@@ -2,9 +2,17 @@
 
 One code path for prefill and decode: every running sequence has ``num_computed_tokens``
 catching up with ``num_tokens``. Each step serves running sequences first (decodes cost one
-token, unfinished prompts a chunk), then admits waiting ones, highest latency class first,
-into what is left of the budget. When blocks run out the most recently admitted sequence is
-preempted: its blocks are freed and it is recomputed later (prefix caching makes that cheap).
+token, unfinished prompts a chunk, never so large that a decode after it is left out), then
+admits waiting ones, highest latency class first, into what is left of the budget. When
+blocks run out the most recently admitted sequence is preempted: its blocks are freed and it
+is recomputed later (prefix caching makes that cheap).
+
+The budget is `max_num_batched_tokens`, or less where the engine sets it from time
+(`step_budget`): with `step_target_ms`, the prompt tokens of a step are the measured prefill
+rate x that target. A step's length is what every running stream waits for its next token,
+and a burst of prompts in one long step delays all their first tokens to its end; smaller
+steps let the first prompts of a burst finish early. On a CPU that prefills ~800 tokens/s, a
+2,048-token step lasts ~2.7 s; on a GPU the same target leaves the whole token budget.
 """
 
 from __future__ import annotations
@@ -17,6 +25,22 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sequence import SeqMode, SeqStatus, Sequence
 from pdserve.types import FinishReason
+
+# The fewest prompt tokens a time-bounded step may take, so prompts progress however slow the
+# steps are measured to be.
+MIN_STEP_PREFILL_TOKENS = 64
+
+
+def step_budget(config: EngineConfig, prefill_tokens_per_s: float, running: int) -> int:
+    """A step's token budget: `config.max_num_batched_tokens`, or with `step_target_ms` and a
+    measured prefill rate (tokens/s in steps that prefilled, their decode rows included), one
+    token per `running` sequence plus the prompt tokens that rate computes in the target."""
+    cap = config.max_num_batched_tokens
+    if config.step_target_ms <= 0 or prefill_tokens_per_s <= 0:
+        return cap
+    prompt = max(MIN_STEP_PREFILL_TOKENS,
+                 int(prefill_tokens_per_s * config.step_target_ms / 1000.0))
+    return min(cap, running + prompt)
 
 
 @dataclass(frozen=True)
@@ -78,15 +102,26 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, budget: int | None = None) -> SchedulerOutput:
+        """This step's work within `budget` tokens (default `max_num_batched_tokens`)."""
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens if budget is None else budget
         chunk = self.config.max_prefill_chunk
         scheduled_ids: set[int] = set()
+        # Decode rows not yet served: a prompt's chunk ahead of them leaves them their token.
+        decodes = sum(1 for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, chunk, budget)
+            todo = seq.num_tokens - seq.num_computed_tokens
+            if todo == 1:
+                decodes -= 1
+                n = 1
+            else:
+                n = min(todo, chunk, max(budget - decodes, 0))
+                if n == 0:
+                    i += 1
+                    continue
             while not self.bm.append_slots(seq.block_table, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
