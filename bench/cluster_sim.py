@@ -36,7 +36,7 @@ from typing import Any, cast
 
 from bench.loadgen.arrivals import arrival_times
 from bench.loadgen.config import SLO
-from bench.loadgen.metrics import GroupSummary, Percentiles, goodput
+from bench.loadgen.metrics import GroupSummary, Percentiles, RequestResult, goodput
 from bench.loadgen.workload import build_requests, named_workload
 from bench.sim.cluster import POLICIES, Overheads, Policy, SimConfig, SimResult, simulate
 from bench.sim.workers import SimRequest, StepCost, load_corun
@@ -44,6 +44,7 @@ from pdserve.types import LatencyClass
 from router.policy import RouterPolicy
 
 # bench.goodput's mixed SLOs (docs/bench/goodput: TTFT 1500 ms / TPOT 150 ms, batch 15 s).
+STALL_S = 0.15  # a gap between two tokens this long counts as a stall (per-request rows)
 MIXED_SLO = SLO(ttft_ms=1500.0, tpot_ms=150.0, target=0.9, per_class=(("batch", 15000.0, 150.0),))
 # bench.goodput's router flags: remote prefill from 512 uncached tokens, no backlog limit.
 GOODPUT_ROUTER = RouterPolicy(remote_min_uncached_tokens=512,
@@ -130,20 +131,26 @@ def prefill_s(cost: StepCost, n: int, chunk: int = 512) -> float:
 
 
 def calibrate(unloaded: dict[str, Unloaded], cost: StepCost) -> Overheads:
-    """Time outside the modelled steps, from one-at-a-time requests: a chat prompt (local)
-    gives the per-step streaming overhead (its TPOT minus a one-row decode step) and the
-    local path's fixed cost (its TTFT minus its prefill); a long-batch one (remote) the
-    remote path's (its TTFT minus prefill and transfer)."""
+    """Time outside the modelled steps, from one-at-a-time requests. A chat prompt (local,
+    ~100 tokens) and a long-batch one (remote, ~1,100) decode alone: their TPOTs minus a
+    one-row decode step at their contexts give the per-step streaming overhead and the cost
+    per context token the profile misses (two equations, two unknowns; neither below 0).
+    The chat prompt's TTFT minus its prefill gives the local path's fixed cost, the long
+    one's minus prefill and transfer the remote path's."""
     chat, batch = unloaded["chat"], unloaded["long-batch"]
     ctx = int(chat.prompt_tokens) + 24
-    step = max(0.0, chat.tpot_ms / 1e3 - cost.step_s([(ctx, 1)]))
-    local = max(0.0, chat.ttft_ms / 1e3 - prefill_s(cost, int(chat.prompt_tokens)) - step)
     n = int(batch.prompt_tokens)
+    bctx = n + 12  # mid-stream: its outputs are ~24 tokens
+    chat_extra = chat.tpot_ms / 1e3 - cost.step_s([(ctx, 1)])
+    batch_extra = batch.tpot_ms / 1e3 - cost.step_s([(bctx, 1)])
+    per_ctx = max(0.0, (batch_extra - chat_extra) / (bctx - ctx)) if bctx > ctx else 0.0
+    step = max(0.0, chat_extra - per_ctx * ctx)
+    local = max(0.0, chat.ttft_ms / 1e3 - prefill_s(cost, int(chat.prompt_tokens)) - step)
     chunks = -(-n // 512)
     remote = max(0.0, batch.ttft_ms / 1e3 - prefill_s(cost, n) - chunks * step
                  - n * TRANSFER_S_PER_TOKEN)
     return Overheads(local_s=local, remote_s=remote, step_s=step,
-                     transfer_s_per_token=TRANSFER_S_PER_TOKEN)
+                     transfer_s_per_token=TRANSFER_S_PER_TOKEN, context_s_per_token=per_ctx)
 
 
 def calibrate_streaming(root: Path, overheads: Overheads, cost: StepCost, seed: int
@@ -244,6 +251,8 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
                 err = {g: {k: None if not m.get(k) or predicted.get(g, {}).get(k) is None
                            else round(predicted[g][k] / m[k] - 1, 3)  # type: ignore[operator]
                            for k in m} for g, m in measured.items()}
+                requests = [_request_row(r, p) for r, p in zip(rec["requests"], sim.requests,
+                                                                    strict=True)]
                 rows.append({
                     "record": root.name, "layout": layout, "policy": policy,
                     "rate": rec["config"]["rate"],
@@ -251,8 +260,29 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
                     "relative_error": err,
                     "attainment": {"measured": rec["summary"]["overall"]["attainment"]["both"],
                                    "predicted": sim.summary.overall.attainment.both},
-                    "routes": {"measured": real_routes, "predicted": sim.routes}})
+                    "routes": {"measured": real_routes, "predicted": sim.routes},
+                    "requests": requests})
     return {"calibration": calib, "rows": rows, "within_15pct": within(rows, 0.15)}
+
+
+def _request_row(real: dict[str, Any], sim: RequestResult) -> dict[str, Any]:
+    """One request measured and simulated: [measured, simulated] per metric (ms), so a
+    cell's error can be traced to the requests and the stage it comes from."""
+    def ms(x: float | None) -> float | None:
+        return None if x is None else round(x * 1e3, 1)
+
+    def stalls(itl: Sequence[float]) -> int:
+        return sum(1 for x in itl if x > STALL_S)
+
+    timings = real.get("server_timings_ms") or {}
+    return {"index": real["index"], "class": real["latency_class"],
+            "prompt_tokens": real["prompt_tokens"], "output_tokens": real["output_tokens"],
+            "start_s": round(real["start_s"], 3), "route": [real.get("route"), sim.route],
+            "ttft_ms": [ms(real["ttft_s"]), ms(sim.ttft_s)],
+            "tpot_ms": [ms(real.get("tpot_s")), ms(sim.tpot_s)],
+            "prefill_compute_ms": timings.get("prefill_compute_ms"),
+            f"gaps_over_{int(STALL_S * 1e3)}ms": [stalls(real.get("itl_s") or ()),
+                                                  stalls(sim.itl_s)]}
 
 
 def within(rows: Sequence[dict[str, Any]], tol: float) -> dict[str, str]:

@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 
 import router.placement
-from bench.cluster_sim import GOODPUT_ROUTER, MIXED_SLO, trace_chat, trace_mixed
+from bench.cluster_sim import (
+    GOODPUT_ROUTER,
+    MIXED_SLO,
+    Unloaded,
+    calibrate,
+    trace_chat,
+    trace_mixed,
+)
 from bench.sim.cluster import Overheads, SimConfig, SimResult, Simulation, simulate
 from bench.sim.workers import Host, SimRequest, SimWorker, StepCost
 from pdserve.types import LatencyClass
@@ -102,6 +109,39 @@ def test_idle_remote_request_costs_the_profile() -> None:
     assert q.ttft_s == pytest.approx(o.remote_s + sum(chunks) + n * o.transfer_s_per_token)
     steps = [o.step_s + COST.step_s([(n + k, 1)]) for k in range(out - 1)]
     assert q.tpot_s == pytest.approx(sum(steps) / len(steps))
+
+
+def test_context_overhead_prices_each_decode_rows_context() -> None:
+    n, out, per_ctx = 100, 6, 4e-6
+    o = dataclasses.replace(OVERHEADS, context_s_per_token=per_ctx)
+    q = run("threshold", reqs=_one(n, out), overheads=o).requests[0]
+    steps = [o.step_s + per_ctx * (n + k) + COST.step_s([(n + k, 1)]) for k in range(out - 1)]
+    assert q.tpot_s == pytest.approx(sum(steps) / len(steps))
+
+
+def test_calibration_splits_decode_overhead_into_per_step_and_per_context_token() -> None:
+    step, per_ctx = 0.002, 5e-6
+    chat_ctx, batch_n = 100 + 24, 1100
+
+    def tpot_ms(ctx: int) -> float:
+        return (COST.step_s([(ctx, 1)]) + step + per_ctx * ctx) * 1e3
+
+    o = calibrate({"chat": Unloaded("chat", 100, 300.0, tpot_ms(chat_ctx)),
+                   "long-batch": Unloaded("long-batch", batch_n, 3000.0,
+                                          tpot_ms(batch_n + 12))}, COST)
+    assert o.context_s_per_token == pytest.approx(per_ctx)
+    assert o.step_s == pytest.approx(step)
+
+
+def test_step_target_takes_smaller_prefill_steps() -> None:
+    # Two long prompts at once on one decode worker: with a step target, once the first step
+    # measured the prefill rate, each later step takes about rate x target prompt tokens.
+    reqs = [SimRequest(f"r{i}", 0.0, tuple(range(1000 * i, 1000 * i + 1500)), 4,
+                       LatencyClass.INTERACTIVE) for i in range(2)]
+    plain = run("threshold", reqs=reqs, max_num_batched_tokens=4096)
+    timed = run("threshold", reqs=reqs, max_num_batched_tokens=4096, step_target_ms=100.0)
+    assert timed.summary.overall.num_errors == plain.summary.overall.num_errors == 0
+    assert min(q.ttft_s for q in timed.requests) < min(q.ttft_s for q in plain.requests)
 
 
 class _Busy(SimWorker):

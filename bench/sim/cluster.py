@@ -65,6 +65,10 @@ class Overheads:
     # for the same cores (calibrated from closed-loop runs: bench.sim.real streaming).
     token_s: float = 0.0
     transfer_s_per_token: float = 1e-4
+    # Per context token of each decode row, beyond the profile's own context term: reading a
+    # long sequence's KV in a running cluster costs more than in the profile's lone engine
+    # (calibrated from one-at-a-time chat vs long-batch TPOT, bench.cluster_sim.calibrate).
+    context_s_per_token: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class SimConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int = 512
+    step_target_ms: float = 0.0  # the engines' --step-target-ms (0: the token budget alone)
     max_num_seqs: int = 64
     heartbeat_s: float = 1.0
     event_lag_s: float = 0.05  # publisher (<= 20 ms batches) + XREAD + apply
@@ -140,7 +145,8 @@ class Simulation(Clock):
         kw: dict[str, Any] = dict(num_blocks=c.num_blocks, block_size=c.block_size,
                   max_num_batched_tokens=c.max_num_batched_tokens,
                   max_prefill_chunk=c.max_prefill_chunk, max_num_seqs=c.max_num_seqs,
-                  step_overhead_s=c.overheads.step_s)
+                  step_target_ms=c.step_target_ms, step_overhead_s=c.overheads.step_s,
+                  context_overhead_s=c.overheads.context_s_per_token)
         dkw = dict(kw, token_overhead_s=c.overheads.token_s)
         self.decoders = [DecodeSim(f"decode-{i:03d}", self, cost, host(),
                                    core=0 if c.sharing == "own" else

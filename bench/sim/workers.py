@@ -25,7 +25,7 @@ from bench.engine_profile import predict
 from pdserve.control.load import WorkerLoad
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput, step_budget
 from pdserve.engine.sequence import SeqMode, SeqStatus
 from pdserve.engine.sequence import Sequence as Seq
 from pdserve.engine.step_rates import StepRates
@@ -126,18 +126,20 @@ class SimWorker:
                  core: int | None = None, weight: float = 1024.0, num_blocks: int = 728,
                  block_size: int = 16, max_num_batched_tokens: int = 2048,
                  max_prefill_chunk: int = 512, max_num_seqs: int = 64,
-                 step_overhead_s: float = 0.0, token_overhead_s: float = 0.0):
+                 step_target_ms: float = 0.0, step_overhead_s: float = 0.0,
+                 token_overhead_s: float = 0.0, context_overhead_s: float = 0.0):
         self.worker_id = worker_id
         self.clock, self.cost, self.host = clock, cost, host
         self.core, self.weight = core, weight
         self.step_overhead_s = step_overhead_s
         self.token_overhead_s = token_overhead_s
+        self.context_overhead_s = context_overhead_s
         self.bm = BlockManager(num_blocks, block_size, hash_extra=MODEL_ID.encode(),
                                record_events=True)
         self.sched = Scheduler(EngineConfig(
             block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            max_prefill_chunk=max_prefill_chunk), self.bm)
+            max_prefill_chunk=max_prefill_chunk, step_target_ms=step_target_ms), self.bm)
         self.rates = StepRates()
         self.busy = False
         self.step_kind = "decode"
@@ -156,14 +158,17 @@ class SimWorker:
         """Start the next step if idle and there is work."""
         if self.busy or not self.sched.has_work:
             return
-        out = self.sched.schedule()
+        out = self.sched.schedule(step_budget(  # as LLMEngine.step sets it
+            self.sched.config, self.rates.prefill_tokens_per_s, len(self.sched.running)))
         if not out.scheduled:
             return
         self._out = out
         streamed = sum(1 for s in out.scheduled if s.samples)
         prompt = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
         self.step_kind = "prefill" if prompt >= PREFILL_STEP_TOKENS else "decode"
+        context = sum(s.start for s in out.scheduled if s.num_new_tokens == 1)
         self._left = (self.step_overhead_s + self.token_overhead_s * streamed
+                      + self.context_overhead_s * context
                       + self.cost.step_s([(s.start, s.num_new_tokens) for s in out.scheduled]))
         self._started = self._since = self.clock.now
         self.busy = True
