@@ -63,7 +63,8 @@ class _Ours:
         config = EngineConfig(num_threads=threads, max_num_seqs=max(max_batch, 1))
         block_bytes = kv_layout(ModelConfig.from_dir(model_dir), config, "").block_nbytes
         config = EngineConfig(num_threads=threads, max_num_seqs=max(max_batch, 1),
-                              kv_cache_bytes=block_bytes * (tokens // config.block_size + 1))
+                              kv_cache_bytes=block_bytes * (tokens // config.block_size + 1),
+                              step_target_ms=0.0)  # a prompt in whole chunks
         self.engine = LLMEngine.from_dir(model_dir, config)
         self.vocab = self.engine.model_config.vocab_size
         self._n = 0

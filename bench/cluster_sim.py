@@ -153,6 +153,14 @@ def calibrate(unloaded: dict[str, Unloaded], cost: StepCost) -> Overheads:
                      transfer_s_per_token=TRANSFER_S_PER_TOKEN, context_s_per_token=per_ctx)
 
 
+def record_step_target_ms(root: Path) -> float:
+    """The engines' --step-target-ms in a bench.goodput / bench.sim.real record's setup;
+    before the flag existed there was none (0: the token budget alone)."""
+    path = root / "setup.json"
+    setup = json.loads(path.read_text()).get("setup", {}) if path.exists() else {}
+    return float(setup.get("step_target_ms", 0.0))
+
+
 def calibrate_streaming(root: Path, overheads: Overheads, cost: StepCost, seed: int
                         ) -> tuple[Overheads, list[dict[str, Any]]]:
     """Per-streamed-token cost from closed-loop chat runs at a few concurrencies
@@ -163,7 +171,9 @@ def calibrate_streaming(root: Path, overheads: Overheads, cost: StepCost, seed: 
         reqs, rec = trace_from_record(path, seed)
         c = int(rec["config"]["concurrency"])
         sim = simulate(SimConfig(policy="threshold", router=GOODPUT_ROUTER, sharing="1p1d",
-                                 overheads=overheads, seed=seed), reqs, MIXED_SLO, cost)
+                                 overheads=overheads, seed=seed,
+                                 step_target_ms=record_step_target_ms(root)),
+                       reqs, MIXED_SLO, cost)
         meas = rec["summary"]["overall"]["tpot_ms"]["p50"]
         pred = sim.summary.overall.tpot_ms.p50 if sim.summary.overall.tpot_ms else 0.0
         points.append({"concurrency": c, "tpot_p50_measured_ms": round(meas, 1),
@@ -233,10 +243,12 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
             overheads, points = calibrate_streaming(streaming, overheads, cost, seed)
         calib[f"{layout} {root.name}"] = {"unloaded": {k: asdict(v) for k, v in unloaded.items()},
                          "streaming": points, "overheads": asdict(overheads)}
+        step_target_ms = record_step_target_ms(root)
         for system, policy in systems:
             for path in sorted((root / system).glob("rate_*.json")):
                 reqs, rec = trace_from_record(path, seed)
                 cfg = SimConfig(n_decode=2 if layout == "1p2d" else 1, n_prefill=1,
+                                step_target_ms=step_target_ms,
                                 policy=policy, router=GOODPUT_ROUTER,  # type: ignore[arg-type]
                                 sharing="cluster-up" if layout == "1p2d" else "1p1d",
                                 overheads=overheads, seed=seed, corun=corun or {})

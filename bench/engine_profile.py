@@ -100,7 +100,7 @@ def _profile(threads: int, quick: bool) -> list[StepSample]:
     torch.set_num_threads(threads)
     engine = LLMEngine.from_dir(resolve_model(None, progress=False), EngineConfig(
         kv_cache_bytes=512 << 20, max_num_batched_tokens=2048, max_prefill_chunk=512,
-        num_threads=threads))
+        num_threads=threads, step_target_ms=0.0))  # steps as scheduled, not timed
     rng = random.Random(0)
     samples: list[StepSample] = []
     captured: list[tuple[tuple[int, int], ...]] = []
@@ -173,7 +173,8 @@ from pdserve.engine.model_store import resolve_model
 from pdserve.types import GenerateRequest, SamplingParams
 torch.set_num_threads(1)
 e = LLMEngine.from_dir(resolve_model(None, progress=False), EngineConfig(
-    kv_cache_bytes=512 << 20, num_threads=1, enable_prefix_caching=False))
+    kv_cache_bytes=512 << 20, num_threads=1, enable_prefix_caching=False,
+    step_target_ms=0.0))
 rng = random.Random(1)
 print("ready", flush=True)
 while True:
@@ -202,7 +203,8 @@ def corun(background_core: int, rounds: int) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     engine = LLMEngine.from_dir(resolve_model(None, progress=False), EngineConfig(
-        kv_cache_bytes=512 << 20, num_threads=1, enable_prefix_caching=False))
+        kv_cache_bytes=512 << 20, num_threads=1, enable_prefix_caching=False,
+        step_target_ms=0.0))
     rng = random.Random(2)
 
     def timed(prompt: int, out: int, decode_only: bool) -> float:

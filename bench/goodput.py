@@ -57,6 +57,7 @@ from bench.loadgen.plots import plot_sweeps
 from bench.loadgen.report import compare, write_json, write_sweep
 from bench.loadgen.runner import RunResult, SweepResult, run_load, sweep
 from bench.loadgen.workload import Workload
+from pdserve.engine.config import EngineConfig
 
 # ucxx's default "thread" progress mode awaits every UCX request with a yield loop on the
 # event loop, so a decode worker (whose KV receiver always has a receive posted per connected
@@ -92,6 +93,7 @@ class Setup:
     kv_cache_mb: int = 512
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int = 512
+    step_target_ms: float = EngineConfig().step_target_ms
     remote_threshold: int = 512
     max_prefill_backlog: int = 1_000_000
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="goodput-")))
@@ -104,6 +106,7 @@ class Setup:
             "--kv-cache-mb", str(self.kv_cache_mb),
             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
             "--max-prefill-chunk", str(self.max_prefill_chunk),
+            "--step-target-ms", f"{self.step_target_ms:g}",
         ]  # fmt: skip
         return args + (["--model", self.model] if self.model else [])
 
@@ -557,6 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool per engine")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048)
     s.add_argument("--max-prefill-chunk", type=int, default=512)
+    s.add_argument("--step-target-ms", type=float, default=EngineConfig().step_target_ms)
     s.add_argument("--remote-threshold", type=int, default=512)
     s.add_argument(
         "--max-prefill-backlog",
@@ -594,7 +598,7 @@ async def _main(args: argparse.Namespace) -> int:
         decode_cores=args.decode_cores,
         kv_cache_mb=args.kv_cache_mb,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        max_prefill_chunk=args.max_prefill_chunk,
+        max_prefill_chunk=args.max_prefill_chunk, step_target_ms=args.step_target_ms,
         remote_threshold=args.remote_threshold,
         max_prefill_backlog=args.max_prefill_backlog,
         log_dir=args.log_dir or args.out / "logs",

@@ -156,7 +156,7 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         engine = LLMEngine.from_dir(resolve_model(args.model), EngineConfig(
             dtype=dtype, kv_cache_bytes=512 << 20, enable_prefix_caching=False,
-            num_threads=args.threads))
+            num_threads=args.threads, step_target_ms=0.0))  # a prompt in whole chunks
         bound = engine.runner.model.weight_nbytes() / bw / 1e6
         for batch in (int(b) for b in args.batches.split(",")):
             step = statistics.median(_decode_steps(engine, rng, batch, args.context,

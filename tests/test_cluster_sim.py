@@ -29,6 +29,7 @@ OVERHEADS = Overheads(local_s=0.05, remote_s=0.04, step_s=0.01, transfer_s_per_t
 
 def run(policy: str = "threshold", *, n_decode: int = 1, reqs: list[SimRequest] | None = None,
         **kw: Any) -> SimResult:
+    kw.setdefault("step_target_ms", 0.0)  # steps priced here are the token budget's
     cfg = SimConfig(n_decode=n_decode, n_prefill=max(1, n_decode // 4), policy=policy,  # type: ignore[arg-type]
                     router=GOODPUT_ROUTER, overheads=kw.pop("overheads", OVERHEADS), **kw)
     return simulate(cfg, reqs if reqs is not None else trace_mixed(30, 0.5, 1), MIXED_SLO, COST)

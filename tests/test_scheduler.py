@@ -231,7 +231,8 @@ def test_a_chunk_never_takes_the_token_of_a_decode_after_it() -> None:
 
 
 def test_step_budget_from_time() -> None:
-    off = EngineConfig(block_size=BS, num_kv_blocks=64, max_num_batched_tokens=2048)
+    off = EngineConfig(block_size=BS, num_kv_blocks=64, max_num_batched_tokens=2048,
+                       step_target_ms=0.0)
     assert step_budget(off, 800.0, 16) == 2048
     timed = EngineConfig(block_size=BS, num_kv_blocks=64, max_num_batched_tokens=2048,
                          step_target_ms=500.0)

@@ -37,6 +37,7 @@ from bench.sim.workers import (
     load_corun,
 )
 from pdserve.control.workers import WorkerInfo
+from pdserve.engine.config import EngineConfig
 from pdserve.kv_events import KVEventBatch
 from router import placement
 from router.admission import AdmissionConfig
@@ -85,7 +86,8 @@ class SimConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int = 512
-    step_target_ms: float = 0.0  # the engines' --step-target-ms (0: the token budget alone)
+    # The engines' --step-target-ms (0: the token budget alone), by default the engine's.
+    step_target_ms: float = EngineConfig().step_target_ms
     max_num_seqs: int = 64
     heartbeat_s: float = 1.0
     event_lag_s: float = 0.05  # publisher (<= 20 ms batches) + XREAD + apply

@@ -85,7 +85,7 @@ async def _main(args: argparse.Namespace, placements: Sequence[str]) -> int:
                               "http://127.0.0.1:1")
     setup = Setup(model=args.model_path, kv_cache_mb=args.kv_cache_mb,
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_prefill_chunk=args.max_prefill_chunk,
+                  max_prefill_chunk=args.max_prefill_chunk, step_target_ms=args.step_target_ms,
                   remote_threshold=args.remote_threshold,
                   max_prefill_backlog=args.max_prefill_backlog,
                   log_dir=args.log_dir or args.out / "logs",
