@@ -236,7 +236,7 @@ def test_step_budget_from_time() -> None:
     assert step_budget(off, 800.0, 16) == 2048
     timed = EngineConfig(block_size=BS, num_kv_blocks=64, max_num_batched_tokens=2048,
                          step_target_ms=500.0)
-    assert step_budget(timed, 0.0, 16) == 2048  # no rate measured yet: the token budget
+    assert step_budget(timed, 0.0, 16) == 16 + 512  # no rate measured yet: one chunk
     assert step_budget(timed, 800.0, 16) == 16 + 400
     assert step_budget(timed, 10.0, 16) == 16 + MIN_STEP_PREFILL_TOKENS
     assert step_budget(timed, 100_000.0, 16) == 2048  # a fast device: the token budget

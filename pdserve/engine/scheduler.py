@@ -34,10 +34,14 @@ MIN_STEP_PREFILL_TOKENS = 64
 def step_budget(config: EngineConfig, prefill_tokens_per_s: float, running: int) -> int:
     """A step's token budget: `config.max_num_batched_tokens`, or with `step_target_ms` and a
     measured prefill rate (tokens/s in steps that prefilled, their decode rows included), one
-    token per `running` sequence plus the prompt tokens that rate computes in the target."""
+    token per `running` sequence plus the prompt tokens that rate computes in the target.
+    Until a rate is measured, the prompt tokens are one chunk (`max_prefill_chunk`): a cold
+    engine's first burst does not make one step of the whole token budget."""
     cap = config.max_num_batched_tokens
-    if config.step_target_ms <= 0 or prefill_tokens_per_s <= 0:
+    if config.step_target_ms <= 0:
         return cap
+    if prefill_tokens_per_s <= 0:
+        return min(cap, running + config.max_prefill_chunk)
     prompt = max(MIN_STEP_PREFILL_TOKENS,
                  int(prefill_tokens_per_s * config.step_target_ms / 1000.0))
     return min(cap, running + prompt)
