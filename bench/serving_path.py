@@ -15,7 +15,11 @@ hop in one run on this machine, for each of `--dtypes`:
    `decode_grpc` (the decode worker's own Generate stream), `router_grpc` (the router's
    client API, pdserve.client) and `http_sse` (the OpenAI-compatible /v1/completions stream).
 
-Ratios are against `engine` of the same run. `--baseline-tree DIR` (e.g. a `git worktree` of
+Ratios are against `engine` of the same run. With `--rounds N` the engine and the three hops
+are also measured alternately, N rounds beside one idle cluster, and each hop's ratio is the
+median of its per-round ratios: the step's own time drifts between minutes on a shared VM
+(16-19 ms for float32 between two runs here), more than the gap being measured.
+`--baseline-tree DIR` (e.g. a `git worktree` of
 an earlier commit) measures part 3 against the code in DIR first, in a child process whose
 working directory and PYTHONPATH are DIR, so its cluster runs that code.
 """
@@ -50,9 +54,8 @@ def _best(fn: Callable[[], float], reps: int) -> float:
     return min(fn() for _ in range(reps))
 
 
-def _engine_parts(dtype: str, tokens: int, reps: int) -> dict[str, float]:
-    import torch
-
+def _engine_stream(dtype: str, tokens: int) -> Callable[[], float]:
+    """One greedy stream through `LLMEngine.step()` on the calling thread: its median gap."""
     from pdserve.engine import model_store
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
@@ -71,6 +74,13 @@ def _engine_parts(dtype: str, tokens: int, reps: int) -> dict[str, float]:
             stamps.append(time.perf_counter())
         return _median_gap_ms(stamps)
 
+    return one_stream
+
+
+def _engine_parts(dtype: str, tokens: int, reps: int) -> dict[str, float]:
+    import torch
+
+    one_stream = _engine_stream(dtype, tokens)
     out = {"engine": _best(one_stream, reps)}
     hold = threading.Event()
 
@@ -149,6 +159,50 @@ def _cluster_parts(dtype: str, tokens: int, reps: int) -> dict[str, float]:
         }
 
 
+def _interleaved(dtype: str, tokens: int, rounds: int) -> dict[str, Any]:
+    """The engine's step and each hop measured alternately, `rounds` times, beside the same
+    idle 1P1D cluster: a ratio per round from measurements seconds apart, so the machine's
+    drift between minutes (its memory bandwidth moves 30-63 GB/s run to run here) cancels.
+    The in-process engine is built first, so it never computes while a hop is measured."""
+    from pdserve.cluster import LocalCluster
+    from pdserve.engine import model_store
+
+    engine = _engine_stream(dtype, tokens)
+    model_dir = model_store.resolve_model(None)
+    with LocalCluster(prefill=1, decode=1, model=str(model_dir), cluster_secret="",
+                      extra_worker_args=("--dtype", dtype)) as c:
+        decode = f"127.0.0.1:{c.ports['decode-0']}"
+        hops: dict[str, Callable[[], float]] = {
+            "decode_grpc": lambda: asyncio.run(_decode_grpc(decode, tokens)),
+            "router_grpc": lambda: asyncio.run(_router_grpc(c.grpc_address, tokens)),
+            "http_sse": lambda: _http_sse(c.http_url, tokens)}
+        for hop in hops.values():  # warm every path once
+            hop()
+        rows: list[dict[str, float]] = []
+        for _ in range(rounds):
+            row = {"engine": engine()}
+            for name, hop in hops.items():
+                row[name] = hop()
+            rows.append(row)
+    ratios = {k: statistics.median(r[k] / r["engine"] for r in rows)
+              for k in rows[0] if k != "engine"}
+    return {"rounds": rows, "median_ratio_to_engine": ratios}
+
+
+def _interleaved_child(dtype: str, tokens: int, rounds: int) -> dict[str, Any]:
+    """`_interleaved` in a child process of its own. A process that has had more OpenMP
+    threads than CPUs (here: `engine_beside_pool`'s idle pool) keeps libgomp from spinning for
+    the rest of its life; its engine then steps ~1.4x slower, and every ratio would be
+    flattered."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([sys.executable, "-m", "bench.serving_path", "--interleaved-only",
+                        "--dtypes", dtype, "--tokens", str(tokens), "--rounds", str(rounds),
+                        "--out", out.name], cwd=Path(__file__).resolve().parents[1],
+                       check=True)
+        result: dict[str, Any] = json.loads(Path(out.name).read_text())[dtype]
+    return result
+
+
 def _baseline(tree: Path, dtypes: list[str], tokens: int, reps: int) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         env = {**os.environ, "PYTHONPATH": str(tree)}
@@ -170,8 +224,17 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--baseline-tree", type=Path, default=None)
     ap.add_argument("--cluster-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="also measure the engine and each hop alternately, this many rounds "
+                         "beside one idle cluster, and report the median per-round ratio")
+    ap.add_argument("--interleaved-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     dtypes = [d for d in args.dtypes.split(",") if d]
+    if args.interleaved_only:  # a fresh process per dtype: see _interleaved_child
+        record = {d: _interleaved(d, args.tokens, args.rounds) for d in dtypes}
+        if args.out:
+            args.out.write_text(json.dumps(record))
+        return 0
     if args.cluster_only:  # the baseline child: part 3 with the code of its tree
         record: dict[str, Any] = {"tpot_ms": {d: _cluster_parts(d, args.tokens, args.reps)
                                               for d in dtypes}}
@@ -184,9 +247,12 @@ def main() -> int:
     baseline = (_baseline(args.baseline_tree.resolve(), dtypes, args.tokens, args.reps)
                 if args.baseline_tree else None)
     tpot: dict[str, dict[str, float]] = {}
+    interleaved: dict[str, dict[str, Any]] = {}
     for d in dtypes:
         tpot[d] = _engine_parts(d, args.tokens, args.reps)
         tpot[d].update(_cluster_parts(d, args.tokens, args.reps))
+        if args.rounds:
+            interleaved[d] = _interleaved_child(d, args.tokens, args.rounds)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
@@ -200,6 +266,7 @@ def main() -> int:
         "tpot_ms": tpot,
         "ratio_to_engine": {d: {k: v / t["engine"] for k, v in t.items()}
                             for d, t in tpot.items()},
+        "interleaved": interleaved or None,
         "baseline": baseline,
         "total_s": round(time.time() - started, 1),
     }
@@ -211,6 +278,9 @@ def main() -> int:
                 f"{k} {v:.2f} ms ({v / t['engine']:.2f}x)" for k, v in baseline[d].items()))
         for k, v in t.items():
             print(f"{k:>20}: {v:6.2f} ms  {v / t['engine']:.2f}x the engine's step")
+        if d in interleaved:
+            print(f"interleaved, {args.rounds} rounds, median ratio per round: " + ", ".join(
+                f"{k} {v:.2f}x" for k, v in interleaved[d]["median_ratio_to_engine"].items()))
     if args.out:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {args.out}")
