@@ -124,7 +124,8 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
                                         linger_s=config.heartbeat_s, min_grace_s=5.0),
                             ready_fields=dict(worker_id=config.worker_id, grpc=address,
                                               ucx=receiver.address, metrics_port=mport,
-                                              blocks=engine.layout.num_blocks),
+                                              blocks=engine.layout.num_blocks,
+                                              threads=engine.config.num_threads),
                             draining_fields=lambda: dict(worker_id=config.worker_id,
                                                          streams=worker.active_streams))
                         await worker.close()

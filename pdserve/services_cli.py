@@ -178,9 +178,9 @@ def _cmd_decode(args: argparse.Namespace) -> int:
 
     secret = cluster_secret(args)
     warn = _fail_closed(args, "decode_worker", missing_credentials(secret=secret))
+    _place_process(args)  # first: the engine's default thread count is the CPUs it may use
     cfg = _worker_config(DecodeConfig, args, "decode", ucx_host=_advertise_host(args))
     _ucx_on_loopback(args)
-    _place_process(args)
     return _run_until_signal(lambda stop: run_decode(cfg, stop), args.log_level,
                              cfg.drain_timeout_s + _STOP_SLACK_S, warn)
 
@@ -191,9 +191,9 @@ def _cmd_prefill(args: argparse.Namespace) -> int:
 
     secret = cluster_secret(args)
     warn = _fail_closed(args, "prefill_worker", missing_credentials(secret=secret))
+    _place_process(args)  # first: the engine's default thread count is the CPUs it may use
     cfg = _worker_config(PrefillConfig, args, "prefill")
     _ucx_on_loopback(args)
-    _place_process(args)
     return _run_until_signal(lambda stop: run_prefill(cfg, stop), args.log_level,
                              cfg.drain_timeout_s + _STOP_SLACK_S, warn)
 

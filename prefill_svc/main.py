@@ -119,7 +119,8 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
                         # Pending prefills and their transfers.
                         drain=Drain(config.drain_timeout_s, worker.drained, min_grace_s=5.0),
                         ready_fields=dict(worker_id=config.worker_id, grpc=address,
-                                          metrics_port=mport),
+                                          metrics_port=mport,
+                                          threads=engine.config.num_threads),
                         draining_fields=lambda: dict(worker_id=config.worker_id,
                                                      inflight=worker.inflight))
                 finally:

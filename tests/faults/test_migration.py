@@ -150,6 +150,23 @@ async def test_hung_decode_worker_mid_stream(cluster, prompt_ids) -> None:
     await _all_blocks_free(cluster)  # the resumed worker dropped what it held
 
 
+def test_pinned_workers_run_one_thread_per_cpu(cluster) -> None:
+    """Each worker's engine runs as many threads as the CPUs it is pinned to (two decode
+    workers on a 2-CPU machine get one each): its default thread count is read after its
+    --cpus are applied. Before, it was read first, and each pinned decode worker ran 2
+    threads on its one CPU; a local prefill then took ~1.8x as long."""
+    import json
+
+    for name, proc in cluster.procs.items():
+        if not name.startswith(("decode-", "prefill-")):
+            continue
+        cpus = len(os.sched_getaffinity(proc.pid))
+        ready = [json.loads(line) for line in
+                 (cluster.log_dir / f"{name}.log").read_text().splitlines()
+                 if line.startswith("{") and '_worker_ready"' in line]
+        assert ready and ready[-1]["threads"] == cpus, (name, cpus, ready)
+
+
 async def test_hung_prefill_worker_falls_back_and_is_fenced(cluster, prompt_ids) -> None:
     long_ids = list(prompt_ids[-1])
     long_ids[1] = 4321  # nothing has this prefix cached: remote prefill
