@@ -137,10 +137,9 @@ class EngineConfig:
     # prefill rate x this (at least MIN_STEP_PREFILL_TOKENS, within max_num_batched_tokens),
     # so a slow device takes small steps and a fast one its whole budget. 0: the token budget
     # alone. 750 ms measured best on a 2-core CPU (c=16 TTFT p50 0.47x, longest stall 0.6x, same
-    # throughput; docs/BENCHMARKS.md, "A step budget set in time"), but it is not the default
-    # yet: with it, tests/faults/test_migration.py's hung-prefill fallback took 33 s against
-    # its 30 s bound in CI, and that is not understood. See pdserve.engine.scheduler.
-    step_target_ms: float = 0.0
+    # throughput; docs/BENCHMARKS.md, "A step budget set in time"). See
+    # pdserve.engine.scheduler.
+    step_target_ms: float = 750.0
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
     # How weights are stored and multiplied (engine.linear): float32 (exact), bfloat16 /
