@@ -9,6 +9,11 @@ it when a request is queued for the thread (delayed submission), so the thread w
 work at once either way. `install` starts the thread with `PDSERVE_UCX_EPOLL_TIMEOUT_MS`
 (default 100; 1 is ucxx's own) instead. It must run before the first UCX endpoint or
 listener of the process (importing `kvxfer` does it).
+
+ucxx's thread also runs a start callback that makes a CUDA context current on device 0. On a
+host without a CUDA device that callback imports cuda.core and NVML (~16 MB of RSS per
+process, after the worker is ready) only to fail looking for the driver, so the thread here
+runs it only where torch sees a CUDA device.
 """
 
 from __future__ import annotations
@@ -35,6 +40,13 @@ def epoll_timeout_ms() -> int:
     return value
 
 
+def needs_cuda_context() -> bool:
+    """Whether the progress thread should make a CUDA context current (a CUDA device exists)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def install() -> int | None:
     """Make ucxx start its progress threads with `epoll_timeout_ms()`; the timeout in force,
     or None where this ucxx has no `ThreadMode` to replace (its own 1 ms then applies)."""
@@ -49,7 +61,8 @@ def install() -> int | None:
     if base is None or not hasattr(continuous_ucx_progress, "ProgressTask"):
         return None
     timeout_ms = epoll_timeout_ms()
-    create_context = getattr(continuous_ucx_progress, "_create_context", None)
+    create_context = (getattr(continuous_ucx_progress, "_create_context", None)
+                      if needs_cuda_context() else None)
 
     class ThreadMode(continuous_ucx_progress.ProgressTask):
         """ucxx's ThreadMode, with our epoll timeout."""

@@ -4,7 +4,8 @@ cluster credential.
 
 - 1,000 unauthenticated calls, 16 MiB messages without a credential and health probes that
   never send their request: an authenticated call keeps working throughout, the worker's
-  memory does not grow by what was sent, and its log gets one line per refusal reason.
+  memory grows by less than 8 MiB (its 64 KiB HTTP/2 receive windows, no BDP probe), and its
+  log gets one line per refusal reason.
 - A message over the worker's limit (computed from the model's context length) is refused
   with RESOURCE_EXHAUSTED before any handler sees it; the largest legitimate request fits.
 - Calls beyond --max-concurrent-rpcs are refused with RESOURCE_EXHAUSTED.
@@ -145,8 +146,10 @@ async def test_unauthenticated_flood_locks_nobody_out(
     assert held <= MAX_OPEN_CALLS and probe_codes.count(Code.RESOURCE_EXHAUSTED) >= 24, \
         probe_codes
     assert len(latencies) >= 5 and max(latencies) < 5.0, latencies
-    # 128 MiB of unauthenticated messages were never buffered.
-    assert _rss_bytes(cluster) - rss_before < 64 << 20
+    # 128 MiB of unauthenticated messages were never buffered: at most a 64 KiB receive
+    # window of each before its call was refused (with grpc's BDP probe growing the window the
+    # worker kept 13-29 MB of them, and up to 79 MB with ucxx's CUDA-context import beside it).
+    assert _rss_bytes(cluster) - rss_before < 8 << 20
     # One line per refusal reason (missing, wrong credential), nothing else per call.
     new_lines = _log(cluster)[len(log_before):].splitlines()
     refusals = [x for x in new_lines if "grpc_call_unauthenticated" in x]

@@ -40,14 +40,22 @@ def channel_options(
 
 def server_options(
     *, max_message_bytes: int = MAX_MESSAGE_BYTES, keepalive_ms: int = KEEPALIVE_MS,
-    max_ping_strikes: int = MAX_PING_STRIKES,
+    max_ping_strikes: int = MAX_PING_STRIKES, bdp_probe: bool = False,
 ) -> list[tuple[str, int]]:
     """Server options matching `channel_options`: takes their pings (one per `keepalive_ms`,
     allowed down to half that), and GOAWAYs a peer that pings faster more than
-    `max_ping_strikes` times; refuses a message over `max_message_bytes` (RESOURCE_EXHAUSTED)."""
+    `max_ping_strikes` times; refuses a message over `max_message_bytes` (RESOURCE_EXHAUSTED).
+
+    Without `bdp_probe` the server keeps HTTP/2's default receive window (64 KiB a stream)
+    instead of letting grpc's bandwidth-delay probe grow it to megabytes: a caller can then
+    push at most a window's worth into a worker before the credential check refuses its call
+    (8 unauthenticated 16 MiB messages cost a worker 13-29 MB of RSS with the probe, ~1.3 MB
+    without: tests/test_grpc_bounds.py). Our requests are at most ~1 MiB and travel between
+    hosts of one cluster; what the small window costs them is in docs/BENCHMARKS.md."""
     return [*_shared_options(max_message_bytes, keepalive_ms),
             ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms // 2),
-            ("grpc.http2.max_ping_strikes", max_ping_strikes)]
+            ("grpc.http2.max_ping_strikes", max_ping_strikes),
+            ("grpc.http2.bdp_probe", int(bdp_probe))]
 
 
 def insecure_channel(target: str, *, interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
