@@ -49,7 +49,7 @@ async def _serve(port: int, bdp_probe: bool) -> None:
     handler = grpc.method_handlers_generic_handler("window.W", {
         "Put": grpc.unary_unary_rpc_method_handler(
             put, request_deserializer=lambda b: b, response_serializer=lambda b: b)})
-    server = grpc.aio.server(options=server_options(bdp_probe=bdp_probe))
+    server = grpc.aio.server(options=server_options(bdp_probe=int(bdp_probe)))
     server.add_generic_rpc_handlers((handler,))
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()

@@ -40,7 +40,7 @@ def channel_options(
 
 def server_options(
     *, max_message_bytes: int = MAX_MESSAGE_BYTES, keepalive_ms: int = KEEPALIVE_MS,
-    max_ping_strikes: int = MAX_PING_STRIKES, bdp_probe: bool = False,
+    max_ping_strikes: int = MAX_PING_STRIKES, bdp_probe: int = 0,
 ) -> list[tuple[str, int]]:
     """Server options matching `channel_options`: takes their pings (one per `keepalive_ms`,
     allowed down to half that), and GOAWAYs a peer that pings faster more than
@@ -55,7 +55,7 @@ def server_options(
     return [*_shared_options(max_message_bytes, keepalive_ms),
             ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms // 2),
             ("grpc.http2.max_ping_strikes", max_ping_strikes),
-            ("grpc.http2.bdp_probe", int(bdp_probe))]
+            ("grpc.http2.bdp_probe", 1 if bdp_probe else 0)]
 
 
 def insecure_channel(target: str, *, interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
