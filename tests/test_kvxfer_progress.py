@@ -38,9 +38,9 @@ def test_no_cuda_context_is_made_without_a_cuda_device() -> None:
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the context is wanted")
-    code = ("import asyncio, sys, kvxfer, ucxx\n"
+    code = ("import asyncio, sys, kvxfer.listen\n"
             "async def main():\n"
-            "    listener = ucxx.create_listener(lambda ep: None, port=0)\n"
+            "    listener = kvxfer.listen.create_listener(lambda ep: None, host='127.0.0.1')\n"
             "    await asyncio.sleep(0.5)\n"
             "    listener.close()\n"
             "asyncio.run(main())\n"
