@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu import cpu_summary
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_store import resolve_model
@@ -68,6 +68,9 @@ def _decode_steps(engine: LLMEngine, rng: random.Random, batch: int, context: in
     while sched.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens
                                    for s in sched.running):
         engine.step()
+    if len(sched.running) != batch:
+        raise SystemExit(f"only {len(sched.running)} of {batch} sequences run at once: "
+                         "the KV pool is too small for this batch")
     times = []
     while engine.has_unfinished():
         t = time.perf_counter()
@@ -153,9 +156,17 @@ def main() -> None:
     rng = random.Random(0)
     prefill = {}
     rows = []
+    model_dir = resolve_model(args.model)
+    cfg = ModelConfig.from_dir(model_dir)
+    # A pool that holds every sequence of the largest batch at its longest (fp32 KV, the
+    # widest), so each step decodes the whole batch: a smaller pool would preempt some.
+    kv_token_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    longest = args.context + args.steps + 64
+    kv_bytes = max(512 << 20, int(1.2 * max(int(b) for b in args.batches.split(","))
+                                  * longest * kv_token_bytes))
     for dtype in args.dtypes.split(","):
-        engine = LLMEngine.from_dir(resolve_model(args.model), EngineConfig(
-            dtype=dtype, kv_cache_bytes=512 << 20, enable_prefix_caching=False,
+        engine = LLMEngine.from_dir(model_dir, EngineConfig(
+            dtype=dtype, kv_cache_bytes=kv_bytes, enable_prefix_caching=False,
             num_threads=args.threads, step_target_ms=0.0))  # a prompt in whole chunks
         bound = engine.runner.model.weight_nbytes() / bw / 1e6
         for batch in (int(b) for b in args.batches.split(",")):
