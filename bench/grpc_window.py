@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import grpc
 
 from pdserve.cluster import free_port, wait_port
 from pdserve.deathsig import guarded
+from pdserve.engine.cpu import cpu_summary
 from pdserve.rpc.transport import channel_options, server_options
 
 METHOD = "/window.W/Put"
@@ -54,17 +54,6 @@ async def _serve(port: int, bdp_probe: bool) -> None:
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
-
-
-def _cpu_flags() -> list[str]:
-    text = Path("/proc/cpuinfo").read_text()
-    flags = next((x.split(":", 1)[1].split() for x in text.splitlines()
-                  if x.startswith("flags")), [])
-    return sorted(f for f in flags if f.startswith(("avx", "amx")))
-
-
-def _pct(values: list[float], q: float) -> float:
-    return sorted(values)[min(len(values) - 1, int(q * len(values)))]
 
 
 async def _measure(ports: dict[str, int], reps: int) -> dict[str, Any]:
@@ -93,7 +82,8 @@ async def _measure(ports: dict[str, int], reps: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for size in SIZES:
         row = {name: {"p50_ms": round(1e3 * statistics.median(times[name][size]), 3),
-                      "p99_ms": round(1e3 * _pct(times[name][size], 0.99), 3)}
+                      "p99_ms": round(1e3 * statistics.quantiles(times[name][size], n=100)[98],
+                                      3)}
                for name in ports}
         row["p50_ratio_off_vs_on"] = round(
             row["probe_off"]["p50_ms"] / row["probe_on"]["p50_ms"], 3)
@@ -128,9 +118,9 @@ def main() -> None:
             p.wait(timeout=10)
     record = {
         "bench": "grpc_window", "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+        "commit": subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                                  text=True, check=False).stdout.strip(),
-        "cpu": platform.processor() or platform.machine(), "cpu_flags": _cpu_flags(),
+        "cpu": cpu_summary(),
         "cpus": len(cpus), "grpc": grpc.__version__, "reps": args.reps, "sizes": results,
     }
     text = json.dumps(record, indent=1)

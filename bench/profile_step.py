@@ -30,6 +30,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu import cpu_summary
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_store import resolve_model
+from pdserve.kv_layout import KVLayout
 from pdserve.types import GenerateRequest, SamplingParams
 
 
@@ -69,8 +70,9 @@ def _decode_steps(engine: LLMEngine, rng: random.Random, batch: int, context: in
                                    for s in sched.running):
         engine.step()
     if len(sched.running) != batch:
-        raise SystemExit(f"only {len(sched.running)} of {batch} sequences run at once: "
-                         "the KV pool is too small for this batch")
+        raise SystemExit(f"only {len(sched.running)} of {batch} sequences run at once: the "
+                         "KV pool is too small, or --steps too few to outlast the batch's "
+                         "prefill")
     times = []
     while engine.has_unfinished():
         t = time.perf_counter()
@@ -160,7 +162,8 @@ def main() -> None:
     cfg = ModelConfig.from_dir(model_dir)
     # A pool that holds every sequence of the largest batch at its longest (fp32 KV, the
     # widest), so each step decodes the whole batch: a smaller pool would preempt some.
-    kv_token_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    kv_token_bytes = KVLayout(1, cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, "float32",
+                              "").block_nbytes
     longest = args.context + args.steps + 64
     kv_bytes = max(512 << 20, int(1.2 * max(int(b) for b in args.batches.split(","))
                                   * longest * kv_token_bytes))
