@@ -734,6 +734,10 @@ def check_kv(args: argparse.Namespace, record: dict[str, Any]) -> None:
                           "ucxx": ucxx.__version__, "ucx": ".".join(
                               map(str, ucxx.get_ucx_version())),
                           "ucx_tls": os.environ.get("UCX_TLS", "(default)"), "sizes": {}}
+    from kvxfer import progress  # whether ucxx's progress threads make a CUDA context here
+
+    kv["progress_thread_cuda_context"] = progress.needs_cuda_context()
+    kv["progress_epoll_timeout_ms"] = progress.epoll_timeout_ms()
     record["kv"] = kv
     for mb in [int(s) for s in args.kv_sizes.split(",")]:
         nbytes = mb << 20
