@@ -85,6 +85,9 @@ def test_paged_decode_attention_in_place(fused: FusedCpuKernels, lens: list[int]
     got = fused.decode_attention(q, layer, tables, lens_t, mask, d**-0.5)
     want = REF.decode_attention(q, layer, tables, lens_t, mask, d**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # fetching the next task's K and V ahead changes no bit
+    assert torch.equal(fused._ext.paged_decode_attention(q, layer, tables, lens_t, d**-0.5,
+                                                         prefetch=False), got)
 
 
 def test_write_kv_matches(fused: FusedCpuKernels) -> None:

@@ -317,6 +317,42 @@ void pv_heads_any(const float* const* rows, int64_t m, const float* w, int64_t w
     }
 }
 
+// Streams one (sequence, span) task's K and V bytes into L2 a few cache lines at a time, so a
+// thread can fetch its next task's context while it computes on the current one: a decode
+// batch's blocks lie scattered through the pool, and fetched only when the arithmetic reaches
+// them their reads wait on memory instead of overlapping it.
+struct Ahead {
+  const float* kvp = nullptr;
+  const int64_t* table = nullptr;
+  int64_t p = 0, p1 = 0, bs = 1, sb = 0, skv = 0, so = 0;
+  int64_t kind = 0, off = 0;  // K (0) or V (1) of the block holding token p; bytes done of it
+
+  int64_t lines() const { return (p1 - p) * 2 * so * static_cast<int64_t>(sizeof(float)) / 64; }
+
+  // Issue up to n prefetches, in order: block by block, its K rows then its V rows.
+  void step(int64_t n) {
+    while (n > 0 && p < p1) {
+      const int64_t q1 = std::min(p1, (p / bs + 1) * bs);  // end of this block's tokens
+      const char* base = reinterpret_cast<const char*>(
+          kvp + table[p / bs] * sb + kind * skv + (p % bs) * so);
+      const int64_t bytes = (q1 - p) * so * static_cast<int64_t>(sizeof(float));
+      for (; n > 0 && off < bytes; off += 64, --n) __builtin_prefetch(base + off, 0, 2);
+      if (off >= bytes) {
+        off = 0;
+        if (++kind == 2) kind = 0, p = q1;
+      }
+    }
+  }
+};
+
+// The `bytes` bytes from `offset` floats past each of the first n rows, into L1: the next
+// 16-token group's K or V rows while the arithmetic works on this one.
+inline void prefetch_rows(const float* const* rows, int64_t n, int64_t offset, int64_t bytes) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t off = 0; off < bytes; off += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(rows[t] + offset) + off, 0, 3);
+}
+
 // R heads (1 <= R <= 24 / nv) through the register version where one is instantiated.
 void pv_dispatch(const float* const* rows, int64_t m, const float* w, int64_t ws, float* acc,
                  int64_t r_heads, int64_t nv) {
@@ -363,9 +399,11 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 // its context) covering every KV head, so each task reads whole token rows of the block
 // (all heads' K, then all heads' V) front to back; long contexts are split into spans
 // (flash-decoding) so that even one sequence keeps every thread busy, and the spans' partial
-// softmaxes are merged at the end. Scores, exp and the V sums are 16-wide vector code.
+// softmaxes are merged at the end. Scores, exp and the V sums are 16-wide vector code. While a
+// thread computes one task it asks for the next task's K and V (Ahead; `prefetch`, on unless
+// a benchmark turns it off to measure what it saves): the same arithmetic, the same bits.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor tables,
-                                     torch::Tensor lens, double scale) {
+                                     torch::Tensor lens, double scale, bool prefetch) {
   check_f32(q, "q");
   check_f32(kv, "kv");
   if (q.size(2) % VL != 0) return paged_decode_attention_scalar(q, kv, tables, lens, scale);
@@ -401,9 +439,19 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
     std::vector<float> scores(heads * (span + VL));
     std::vector<float> acc(heads * hd);
     std::vector<const float*> rows(span);
+    auto ahead_of = [&](int64_t t) {  // the task's bytes, for Ahead
+      Ahead a;
+      if (t >= end) return a;
+      const int64_t s = t / spans, c = t % spans;
+      a.kvp = kvp, a.table = tp + s * max_blocks, a.bs = bs, a.sb = sb, a.skv = skv, a.so = so;
+      a.p = c * span, a.p1 = std::max(a.p, std::min(lp[s], a.p + span));
+      return a;
+    };
+    if (prefetch) ahead_of(begin).step(INT64_MAX);  // the first task has nothing to hide behind
     for (int64_t t = begin; t < end; ++t) {
       const int64_t s = t / spans, c = t % spans, n = lp[s];
       const int64_t p0 = c * span, p1 = std::min(n, p0 + span);
+      Ahead next = prefetch ? ahead_of(t + 1) : Ahead{};
       float* pm = part_m.data() + (s * spans + c) * heads;
       float* pl = part_l.data() + (s * spans + c) * heads;
       if (p0 >= p1) {  // this sequence is shorter than the span: nothing here
@@ -415,8 +463,15 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
       const float* qs = qp + s * sq;
       for (int64_t p = p0; p < p1; ++p) rows[p - p0] = kvp + table[p / bs] * sb + (p % bs) * so;
       // Scores 16 tokens at a time: the tokens' K rows stay in L1 for every head, and one
-      // hsum16 finishes 16 dot products.
-      for (int64_t t0 = 0; t0 < m; t0 += VL)
+      // hsum16 finishes 16 dot products. Meanwhile the next 16 tokens' rows are asked for, and
+      // a share of the next task's lines (spread over this task's groups, scores then V sums).
+      const int64_t row_bytes = kvh * hd * static_cast<int64_t>(sizeof(float));
+      const int64_t per_group = (next.lines() + 2 * ((m + VL - 1) / VL) - 1) /
+                                std::max<int64_t>(1, 2 * ((m + VL - 1) / VL));
+      for (int64_t t0 = 0; t0 < m; t0 += VL) {
+        next.step(per_group);
+        if (prefetch && t0 + VL < m)
+          prefetch_rows(rows.data() + t0 + VL, std::min(VL, m - t0 - VL), 0, row_bytes);
         for (int64_t g = 0; g < kvh; ++g) {
           const int64_t cnt = std::min(VL, m - t0);
           for (int64_t r = 0; r < group; ++r) {
@@ -436,6 +491,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
             store(scores.data() + h * stride + t0, hsum16(part));  // lanes past m: unread
           }
         }
+      }
       for (int64_t h = 0; h < heads; ++h) {
         float* sr = scores.data() + h * stride;
         vf mv = splat(-INFINITY);
@@ -465,6 +521,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
       const int64_t rmax = std::max<int64_t>(1, 24 / nv);
       for (int64_t t0 = 0; t0 < m; t0 += VL) {
         const int64_t cnt = std::min(VL, m - t0);
+        next.step(per_group);
+        if (prefetch && t0 + VL < m)
+          prefetch_rows(rows.data() + t0 + VL, std::min(VL, m - t0 - VL), skv, row_bytes);
         for (int64_t g = 0; g < kvh; ++g) {
           const float* vrows[VL];
           for (int64_t t = 0; t < cnt; ++t) vrows[t] = rows[t0 + t] + skv + g * hd;
@@ -728,5 +787,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, release());
   m.def("silu_mul", &silu_mul, release());
   m.def("write_kv", &write_kv, release());
-  m.def("paged_decode_attention", &paged_decode_attention, release());
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("kv"),
+        py::arg("tables"), py::arg("lens"), py::arg("scale"), py::arg("prefetch") = true,
+        release());
 }

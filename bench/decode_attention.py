@@ -1,0 +1,115 @@
+"""Batched paged decode attention against the machine's read bandwidth (issue 20, item 2).
+
+    python -m bench.decode_attention [--rounds 9] [--out docs/bench/decode_attention.json]
+
+Times the extension's `paged_decode_attention` over every layer of SmolLM2-135M's shape (30
+layers, 9 query heads over 3 KV heads of 64) for batches of decode sequences whose blocks lie
+scattered through a huge-page pool as the engine's does (`kv_pool_tensor`), with the kernel's
+prefetch of the next task's K and V on and off, at 16- and 64-token blocks. Each case's
+variants and a `sum()` over 512 MB (what a streaming read reaches here) alternate, round by
+round, so all see the same machine; it prints the median time, the KV bytes read per second
+and that as a share of the `sum()` bandwidth, and checks that prefetch changes no bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.engine.cpu import cpu_summary
+from pdserve.engine.kernels import cpu_extension
+from pdserve.engine.model_runner import kv_pool_tensor
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
+CASES = ((16, 233), (64, 233), (1, 1000), (4, 4000))  # (batch, context): 1-2 spans, 8 spans
+
+
+def _seconds(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def run_case(ext: Any, batch: int, context: int, block: int, rounds: int,
+             sum_buf: torch.Tensor) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(batch * 7919 + context)
+    nb = -(-context // block)
+    pool = kv_pool_tensor((batch * nb + 8, LAYERS, 2, block, KV_HEADS, HEAD_DIM),
+                          torch.float32, torch.device("cpu"))
+    pool.normal_(generator=g)
+    tables = torch.randperm(pool.shape[0], generator=g)[: batch * nb].view(batch, nb)
+    lens = torch.full((batch,), context)
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=g)
+    scale = HEAD_DIM**-0.5
+
+    def step(prefetch: bool) -> list[torch.Tensor]:
+        return [ext.paged_decode_attention(q, pool[:, i], tables, lens, scale, prefetch)
+                for i in range(LAYERS)]
+
+    identical = all(torch.equal(a, b) for a, b in zip(step(True), step(False), strict=True))
+    times: dict[str, list[float]] = {"prefetch_off": [], "prefetch_on": [], "sum": []}
+    for _ in range(rounds):
+        times["prefetch_off"].append(_seconds(lambda: step(False)))
+        times["prefetch_on"].append(_seconds(lambda: step(True)))
+        times["sum"].append(_seconds(sum_buf.sum))
+    kv_bytes = batch * context * LAYERS * 2 * KV_HEADS * HEAD_DIM * 4
+    sum_gbs = sum_buf.numel() * 4 / statistics.median(times["sum"]) / 1e9
+    row: dict[str, Any] = {"batch": batch, "context": context, "block_size": block,
+                           "kv_bytes": kv_bytes, "identical": identical,
+                           "sum_gb_per_s": round(sum_gbs, 2), "times_s": times}
+    for name in ("prefetch_off", "prefetch_on"):
+        med = statistics.median(times[name])
+        row[name] = {"ms": round(med * 1e3, 2), "gb_per_s": round(kv_bytes / med / 1e9, 2),
+                     "of_sum": round(kv_bytes / med / 1e9 / sum_gbs, 3)}
+    row["on_over_off"] = round(row["prefetch_on"]["ms"] / row["prefetch_off"]["ms"], 3)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--blocks", default="16,64", help="block sizes (tokens)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    ext = cpu_extension()
+    if ext is None:
+        raise SystemExit("the CPU extension is unavailable here: nothing to measure")
+    sum_buf = torch.ones(512 << 18)
+    print(f"CPU: {cpu_summary()}; torch threads {torch.get_num_threads()}")
+    print("\n| block | batch | context | prefetch off ms (GB/s, of sum) | prefetch on ms (GB/s, "
+          "of sum) | on / off | sum() GB/s | same bits |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+    rows = []
+    for block in (int(b) for b in args.blocks.split(",")):
+        for batch, context in CASES:
+            r = run_case(ext, batch, context, block, args.rounds, sum_buf)
+            rows.append(r)
+            off, on = r["prefetch_off"], r["prefetch_on"]
+            print(f"| {block} | {batch} | {context} | {off['ms']:.1f} ({off['gb_per_s']:.1f}, "
+                  f"{off['of_sum']:.2f}) | {on['ms']:.1f} ({on['gb_per_s']:.1f}, "
+                  f"{on['of_sum']:.2f}) | {r['on_over_off']:.2f}x | {r['sum_gb_per_s']:.1f} | "
+                  f"{r['identical']} |", flush=True)
+    record = {
+        "bench": "bench.decode_attention", "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                                 text=True, check=False).stdout.strip(),
+        "cpu": cpu_summary(), "threads": torch.get_num_threads(), "load_avg": os.getloadavg(),
+        "rounds": args.rounds, "rows": rows,
+    }
+    if args.out:
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
