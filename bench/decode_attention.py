@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -26,9 +25,11 @@ from typing import Any
 
 import torch
 
+from bench import commit_id
 from pdserve.engine.cpu import cpu_summary
 from pdserve.engine.kernels import cpu_extension
 from pdserve.engine.model_runner import kv_pool_tensor
+from pdserve.kv_layout import KVLayout
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 CASES = ((16, 233), (64, 233), (1, 1000), (4, 4000))  # (batch, context): 1-2 spans, 8 spans
@@ -62,7 +63,8 @@ def run_case(ext: Any, batch: int, context: int, block: int, rounds: int,
         times["prefetch_off"].append(_seconds(lambda: step(False)))
         times["prefetch_on"].append(_seconds(lambda: step(True)))
         times["sum"].append(_seconds(sum_buf.sum))
-    kv_bytes = batch * context * LAYERS * 2 * KV_HEADS * HEAD_DIM * 4
+    kv_bytes = batch * context * KVLayout(1, LAYERS, 1, KV_HEADS, HEAD_DIM, "float32",
+                                          "").block_nbytes
     sum_gbs = sum_buf.numel() * 4 / statistics.median(times["sum"]) / 1e9
     row: dict[str, Any] = {"batch": batch, "context": context, "block_size": block,
                            "kv_bytes": kv_bytes, "identical": identical,
@@ -101,8 +103,7 @@ def main() -> None:
                   f"{r['identical']} |", flush=True)
     record = {
         "bench": "bench.decode_attention", "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                                 text=True, check=False).stdout.strip(),
+        "commit": commit_id(),
         "cpu": cpu_summary(), "threads": torch.get_num_threads(), "load_avg": os.getloadavg(),
         "rounds": args.rounds, "rows": rows,
     }

@@ -33,6 +33,7 @@ from typing import Any
 
 import grpc
 
+from bench import commit_id
 from pdserve.cluster import free_port, wait_port
 from pdserve.deathsig import guarded
 from pdserve.engine.cpu import cpu_summary
@@ -81,10 +82,10 @@ async def _measure(ports: dict[str, int], reps: int) -> dict[str, Any]:
             await ch.close()
     out: dict[str, Any] = {}
     for size in SIZES:
-        row = {name: {"p50_ms": round(1e3 * statistics.median(times[name][size]), 3),
-                      "p99_ms": round(1e3 * statistics.quantiles(times[name][size], n=100)[98],
-                                      3)}
-               for name in ports}
+        row: dict[str, Any] = {
+            name: {"p50_ms": round(1e3 * statistics.median(times[name][size]), 3),
+                   "p99_ms": round(1e3 * statistics.quantiles(times[name][size], n=100)[98], 3)}
+            for name in ports}
         row["p50_ratio_off_vs_on"] = round(
             row["probe_off"]["p50_ms"] / row["probe_on"]["p50_ms"], 3)
         out[str(size)] = row
@@ -118,8 +119,7 @@ def main() -> None:
             p.wait(timeout=10)
     record = {
         "bench": "grpc_window", "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                                 text=True, check=False).stdout.strip(),
+        "commit": commit_id(),
         "cpu": cpu_summary(),
         "cpus": len(cpus), "grpc": grpc.__version__, "reps": args.reps, "sizes": results,
     }

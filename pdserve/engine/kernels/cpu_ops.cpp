@@ -435,6 +435,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
   std::vector<float> part_o(spans > 1 ? b * spans * heads * hd : 0);
   const vf sc = splat(static_cast<float>(scale));
   const int64_t nv = hd / VL;
+  const int64_t row_bytes = kvh * hd * static_cast<int64_t>(sizeof(float));  // one token's K or V
   at::parallel_for(0, b * spans, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(heads * (span + VL));
     std::vector<float> acc(heads * hd);
@@ -465,7 +466,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
       // Scores 16 tokens at a time: the tokens' K rows stay in L1 for every head, and one
       // hsum16 finishes 16 dot products. Meanwhile the next 16 tokens' rows are asked for, and
       // a share of the next task's lines (spread over this task's groups, scores then V sums).
-      const int64_t row_bytes = kvh * hd * static_cast<int64_t>(sizeof(float));
       const int64_t per_group = (next.lines() + 2 * ((m + VL - 1) / VL) - 1) /
                                 std::max<int64_t>(1, 2 * ((m + VL - 1) / VL));
       for (int64_t t0 = 0; t0 < m; t0 += VL) {
