@@ -241,7 +241,12 @@ async def test_flood_gets_200_or_early_429_and_leaks_nothing(cluster, tokenizer)
     # Answered within the class's deadline, refused early (429), or, admitted but past the
     # deadline after all (the prediction was wrong), ended at the deadline with a 503.
     assert set(codes) <= {200, 429, 503}, codes
-    assert 200 in codes and 429 in codes, codes
+    grpc_codes = results[FLOOD_HTTP:]
+    # Which API wins the first slots is a race (the gRPC calls may take all three before the
+    # HTTP ones arrive): the flood as a whole must see both an answer and an early refusal.
+    answered = codes.count(200) + grpc_codes.count("OK")
+    refused = codes.count(429) + grpc_codes.count("RESOURCE_EXHAUSTED")
+    assert answered >= 1 and refused >= 1, (codes, grpc_codes)
     print(f"flood: HTTP {codes.count(200)} x 200, {codes.count(429)} x 429, "
           f"{codes.count(503)} x 503; gRPC {results[FLOOD_HTTP:].count('OK')} OK, "
           f"{results[FLOOD_HTTP:].count('RESOURCE_EXHAUSTED')} RESOURCE_EXHAUSTED, "
