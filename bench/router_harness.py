@@ -41,7 +41,11 @@ Per phase: requests/s served; the router process's CPU time (/proc/PID/stat) per
 and so the full-path requests/s the router would do with its one core 100% busy; the
 router's own decision time (`route_ms` of `router.timings.StageClock`: from the start of
 `Router._generate` to a placement, i.e. `Router.place` = `router.placement.place` + the
-ledger, no I/O) and 1 / its mean = decisions/s of the placement code in the process; added
+ledger, no I/O) and 1 / its mean = decisions/s of the placement code in the process, by the
+wall clock: it includes the time the router's own gRPC threads, sharing its one core, take
+the core while a placement runs; and the same from CPU time: `Router.place`'s thread CPU
+(pdserve_router_placement_cpu_seconds_total) over the decisions it made
+(pdserve_router_decisions_total) = `decisions_per_cpu_s`, what one core can place; added
 latency = client-observed TTFT minus the worker's own time (from its Generate reaching the
 worker to its first token leaving the engine, same CLOCK_MONOTONIC), split into the inbound
 (client -> router -> worker) and outbound (worker -> router -> client) legs; the prefix-hit
@@ -538,6 +542,8 @@ def summarize(samples: list[Sample], records: dict[str, list[Any]], wall_s: floa
         metrics0.get("pdserve_router_kv_events_ops", 0)
     d_dec = metrics1.get("pdserve_router_decisions", 0) - \
         metrics0.get("pdserve_router_decisions", 0)
+    d_cpu = metrics1.get("pdserve_router_placement_cpu_seconds", 0) - \
+        metrics0.get("pdserve_router_placement_cpu_seconds", 0)
     route_mean = statistics.fmean(route) if route else None
     return {
         "requests": len(samples), "ok": n, "errors": errors,
@@ -551,6 +557,8 @@ def summarize(samples: list[Sample], records: dict[str, list[Any]], wall_s: floa
         if router_cpu_s else None,
         "route_ms": dist(route),
         "decisions_per_s_from_route_ms": round(1e3 / route_mean, 1) if route_mean else None,
+        "placement_cpu_us_per_decision": round(d_cpu / d_dec * 1e6, 2) if d_dec else None,
+        "decisions_per_cpu_s": round(d_dec / d_cpu, 1) if d_cpu > 0 else None,
         "added_latency_ms": dist(added), "inbound_ms": dist(inbound),
         "outbound_ms": dist(outbound), "worker_time_ms": dist(worker_ms),
         "router_side_added_ms": dist(router_side),
@@ -716,6 +724,7 @@ async def run_workers(cfg: Config, n: int, workdir: Path, cpus: set[int]) -> dic
                                           "workers_process_cpu_utilization",
                                           "client_process_cpu_utilization",
                                           "decisions_per_s_from_route_ms",
+                                          "decisions_per_cpu_s",
                                           "prefix_hit_rate", "oracle_hit_rate",
                                           "kv_ops_absorbed_per_s")},
                                       "route_ms": res["route_ms"],
@@ -763,11 +772,14 @@ def verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:
             light = r["phases"].get(name.replace("saturate", "light"), {})
             full = ph.get("full_path_requests_per_router_core_s_net") or 0
             dec = ph.get("decisions_per_s_from_route_ms") or 0
+            dec_cpu = ph.get("decisions_per_cpu_s") or 0
             added = light.get("added_latency_ms", {})
             out.append({
                 "workers": r["workers"], "workload": name.split("/")[0],
                 "decision_only_per_s": dec,
                 "decision_only_meets_10k": dec >= TARGET_DECISIONS_PER_S,
+                "decision_cpu_per_s": dec_cpu,
+                "decision_cpu_meets_10k": dec_cpu >= TARGET_DECISIONS_PER_S,
                 "full_path_per_router_core_s": full,
                 "full_path_meets_10k": full >= TARGET_DECISIONS_PER_S,
                 "route_ms_p50": ph["route_ms"]["p50"], "route_ms_p99": ph["route_ms"]["p99"],

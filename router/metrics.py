@@ -14,6 +14,11 @@ class RouterMetrics:
         self.decisions = Counter("pdserve_router_decisions_total",
                                  "Routing decisions by route and reason", ["route", "reason"],
                                  registry=registry)
+        self.placement_cpu = Counter(
+            "pdserve_router_placement_cpu_seconds",
+            "CPU time of the router's thread spent placing requests (prefix walk, scoring, "
+            "in-flight ledger); over pdserve_router_decisions_total: the CPU of one decision",
+            registry=registry)
         self.fallbacks = Counter("pdserve_router_fallbacks_total",
                                  "Remote prefills that failed and were redone locally",
                                  ["cause"], registry=registry)

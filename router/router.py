@@ -174,6 +174,7 @@ class Router(AsyncResource):
 
     async def place(self, req: GenerateRequest, exclude: frozenset[str] = frozenset()
                     ) -> tuple[WorkerInfo, WorkerInfo | None, Decision]:
+        cpu = time.thread_time()  # its own thread's: not the gRPC threads sharing its core
         decoders, prefills = self._live_workers()
         if exclude:
             decoders = [w for w in decoders if w.worker_id not in exclude]
@@ -191,6 +192,7 @@ class Router(AsyncResource):
         where = p.prefill if p.decision.route is Route.REMOTE else p.decode
         self.ledger.charge(req.request_id, where.worker_id if where else None,
                            p.decision.uncached_tokens)
+        self.metrics.placement_cpu.inc(time.thread_time() - cpu)
         return p.decode, p.prefill, p.decision
 
     # ------------------------------------------------------------------ generation

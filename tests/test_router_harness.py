@@ -63,6 +63,9 @@ def test_harness_quick(tmp_path: Path) -> None:
         # every request was seen by a worker, with the router's own timings
         assert phase["matched_worker_records"] == phase["ok"], name
         assert phase["route_ms"]["n"] == phase["ok"], name
+        # Every placement counted its thread's CPU (pdserve_router_placement_cpu_seconds).
+        assert phase["router_decisions_counted"] >= phase["ok"], name
+        assert phase["placement_cpu_us_per_decision"] > 0, name
         assert phase["oracle_hit_rate"] >= phase["prefix_hit_rate"], name
         total += phase["ok"]
     assert total >= 24
