@@ -17,7 +17,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from bench import commit_id
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu import cpu_summary
 from pdserve.engine.llm_engine import LLMEngine
@@ -189,19 +189,11 @@ def main() -> None:
     print("\n" + "; ".join(f"prefill {args.prefill} tokens, {k}: {v:.0f} tok/s"
                            for k, v in prefill.items()))
     if args.out:
-        record = {"benchmark": "bench.profile_step", "commit": _commit(), "argv": sys.argv[1:],
+        record = {"benchmark": "bench.profile_step", "commit": commit_id(), "argv": sys.argv[1:],
                   "cpu": cpu_summary(), "threads": torch.get_num_threads(),
                   "read_bandwidth_gbs": bw, "load_avg": os.getloadavg(), "rows": rows,
                   "prefill_tok_per_s": prefill}
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 if __name__ == "__main__":
