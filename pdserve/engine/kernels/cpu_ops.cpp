@@ -211,17 +211,78 @@ torch::Tensor paged_decode_attention_scalar(torch::Tensor q, torch::Tensor kv, t
 }
 
 // ---- Decode attention at memory speed -------------------------------------------------------
-// 16-float vectors (GCC/Clang vector extensions): one AVX-512 register, or two AVX2 ones.
+// 16-float vectors: one AVX-512 register (GCC/Clang vector extensions), or, on builds without
+// AVX-512, a pair of 8-float halves (two AVX2 registers). GCC has no 16-float register there:
+// it splits a plain 16-float vector's arithmetic into halves but keeps the vector in memory
+// between statements and lowers its compares and shuffles one lane at a time, and an AVX2
+// build ran this attention at a tenth of the read bandwidth (3 GB/s of 30). Every operation on
+// the halves is the 16-wide one lane by lane, in the same order, so both builds give the same
+// bits (hsum and hsum16 add in the same order too).
 namespace {
+template <typename F>
+inline F vsplat(float x) { return F{} + x; }
+template <typename F>
+inline F vmax_t(F a, F b) { return a > b ? a : b; }
+template <typename F>
+inline F vmin_t(F a, F b) { return a < b ? a : b; }
+
+#if defined(__AVX512F__)
 typedef float vf __attribute__((vector_size(64)));
 typedef float vfu __attribute__((vector_size(64), aligned(4)));  // unaligned loads and stores
 typedef int32_t vi __attribute__((vector_size(64)));
-constexpr int64_t VL = 16;
-
 inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 inline void store(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
-inline vf splat(float x) { return vf{} + x; }
+inline vf splat(float x) { return vsplat<vf>(x); }
+#else
+typedef float vh __attribute__((vector_size(32)));
+typedef float vhu __attribute__((vector_size(32), aligned(4)));
+typedef int32_t vhi __attribute__((vector_size(32)));
+struct vf {
+  vh lo, hi;  // lanes 0-7, 8-15
+  float operator[](int64_t i) const { return i < 8 ? lo[i] : hi[i - 8]; }
+};
+inline vf operator+(vf a, vf b) { return {a.lo + b.lo, a.hi + b.hi}; }
+inline vf operator-(vf a, vf b) { return {a.lo - b.lo, a.hi - b.hi}; }
+inline vf operator*(vf a, vf b) { return {a.lo * b.lo, a.hi * b.hi}; }
+inline vf operator/(vf a, vf b) { return {a.lo / b.lo, a.hi / b.hi}; }
+inline vf operator-(vf a) { return {-a.lo, -a.hi}; }
+inline vf load(const float* p) {
+  return {*reinterpret_cast<const vhu*>(p), *reinterpret_cast<const vhu*>(p + 8)};
+}
+inline void store(float* p, vf v) {
+  *reinterpret_cast<vhu*>(p) = v.lo;
+  *reinterpret_cast<vhu*>(p + 8) = v.hi;
+}
+inline vf splat(float x) { return {vsplat<vh>(x), vsplat<vh>(x)}; }
+#endif
+constexpr int64_t VL = 16;
 
+// e^x for x <= 88 (softmax after subtracting the max; silu), Cephes' single-precision polynomial
+// with a Cody-Waite split of ln 2: within 2 ulp of expf. I: F's lanes as int32.
+template <typename F, typename I>
+inline F vexp_t(F x) {
+  x = vmax_t(x, vsplat<F>(-87.33654f));
+  F fx = x * vsplat<F>(1.44269504088896341f);
+  F t = __builtin_convertvector(__builtin_convertvector(fx, I), F);  // toward zero
+  fx = t - ((t > fx) ? vsplat<F>(1.0f) : vsplat<F>(0.0f));  // floor
+  fx = ((x * vsplat<F>(1.44269504088896341f) - fx) >= vsplat<F>(0.5f)) ? fx + vsplat<F>(1.0f) : fx;
+  x = x - fx * vsplat<F>(0.693359375f);
+  x = x - fx * vsplat<F>(-2.12194440e-4f);
+  F y = vsplat<F>(1.9875691500e-4f);
+  y = y * x + vsplat<F>(1.3981999507e-3f);
+  y = y * x + vsplat<F>(8.3334519073e-3f);
+  y = y * x + vsplat<F>(4.1665795894e-2f);
+  y = y * x + vsplat<F>(1.6666665459e-1f);
+  y = y * x + vsplat<F>(5.0000001201e-1f);
+  y = y * (x * x) + x + vsplat<F>(1.0f);
+  const I n = __builtin_convertvector(fx, I);
+  const I bits = (n + 127) << 23;
+  F pow2;
+  __builtin_memcpy(&pow2, &bits, sizeof pow2);
+  return y * pow2;
+}
+
+#if defined(__AVX512F__)
 inline float hsum(vf v) {
   const vi h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
   const vi h4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
@@ -234,32 +295,9 @@ inline float hsum(vf v) {
   return v[0];
 }
 
-inline vf vmax(vf a, vf b) { return a > b ? a : b; }
-inline vf vmin(vf a, vf b) { return a < b ? a : b; }
-
-// e^x for x <= 88 (softmax after subtracting the max; silu), Cephes' single-precision polynomial
-// with a Cody-Waite split of ln 2: within 2 ulp of expf, 16 lanes at a time.
-inline vf vexp(vf x) {
-  x = vmax(x, splat(-87.33654f));
-  vf fx = x * splat(1.44269504088896341f);
-  vf t = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);  // toward zero
-  fx = t - ((t > fx) ? splat(1.0f) : splat(0.0f));  // floor
-  fx = ((x * splat(1.44269504088896341f) - fx) >= splat(0.5f)) ? fx + splat(1.0f) : fx;
-  x = x - fx * splat(0.693359375f);
-  x = x - fx * splat(-2.12194440e-4f);
-  vf y = splat(1.9875691500e-4f);
-  y = y * x + splat(1.3981999507e-3f);
-  y = y * x + splat(8.3334519073e-3f);
-  y = y * x + splat(4.1665795894e-2f);
-  y = y * x + splat(1.6666665459e-1f);
-  y = y * x + splat(5.0000001201e-1f);
-  y = y * (x * x) + x + splat(1.0f);
-  const vi n = __builtin_convertvector(fx, vi);
-  const vi bits = (n + 127) << 23;
-  vf pow2;
-  __builtin_memcpy(&pow2, &bits, sizeof pow2);
-  return y * pow2;
-}
+inline vf vmax(vf a, vf b) { return vmax_t(a, b); }
+inline vf vmin(vf a, vf b) { return vmin_t(a, b); }
+inline vf vexp(vf x) { return vexp_t<vf, vi>(x); }
 
 // The sums of 16 vectors' lanes, as one vector: lane t = hsum(part[t]), added in hsum's order
 // (lanes i and i+8, then i+4, i+2, i+1), so a score is the same bits either way; 30 shuffles
@@ -285,6 +323,37 @@ inline vf hsum16(const vf* part) {
            __builtin_shuffle(b[2 * i], b[2 * i + 1], hi2);
   return __builtin_shuffle(c[0], c[1], even) + __builtin_shuffle(c[0], c[1], odd);
 }
+#else
+inline vf vmax(vf a, vf b) { return {vmax_t(a.lo, b.lo), vmax_t(a.hi, b.hi)}; }
+inline vf vmin(vf a, vf b) { return {vmin_t(a.lo, b.lo), vmin_t(a.hi, b.hi)}; }
+inline vf vexp(vf x) { return {vexp_t<vh, vhi>(x.lo), vexp_t<vh, vhi>(x.hi)}; }
+
+// hsum's order on halves: lane i of lo + hi is lane i + lane i+8 of the vf, then i+4, i+2, i+1.
+inline float hsum(vf v) {
+  vh s = v.lo + v.hi;
+  s = s + __builtin_shuffle(s, vhi{4, 5, 6, 7, 0, 1, 2, 3});
+  s = s + __builtin_shuffle(s, vhi{2, 3, 0, 1, 6, 7, 4, 5});
+  s = s + __builtin_shuffle(s, vhi{1, 0, 3, 2, 5, 4, 7, 6});
+  return s[0];
+}
+
+// hsum16 on halves, each lane summed in the same order (so the same bits): each vector's two
+// halves added, then pairs of 8-float vectors folded by 4, 2 and 1 lanes as hsum16 does.
+inline vf hsum16(const vf* part) {
+  vh s[16], a[8], b[4], c[2];
+  for (int t = 0; t < 16; ++t) s[t] = part[t].lo + part[t].hi;
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shuffle(s[2 * i], s[2 * i + 1], vhi{0, 1, 2, 3, 8, 9, 10, 11}) +
+           __builtin_shuffle(s[2 * i], s[2 * i + 1], vhi{4, 5, 6, 7, 12, 13, 14, 15});
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], vhi{0, 1, 4, 5, 8, 9, 12, 13}) +
+           __builtin_shuffle(a[2 * i], a[2 * i + 1], vhi{2, 3, 6, 7, 10, 11, 14, 15});
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], vhi{0, 2, 4, 6, 8, 10, 12, 14}) +
+           __builtin_shuffle(b[2 * i], b[2 * i + 1], vhi{1, 3, 5, 7, 9, 11, 13, 15});
+  return {c[0], c[1]};
+}
+#endif
 
 // acc[r] += sum over tokens t of w[r * ws + t] * v_t for R query heads sharing one KV head:
 // v_t = rows[t] (NV vectors); the R x NV sums stay in registers while the tokens stream by.
