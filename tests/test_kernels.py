@@ -3,10 +3,14 @@ engine.linear). Model-level token identity is in test_engine_reference / test_en
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine import kernels
 from pdserve.engine.kernels import FusedCpuKernels, TorchKernels, kernels_for
 from pdserve.engine.linear import DenseLinear, OneDnnLinear, PanelLinear, pack_linear
 
@@ -86,8 +90,38 @@ def test_paged_decode_attention_in_place(fused: FusedCpuKernels, lens: list[int]
     want = REF.decode_attention(q, layer, tables, lens_t, mask, d**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # fetching the next task's K and V ahead changes no bit
-    assert torch.equal(fused._ext.paged_decode_attention(q, layer, tables, lens_t, d**-0.5,
-                                                         prefetch=False), got)
+    for prefetch in (False, True):
+        assert torch.equal(fused._ext.paged_decode_attention(
+            q, layer, tables, lens_t, d**-0.5, prefetch=prefetch), got)
+
+
+def test_attention_prefetch_is_measured_once_and_kept(
+        fused: FusedCpuKernels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether the decode attention prefetches: the environment decides where it says;
+    otherwise measured once per build (both variants timed on this machine) and read back."""
+    monkeypatch.setattr(kernels, "_build_dir", lambda: tmp_path / "build")
+    for forced in ("0", "1"):
+        monkeypatch.setenv(kernels.PREFETCH_ENV, forced)
+        kernels.attention_prefetch.cache_clear()
+        assert kernels.attention_prefetch() is (forced == "1")
+    assert not (tmp_path / "build").exists()  # nothing measured
+    monkeypatch.delenv(kernels.PREFETCH_ENV)
+    kernels.attention_prefetch.cache_clear()
+    choice = kernels.attention_prefetch()
+    kept = json.loads((tmp_path / "build" / "attention_prefetch.json").read_text())
+    assert kept["on_ms"] > 0 and kept["off_ms"] > 0
+    assert choice is kept["prefetch"] is (kept["on_ms"] < kept["off_ms"])
+
+    def no_measuring(*args: object, **kwargs: object) -> dict[str, float]:
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(kernels, "measure_attention_prefetch", no_measuring)
+    for kept_choice in (True, False):  # read back, whatever it says
+        (tmp_path / "build" / "attention_prefetch.json").write_text(
+            json.dumps({"prefetch": kept_choice}))
+        kernels.attention_prefetch.cache_clear()
+        assert kernels.attention_prefetch() is kept_choice
+    kernels.attention_prefetch.cache_clear()  # later tests measure (or read) the real one
 
 
 def test_write_kv_matches(fused: FusedCpuKernels) -> None:

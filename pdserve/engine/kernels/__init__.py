@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -85,8 +86,9 @@ class FusedCpuKernels(TorchKernels):
 
     name = "fused-cpu"
 
-    def __init__(self, ext: ModuleType):
+    def __init__(self, ext: ModuleType, *, prefetch: bool = True):
         self._ext = ext
+        self._prefetch = prefetch  # the decode attention's (attention_prefetch())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
                  eps: float) -> torch.Tensor:
@@ -111,7 +113,7 @@ class FusedCpuKernels(TorchKernels):
                          tables: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor,
                          scale: float) -> torch.Tensor:
         return self._ext.paged_decode_attention(
-            q, kv_layer, tables, lens, scale)
+            q, kv_layer, tables, lens, scale, self._prefetch)
 
 
 def gather_blocks(kv_layer: torch.Tensor, kind: int, block_ids: torch.Tensor) -> torch.Tensor:
@@ -151,22 +153,31 @@ def _exclusive(lock_path: Path, timeout_s: float) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-@functools.cache
-def _build() -> ModuleType | None:
-    from torch.utils import cpp_extension
+def _build_dir() -> Path:
+    """Where this source, torch and CPU's build lives (and what is measured of it)."""
+    return _build_root() / f"pdserve_cpu_ops_{_build_key()}"
 
+
+@functools.cache
+def _build_key() -> str:
     from pdserve.engine.cpu import cpu_info
 
     info = cpu_info()
     # The paths are in the key too: ninja's build file names the source and torch's headers
     # by path, so two checkouts or venvs sharing one build directory would rebuild each
     # other's kernel on every load (seen: a CI clone beside a working tree).
-    key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()
-                         + " ".join(sorted(info.flags)).encode()
-                         + str(_SOURCE.resolve()).encode() + str(torch.__file__).encode()
-                         ).hexdigest()[:16]
-    name = f"pdserve_cpu_ops_{key}"
-    build_dir = _build_root() / name
+    return hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()
+                          + " ".join(sorted(info.flags)).encode()
+                          + str(_SOURCE.resolve()).encode() + str(torch.__file__).encode()
+                          ).hexdigest()[:16]
+
+
+@functools.cache
+def _build() -> ModuleType | None:
+    from torch.utils import cpp_extension
+
+    build_dir = _build_dir()
+    name = build_dir.name
     log.info("cpu_kernels_loading", name=name,
              note="compiled once per machine (about a minute), then cached")
     try:
@@ -193,10 +204,74 @@ def cpu_extension() -> ModuleType | None:
     return None if os.environ.get(DISABLE_ENV) else _build()
 
 
+PREFETCH_ENV = "PDSERVE_ATTENTION_PREFETCH"  # "1" / "0": skip the measurement
+
+
+def measure_attention_prefetch(ext: ModuleType, *, layers: int = 30, batch: int = 16,
+                               context: int = 240, rounds: int = 7) -> dict[str, float]:
+    """The decode attention's time per call with its prefetch on and off, medians of
+    ``rounds`` alternating rounds over ``layers`` layers of a pool larger than the caches,
+    each sequence's 16-token blocks scattered through it as a running engine's are
+    (SmolLM2-135M's heads: 9 query heads over 3 KV heads of 64)."""
+    from pdserve.engine.model_runner import kv_pool_tensor
+
+    g = torch.Generator().manual_seed(0)
+    block, nb = 16, -(-context // 16)
+    pool = kv_pool_tensor((batch * nb, layers, 2, block, 3, 64), torch.float32,
+                          torch.device("cpu"))
+    pool.uniform_(-1.0, 1.0, generator=g)
+    tables = torch.randperm(batch * nb, generator=g).view(batch, nb)
+    lens = torch.full((batch,), context)
+    q = torch.randn(batch, 9, 64, generator=g)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for prefetch in (False, True):
+            t = time.perf_counter()
+            for i in range(layers):
+                ext.paged_decode_attention(q, pool[:, i], tables, lens, 0.125, prefetch)
+            times[prefetch].append((time.perf_counter() - t) / layers)
+    return {"on_ms": 1e3 * sorted(times[True])[rounds // 2],
+            "off_ms": 1e3 * sorted(times[False])[rounds // 2]}
+
+
+@functools.cache
+def attention_prefetch() -> bool:
+    """Whether the decode attention should prefetch on this machine: measured once per
+    machine and build (~1 s, under the build's lock so that workers starting together do
+    not time each other) and kept beside the build; ``PDSERVE_ATTENTION_PREFETCH`` decides
+    instead where set."""
+    forced = os.environ.get(PREFETCH_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    ext = cpu_extension()
+    if ext is None:
+        return False
+    path = _build_dir() / "attention_prefetch.json"
+    try:
+        with _exclusive(_build_dir().with_suffix(".flock"), BUILD_WAIT_S):
+            try:
+                return bool(json.loads(path.read_text())["prefetch"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # not measured yet here (or a torn file): measure
+            with torch.inference_mode():
+                times = measure_attention_prefetch(ext)
+            choice = times["on_ms"] < times["off_ms"]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"prefetch": choice, **times}) + "\n")
+            tmp.replace(path)
+            log.info("attention_prefetch_measured", prefetch=choice,
+                     on_ms=round(times["on_ms"], 3), off_ms=round(times["off_ms"], 3))
+            return choice
+    except (OSError, TimeoutError) as exc:  # an unwritable cache: keep the kernel's default
+        log.warning("attention_prefetch_unmeasured", error=str(exc)[:200])
+        return True
+
+
 def kernels_for(device: torch.device, dtype: torch.dtype) -> TorchKernels:
     """The fastest implementation for activations of ``dtype`` on ``device``."""
     if device.type == "cpu" and dtype == torch.float32:
         ext = cpu_extension()
         if ext is not None:
-            return FusedCpuKernels(ext)
+            return FusedCpuKernels(ext, prefetch=attention_prefetch())
     return TorchKernels()

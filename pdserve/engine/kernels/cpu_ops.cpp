@@ -468,9 +468,12 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 // its context) covering every KV head, so each task reads whole token rows of the block
 // (all heads' K, then all heads' V) front to back; long contexts are split into spans
 // (flash-decoding) so that even one sequence keeps every thread busy, and the spans' partial
-// softmaxes are merged at the end. Scores, exp and the V sums are 16-wide vector code. While a
-// thread computes one task it asks for the next task's K and V (Ahead; `prefetch`, on unless
-// a benchmark turns it off to measure what it saves): the same arithmetic, the same bits.
+// softmaxes are merged at the end. Scores, exp and the V sums are 16-wide vector code. With
+// `prefetch`, while a thread computes one task it asks for the next task's K and V (Ahead), and
+// for the next 16 tokens' rows: the same arithmetic, the same bits. Whether that pays depends
+// on the machine (0.72x the time on a Zen 4, 1.1-1.2x on a Cascade Lake Xeon, whose software
+// prefetches take the fill buffers its demand loads need), so the engine measures it once per
+// machine (kernels/__init__.py, attention_prefetch).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor tables,
                                      torch::Tensor lens, double scale, bool prefetch) {
   check_f32(q, "q");
@@ -509,6 +512,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
     std::vector<float> scores(heads * (span + VL));
     std::vector<float> acc(heads * hd);
     std::vector<const float*> rows(span);
+    std::vector<vf> part(heads * VL);  // a dot product per (query head, token of the 16)
     auto ahead_of = [&](int64_t t) {  // the task's bytes, for Ahead
       Ahead a;
       if (t >= end) return a;
@@ -541,25 +545,28 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
         next.step(per_group);
         if (prefetch && t0 + VL < m)
           prefetch_rows(rows.data() + t0 + VL, std::min(VL, m - t0 - VL), 0, row_bytes);
-        for (int64_t g = 0; g < kvh; ++g) {
-          const int64_t cnt = std::min(VL, m - t0);
-          for (int64_t r = 0; r < group; ++r) {
-            const int64_t h = g * group + r;
-            const float* qh = qs + h * hd;
-            vf part[VL];
-            for (int64_t t = 0; t < VL; ++t) {
-              if (t >= cnt) {
-                part[t] = vf{};
-                continue;
-              }
-              const float* k = rows[t0 + t] + g * hd;
+        // Token by token, each row front to back (all KV heads' K in the order they lie, so
+        // a block is read as one ascending stream), each KV head's K loaded once for its
+        // query heads; the dot products wait in `part` for one hsum16 per head.
+        const int64_t cnt = std::min(VL, m - t0);
+        for (int64_t t = 0; t < VL; ++t) {
+          if (t >= cnt) {  // lanes past m: summed, then unread
+            for (int64_t h = 0; h < heads; ++h) part[h * VL + t] = vf{};
+            continue;
+          }
+          const float* row = rows[t0 + t];
+          for (int64_t g = 0; g < kvh; ++g) {
+            const float* k = row + g * hd;
+            for (int64_t r = 0; r < group; ++r) {
+              const float* qh = qs + (g * group + r) * hd;
               vf a = load(qh) * load(k);
               for (int64_t v = 1; v < nv; ++v) a = a + load(qh + v * VL) * load(k + v * VL);
-              part[t] = a;
+              part[(g * group + r) * VL + t] = a;
             }
-            store(scores.data() + h * stride + t0, hsum16(part));  // lanes past m: unread
           }
         }
+        for (int64_t h = 0; h < heads; ++h)
+          store(scores.data() + h * stride + t0, hsum16(part.data() + h * VL));
       }
       for (int64_t h = 0; h < heads; ++h) {
         float* sr = scores.data() + h * stride;
