@@ -9,6 +9,10 @@ prefetch of the next task's K and V on and off, at 16- and 64-token blocks. Each
 variants and a `sum()` over 512 MB (what a streaming read reaches here) alternate, round by
 round, so all see the same machine; it prints the median time, the KV bytes read per second
 and that as a share of the `sum()` bandwidth, and checks that prefetch changes no bit.
+
+`--against REV` also builds REV's kernels/cpu_ops.cpp (same flags, a temporary directory) and
+times it, prefetch off and on, in the same rounds: a before/after from one run, with the bits
+of both compared.
 """
 
 from __future__ import annotations
@@ -41,8 +45,29 @@ def _seconds(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t
 
 
+def build_at(rev: str) -> Any:
+    """REV's cpu_ops.cpp, compiled as the engine compiles its own."""
+    import subprocess
+    import tempfile
+
+    from torch.utils import cpp_extension
+
+    from pdserve.engine import kernels
+
+    rel = kernels._SOURCE.resolve().relative_to(Path.cwd().resolve())
+    src = subprocess.run(["git", "show", f"{rev}:{rel}"], check=True, capture_output=True,
+                         text=True).stdout
+    build = Path(tempfile.mkdtemp(prefix="pdserve_attention_"))
+    (build / "cpu_ops.cpp").write_text(src)
+    return cpp_extension.load(
+        name=f"pdserve_cpu_ops_at_{rev.replace('/', '_')}", sources=[str(build / "cpu_ops.cpp")],
+        build_directory=str(build), verbose=False,
+        extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+        extra_ldflags=["-fopenmp"])
+
+
 def run_case(ext: Any, batch: int, context: int, block: int, rounds: int,
-             sum_buf: torch.Tensor) -> dict[str, Any]:
+             sum_buf: torch.Tensor, against: Any = None) -> dict[str, Any]:
     g = torch.Generator().manual_seed(batch * 7919 + context)
     nb = -(-context // block)
     pool = kv_pool_tensor((batch * nb + 8, LAYERS, 2, block, KV_HEADS, HEAD_DIM),
@@ -53,15 +78,20 @@ def run_case(ext: Any, batch: int, context: int, block: int, rounds: int,
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=g)
     scale = HEAD_DIM**-0.5
 
-    def step(prefetch: bool) -> list[torch.Tensor]:
-        return [ext.paged_decode_attention(q, pool[:, i], tables, lens, scale, prefetch)
+    def step(prefetch: bool, kernels: Any = ext) -> list[torch.Tensor]:
+        return [kernels.paged_decode_attention(q, pool[:, i], tables, lens, scale, prefetch)
                 for i in range(LAYERS)]
 
     identical = all(torch.equal(a, b) for a, b in zip(step(True), step(False), strict=True))
-    times: dict[str, list[float]] = {"prefetch_off": [], "prefetch_on": [], "sum": []}
+    variants = {"prefetch_off": (False, ext), "prefetch_on": (True, ext)}
+    if against is not None:
+        variants |= {"against_off": (False, against), "against_on": (True, against)}
+        identical = identical and all(torch.equal(a, b) for a, b in zip(
+            step(False), step(True, against), strict=True))
+    times: dict[str, list[float]] = {name: [] for name in (*variants, "sum")}
     for _ in range(rounds):
-        times["prefetch_off"].append(_seconds(lambda: step(False)))
-        times["prefetch_on"].append(_seconds(lambda: step(True)))
+        for name, (prefetch, kernels) in variants.items():
+            times[name].append(_seconds(lambda p=prefetch, k=kernels: step(p, k)))
         times["sum"].append(_seconds(sum_buf.sum))
     kv_bytes = batch * context * KVLayout(1, LAYERS, 1, KV_HEADS, HEAD_DIM, "float32",
                                           "").block_nbytes
@@ -69,7 +99,7 @@ def run_case(ext: Any, batch: int, context: int, block: int, rounds: int,
     row: dict[str, Any] = {"batch": batch, "context": context, "block_size": block,
                            "kv_bytes": kv_bytes, "identical": identical,
                            "sum_gb_per_s": round(sum_gbs, 2), "times_s": times}
-    for name in ("prefetch_off", "prefetch_on"):
+    for name in variants:
         med = statistics.median(times[name])
         row[name] = {"ms": round(med * 1e3, 2), "gb_per_s": round(kv_bytes / med / 1e9, 2),
                      "of_sum": round(kv_bytes / med / 1e9 / sum_gbs, 3)}
@@ -82,10 +112,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--blocks", default="16,64", help="block sizes (tokens)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--against", metavar="REV",
+                        help="also time this git revision's kernel in the same rounds")
     args = parser.parse_args()
     ext = cpu_extension()
     if ext is None:
         raise SystemExit("the CPU extension is unavailable here: nothing to measure")
+    against = build_at(args.against) if args.against else None
     sum_buf = torch.ones(512 << 18)
     print(f"CPU: {cpu_summary()}; torch threads {torch.get_num_threads()}")
     print("\n| block | batch | context | prefetch off ms (GB/s, of sum) | prefetch on ms (GB/s, "
@@ -94,18 +127,31 @@ def main() -> None:
     rows = []
     for block in (int(b) for b in args.blocks.split(",")):
         for batch, context in CASES:
-            r = run_case(ext, batch, context, block, args.rounds, sum_buf)
+            r = run_case(ext, batch, context, block, args.rounds, sum_buf, against)
             rows.append(r)
             off, on = r["prefetch_off"], r["prefetch_on"]
             print(f"| {block} | {batch} | {context} | {off['ms']:.1f} ({off['gb_per_s']:.1f}, "
                   f"{off['of_sum']:.2f}) | {on['ms']:.1f} ({on['gb_per_s']:.1f}, "
                   f"{on['of_sum']:.2f}) | {r['on_over_off']:.2f}x | {r['sum_gb_per_s']:.1f} | "
                   f"{r['identical']} |", flush=True)
+    if against is not None:
+        print(f"\nThe same rounds, {args.against}'s kernel (against) and this one's:\n")
+        print("| block | batch | context | against off ms | against on ms | this, off | "
+              "this, on | this best / against best |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            ms = {k: r[k]["ms"] for k in ("against_off", "against_on", "prefetch_off",
+                                          "prefetch_on")}
+            ratio = min(ms["prefetch_off"], ms["prefetch_on"]) / min(ms["against_off"],
+                                                                    ms["against_on"])
+            r["best_over_against_best"] = round(ratio, 3)
+            print(f"| {r['block_size']} | {r['batch']} | {r['context']} | " + " | ".join(
+                f"{v:.1f}" for v in ms.values()) + f" | {ratio:.2f}x |")
     record = {
         "bench": "bench.decode_attention", "when": datetime.now(UTC).isoformat(timespec="seconds"),
         "commit": commit_id(),
         "cpu": cpu_summary(), "threads": torch.get_num_threads(), "load_avg": os.getloadavg(),
-        "rounds": args.rounds, "rows": rows,
+        "rounds": args.rounds, "against": args.against, "rows": rows,
     }
     if args.out:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
