@@ -8,6 +8,10 @@ head), attention (KV write + paged decode attention), norms/RoPE/activation, sam
 remainder is Python, dispatch and step metadata. Rooflines beside it: the weight-read bound
 (weight bytes / the read bandwidth measured here) and the bare GEMM time of the same shapes.
 Also one `--prefill`-token prompt (prompt tokens / s).
+
+`--against REV`: float32 activations' fused kernels (norms, RoPE, KV write, decode attention)
+also from REV's kernels/cpu_ops.cpp (with its prefetch on, REV's default), the decode steps
+alternating between the two step by step on the same sequences: a before/after in one run.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from pathlib import Path
 import torch
 
 from bench import commit_id
+from bench.decode_attention import build_at
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu import cpu_summary
+from pdserve.engine.kernels import FusedCpuKernels
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_store import resolve_model
 from pdserve.kv_layout import KVLayout
@@ -60,7 +66,9 @@ def read_bandwidth_gbs(nbytes: int = 512 << 20) -> float:
 
 
 def _decode_steps(engine: LLMEngine, rng: random.Random, batch: int, context: int,
-                  steps: int) -> list[float]:
+                  steps: int, alternate: object = None) -> list[float]:
+    """The decode steps' times (ms). With ``alternate`` (a kernels object), odd steps run
+    with it instead of the model's own kernels: even steps' times first, then odd ones'."""
     sp = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
     for _ in range(batch):
         ids = tuple(rng.randrange(100, 40000) for _ in range(context))
@@ -73,12 +81,22 @@ def _decode_steps(engine: LLMEngine, rng: random.Random, batch: int, context: in
         raise SystemExit(f"only {len(sched.running)} of {batch} sequences run at once: the "
                          "KV pool is too small, or --steps too few to outlast the batch's "
                          "prefill")
-    times = []
-    while engine.has_unfinished():
-        t = time.perf_counter()
-        engine.step()
-        times.append((time.perf_counter() - t) * 1e3)
-    return times[:-1]  # the last step only finishes requests
+    model = engine.runner.model
+    own = model.kernels
+    times: tuple[list[float], list[float]] = ([], [])
+    try:
+        while engine.has_unfinished():
+            odd = alternate is not None and len(times[0]) > len(times[1])
+            model.kernels = alternate if odd else own  # type: ignore[assignment]
+            t = time.perf_counter()
+            engine.step()
+            times[odd].append((time.perf_counter() - t) * 1e3)
+    finally:
+        model.kernels = own
+    if alternate is None:
+        return times[0][:-1]  # the last step only finishes requests
+    n = min(len(times[0]), len(times[1])) - 1
+    return times[0][:n] + times[1][:n]
 
 
 @torch.inference_mode()
@@ -146,6 +164,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="also write the rows as a JSON record here")
+    ap.add_argument("--against", metavar="REV", help="alternate steps with REV's fused "
+                    "kernels (float32 activations)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -172,14 +192,25 @@ def main() -> None:
             dtype=dtype, kv_cache_bytes=kv_bytes, enable_prefix_caching=False,
             num_threads=args.threads, step_target_ms=0.0))  # a prompt in whole chunks
         bound = engine.runner.model.weight_nbytes() / bw / 1e6
+        alternate = None
+        if args.against and isinstance(engine.runner.model.kernels, FusedCpuKernels):
+            alternate = FusedCpuKernels(build_at(args.against), prefetch=True)
         for batch in (int(b) for b in args.batches.split(",")):
-            step = statistics.median(_decode_steps(engine, rng, batch, args.context,
-                                                   args.steps))
+            both = _decode_steps(engine, rng, batch, args.context, args.steps, alternate)
+            against = None
+            if alternate is not None:
+                against = statistics.median(both[len(both) // 2:])
+                both = both[: len(both) // 2]
+            step = statistics.median(both)
             parts = parts_ms(engine, batch, args.context)
             rest = step - sum(parts.values())
             rows.append({"dtype": dtype, "batch": batch, "step_p50_ms": step, **{
                 f"{k}_ms": v for k, v in parts.items()}, "python_dispatch_ms": rest,
-                "weight_read_bound_ms": bound})
+                "weight_read_bound_ms": bound} | ({} if against is None else {
+                    "against_step_p50_ms": against, "step_over_against": step / against}))
+            if against is not None:
+                print(f"|   | (steps alternating with {args.against}'s fused kernels: "
+                      f"{against:.1f} ms there, this / that {step / against:.3f}) |")
             print(f"| {dtype} | {batch} | {step:.1f} | " + " | ".join(
                 f"{v:.1f}" for v in parts.values()) + f" | {rest:.1f} | {bound:.1f} | "
                 f"{step / bound:.2f}x | {step / parts['linear']:.2f}x |")
@@ -191,7 +222,8 @@ def main() -> None:
     if args.out:
         record = {"benchmark": "bench.profile_step", "commit": commit_id(), "argv": sys.argv[1:],
                   "cpu": cpu_summary(), "threads": torch.get_num_threads(),
-                  "read_bandwidth_gbs": bw, "load_avg": os.getloadavg(), "rows": rows,
+                  "read_bandwidth_gbs": bw, "against": args.against,
+                  "load_avg": os.getloadavg(), "rows": rows,
                   "prefill_tok_per_s": prefill}
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 
