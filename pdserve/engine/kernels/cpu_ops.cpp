@@ -422,6 +422,44 @@ inline void prefetch_rows(const float* const* rows, int64_t n, int64_t offset, i
       __builtin_prefetch(reinterpret_cast<const char*>(rows[t] + offset) + off, 0, 3);
 }
 
+// The scores of up to 16 tokens (rows[0..cnt)) for every query head, into
+// scores[h * stride + t]. Token by token, each row front to back (all KV heads' K in the order
+// they lie, so a block is read as one ascending stream), each KV head's K (NV vectors, NV = 0:
+// `nv` at run time) loaded once for its query heads; the dot products wait in `part` (heads x
+// 16) for one hsum16 per head. Lanes past cnt are zeros: summed, then unread.
+template <int NV>
+void scores16(const float* const* rows, int64_t cnt, const float* qs, int64_t hd, int64_t kvh,
+              int64_t group, vf* part, float* scores, int64_t stride, int64_t nv = NV) {
+  const int64_t heads = kvh * group;
+  for (int64_t t = 0; t < VL; ++t) {
+    if (t >= cnt) {
+      for (int64_t h = 0; h < heads; ++h) part[h * VL + t] = vf{};
+      continue;
+    }
+    for (int64_t g = 0; g < kvh; ++g) {
+      const float* k = rows[t] + g * hd;
+      if constexpr (NV > 0) {
+        vf kr[NV];
+        for (int j = 0; j < NV; ++j) kr[j] = load(k + j * VL);
+        for (int64_t r = 0; r < group; ++r) {
+          const float* qh = qs + (g * group + r) * hd;
+          vf a = load(qh) * kr[0];
+          for (int j = 1; j < NV; ++j) a = a + load(qh + j * VL) * kr[j];
+          part[(g * group + r) * VL + t] = a;
+        }
+      } else {
+        for (int64_t r = 0; r < group; ++r) {
+          const float* qh = qs + (g * group + r) * hd;
+          vf a = load(qh) * load(k);
+          for (int64_t j = 1; j < nv; ++j) a = a + load(qh + j * VL) * load(k + j * VL);
+          part[(g * group + r) * VL + t] = a;
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) store(scores + h * stride, hsum16(part + h * VL));
+}
+
 // R heads (1 <= R <= 24 / nv) through the register version where one is instantiated.
 void pv_dispatch(const float* const* rows, int64_t m, const float* w, int64_t ws, float* acc,
                  int64_t r_heads, int64_t nv) {
@@ -535,38 +573,29 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
       const int64_t m = p1 - p0, stride = span + VL;
       const int64_t* table = tp + s * max_blocks;
       const float* qs = qp + s * sq;
-      for (int64_t p = p0; p < p1; ++p) rows[p - p0] = kvp + table[p / bs] * sb + (p % bs) * so;
+      for (int64_t p = p0; p < p1;) {  // block by block: one division a block, not a token
+        const int64_t blk = p / bs, end_p = std::min(p1, (blk + 1) * bs);
+        const float* row = kvp + table[blk] * sb + (p - blk * bs) * so;
+        for (; p < end_p; ++p, row += so) rows[p - p0] = row;
+      }
       // Scores 16 tokens at a time: the tokens' K rows stay in L1 for every head, and one
       // hsum16 finishes 16 dot products. Meanwhile the next 16 tokens' rows are asked for, and
       // a share of the next task's lines (spread over this task's groups, scores then V sums).
+      float* const sbase = scores.data();
       const int64_t per_group = (next.lines() + 2 * ((m + VL - 1) / VL) - 1) /
                                 std::max<int64_t>(1, 2 * ((m + VL - 1) / VL));
       for (int64_t t0 = 0; t0 < m; t0 += VL) {
         next.step(per_group);
         if (prefetch && t0 + VL < m)
           prefetch_rows(rows.data() + t0 + VL, std::min(VL, m - t0 - VL), 0, row_bytes);
-        // Token by token, each row front to back (all KV heads' K in the order they lie, so
-        // a block is read as one ascending stream), each KV head's K loaded once for its
-        // query heads; the dot products wait in `part` for one hsum16 per head.
         const int64_t cnt = std::min(VL, m - t0);
-        for (int64_t t = 0; t < VL; ++t) {
-          if (t >= cnt) {  // lanes past m: summed, then unread
-            for (int64_t h = 0; h < heads; ++h) part[h * VL + t] = vf{};
-            continue;
-          }
-          const float* row = rows[t0 + t];
-          for (int64_t g = 0; g < kvh; ++g) {
-            const float* k = row + g * hd;
-            for (int64_t r = 0; r < group; ++r) {
-              const float* qh = qs + (g * group + r) * hd;
-              vf a = load(qh) * load(k);
-              for (int64_t v = 1; v < nv; ++v) a = a + load(qh + v * VL) * load(k + v * VL);
-              part[(g * group + r) * VL + t] = a;
-            }
-          }
-        }
-        for (int64_t h = 0; h < heads; ++h)
-          store(scores.data() + h * stride + t0, hsum16(part.data() + h * VL));
+        if (nv == 4)
+          scores16<4>(rows.data() + t0, cnt, qs, hd, kvh, group, part.data(), sbase + t0, stride);
+        else if (nv == 8)
+          scores16<8>(rows.data() + t0, cnt, qs, hd, kvh, group, part.data(), sbase + t0, stride);
+        else
+          scores16<0>(rows.data() + t0, cnt, qs, hd, kvh, group, part.data(), sbase + t0, stride,
+                      nv);
       }
       for (int64_t h = 0; h < heads; ++h) {
         float* sr = scores.data() + h * stride;
