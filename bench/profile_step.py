@@ -208,12 +208,12 @@ def main() -> None:
                 f"{k}_ms": v for k, v in parts.items()}, "python_dispatch_ms": rest,
                 "weight_read_bound_ms": bound} | ({} if against is None else {
                     "against_step_p50_ms": against, "step_over_against": step / against}))
-            if against is not None:
-                print(f"|   | (steps alternating with {args.against}'s fused kernels: "
-                      f"{against:.1f} ms there, this / that {step / against:.3f}) |")
             print(f"| {dtype} | {batch} | {step:.1f} | " + " | ".join(
                 f"{v:.1f}" for v in parts.values()) + f" | {rest:.1f} | {bound:.1f} | "
                 f"{step / bound:.2f}x | {step / parts['linear']:.2f}x |")
+            if against is not None:
+                print(f"|   | (the steps between, {args.against}'s fused kernels: "
+                      f"{against:.1f} ms; above / this {step / against:.3f}) |")
         prefill[dtype] = args.prefill / best_ms(lambda e=engine: _prefill(e, rng, args.prefill),
                                                 3) * 1e3
         del engine
