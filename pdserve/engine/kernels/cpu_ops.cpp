@@ -581,7 +581,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
       // Scores 16 tokens at a time: the tokens' K rows stay in L1 for every head, and one
       // hsum16 finishes 16 dot products. Meanwhile the next 16 tokens' rows are asked for, and
       // a share of the next task's lines (spread over this task's groups, scores then V sums).
-      float* const sbase = scores.data();
       const int64_t per_group = (next.lines() + 2 * ((m + VL - 1) / VL) - 1) /
                                 std::max<int64_t>(1, 2 * ((m + VL - 1) / VL));
       for (int64_t t0 = 0; t0 < m; t0 += VL) {
@@ -589,13 +588,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
         if (prefetch && t0 + VL < m)
           prefetch_rows(rows.data() + t0 + VL, std::min(VL, m - t0 - VL), 0, row_bytes);
         const int64_t cnt = std::min(VL, m - t0);
+        const float* const* r16 = rows.data() + t0;
+        float* s16 = scores.data() + t0;
         if (nv == 4)
-          scores16<4>(rows.data() + t0, cnt, qs, hd, kvh, group, part.data(), sbase + t0, stride);
+          scores16<4>(r16, cnt, qs, hd, kvh, group, part.data(), s16, stride);
         else if (nv == 8)
-          scores16<8>(rows.data() + t0, cnt, qs, hd, kvh, group, part.data(), sbase + t0, stride);
+          scores16<8>(r16, cnt, qs, hd, kvh, group, part.data(), s16, stride);
         else
-          scores16<0>(rows.data() + t0, cnt, qs, hd, kvh, group, part.data(), sbase + t0, stride,
-                      nv);
+          scores16<0>(r16, cnt, qs, hd, kvh, group, part.data(), s16, stride, nv);
       }
       for (int64_t h = 0; h < heads; ++h) {
         float* sr = scores.data() + h * stride;
