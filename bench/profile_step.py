@@ -4,8 +4,11 @@
 
 For each dtype and decode batch: the median engine step (scheduler, model, sampler) and,
 with the same shapes, each part on its own: the linear layers (every projection and the LM
-head), attention (KV write + paged decode attention), norms/RoPE/activation, sampling; the
-remainder is Python, dispatch and step metadata. Rooflines beside it: the weight-read bound
+head), attention (KV write + paged decode attention), norms/RoPE/activation, sampling. What
+remains of the step is not all Python: inside a step the parts take longer than apart (other
+data in the caches). So a second table times the same parts inside real decode steps, each
+call wrapped in a clock, and what is left between the calls: Python, step metadata, the
+scheduler (plus ~1 us a wrapped call). Rooflines beside it: the weight-read bound
 (weight bytes / the read bandwidth measured here) and the bare GEMM time of the same shapes.
 Also one `--prefill`-token prompt (prompt tokens / s).
 
@@ -26,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -66,9 +70,11 @@ def read_bandwidth_gbs(nbytes: int = 512 << 20) -> float:
 
 
 def _decode_steps(engine: LLMEngine, rng: random.Random, batch: int, context: int,
-                  steps: int, alternate: object = None) -> list[float]:
+                  steps: int, alternate: object = None,
+                  on_decode: Callable[[], object] | None = None) -> list[float]:
     """The decode steps' times (ms). With ``alternate`` (a kernels object), odd steps run
-    with it instead of the model's own kernels: even steps' times first, then odd ones'."""
+    with it instead of the model's own kernels: even steps' times first, then odd ones'.
+    ``on_decode`` is called once, when the prompts are in and decoding starts."""
     sp = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
     for _ in range(batch):
         ids = tuple(rng.randrange(100, 40000) for _ in range(context))
@@ -81,6 +87,8 @@ def _decode_steps(engine: LLMEngine, rng: random.Random, batch: int, context: in
         raise SystemExit(f"only {len(sched.running)} of {batch} sequences run at once: the "
                          "KV pool is too small, or --steps too few to outlast the batch's "
                          "prefill")
+    if on_decode is not None:
+        on_decode()
     model = engine.runner.model
     own = model.kernels
     times: tuple[list[float], list[float]] = ([], [])
@@ -147,6 +155,68 @@ def parts_ms(engine: LLMEngine, batch: int, context: int) -> dict[str, float]:
                 lambda: engine.sampler.sample(logits, rows))}
 
 
+class _Clock:
+    """Wall time and calls of wrapped functions, by part."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def clear(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+    def wrap(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - t
+                self.calls[part] = self.calls.get(part, 0) + 1
+
+        return timed
+
+
+_KERNEL_PARTS = {"write_kv": "attention", "decode_attention": "attention",
+                 "rms_norm": "norm/rope/act", "add_rms_norm_": "norm/rope/act",
+                 "rope_": "norm/rope/act", "silu_mul": "norm/rope/act"}
+
+
+def in_step_ms(engine: LLMEngine, rng: random.Random, batch: int, context: int,
+               steps: int) -> dict[str, float]:
+    """The same parts, timed inside real decode steps: every kernel call, linear and the
+    sampler wrapped in a clock (about 1 us a call, ~250 calls a step), and what is left of the
+    step between those calls (Python, metadata, the scheduler). Means per step, ms."""
+    model, clock = engine.runner.model, _Clock()
+    kernels = model.kernels
+    linears = [(owner, name) for layer in model.model.layers
+               for owner, name in ((layer.self_attn, "qkv"), (layer.self_attn, "o"),
+                                   (layer.mlp, "gate_up"), (layer.mlp, "down"))]
+    linears.append((model, "head"))
+    saved = [(owner, name, getattr(owner, name)) for owner, name in linears]
+    try:  # instance attributes: they shadow the methods until deleted
+        for name, part in _KERNEL_PARTS.items():
+            vars(kernels)[name] = clock.wrap(part, getattr(kernels, name))
+        for owner, name, kernel in saved:
+            object.__setattr__(owner, name, clock.wrap("linear", kernel))
+        vars(engine.sampler)["sample"] = clock.wrap("sampling", engine.sampler.sample)
+        vars(engine)["step"] = clock.wrap("step", engine.step)
+        _decode_steps(engine, rng, batch, context, steps, on_decode=clock.clear)
+    finally:
+        for name in (*_KERNEL_PARTS, "sample", "step"):
+            for obj in (kernels, engine.sampler, engine):
+                vars(obj).pop(name, None)
+        for owner, name, kernel in saved:
+            object.__setattr__(owner, name, kernel)
+    n = clock.calls["step"]
+    out = {part: 1e3 * clock.seconds.get(part, 0.0) / n
+           for part in ("linear", "attention", "norm/rope/act", "sampling")}
+    out["between_calls"] = 1e3 * clock.seconds["step"] / n - sum(out.values())
+    out["step_mean"] = 1e3 * clock.seconds["step"] / n
+    return out
+
+
 def _prefill(engine: LLMEngine, rng: random.Random, n: int) -> None:
     ids = tuple(rng.randrange(100, 40000) for _ in range(n))
     engine.add_request(GenerateRequest(f"f{rng.random()}", ids, SamplingParams(max_tokens=1)))
@@ -173,11 +243,12 @@ def main() -> None:
     print(f"CPU: {cpu_summary()}; torch threads {torch.get_num_threads()}; "
           f"read bandwidth {bw:.1f} GB/s")
     print("\n| dtype | batch | step p50 ms | linear | attention | norm/rope/act | sampling | "
-          "Python + dispatch | weight-read bound | step / bound | step / bare GEMMs |")
+          "rest (step - parts apart) | weight-read bound | step / bound | step / bare GEMMs |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rng = random.Random(0)
     prefill = {}
     rows = []
+    inside: dict[tuple[str, int], dict[str, float]] = {}
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)
     # A pool that holds every sequence of the largest batch at its longest (fp32 KV, the
@@ -204,9 +275,11 @@ def main() -> None:
             step = statistics.median(both)
             parts = parts_ms(engine, batch, args.context)
             rest = step - sum(parts.values())
+            inside[(dtype, batch)] = in_step_ms(engine, rng, batch, args.context, args.steps)
             rows.append({"dtype": dtype, "batch": batch, "step_p50_ms": step, **{
                 f"{k}_ms": v for k, v in parts.items()}, "python_dispatch_ms": rest,
-                "weight_read_bound_ms": bound} | ({} if against is None else {
+                "weight_read_bound_ms": bound, "in_step_ms": inside[(dtype, batch)]} | (
+                    {} if against is None else {
                     "against_step_p50_ms": against, "step_over_against": step / against}))
             print(f"| {dtype} | {batch} | {step:.1f} | " + " | ".join(
                 f"{v:.1f}" for v in parts.values()) + f" | {rest:.1f} | {bound:.1f} | "
@@ -217,6 +290,15 @@ def main() -> None:
         prefill[dtype] = args.prefill / best_ms(lambda e=engine: _prefill(e, rng, args.prefill),
                                                 3) * 1e3
         del engine
+    print("\nThe same parts timed inside real decode steps (each call wrapped in a clock), "
+          "means per step, ms:\n")
+    print("| dtype | batch | step (wrapped) | linear | attention | norm/rope/act | sampling | "
+          "between the calls |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for (dtype, batch), p in inside.items():
+        print(f"| {dtype} | {batch} | {p['step_mean']:.1f} | {p['linear']:.1f} | "
+              f"{p['attention']:.1f} | {p['norm/rope/act']:.1f} | {p['sampling']:.1f} | "
+              f"{p['between_calls']:.1f} |")
     print("\n" + "; ".join(f"prefill {args.prefill} tokens, {k}: {v:.0f} tok/s"
                            for k, v in prefill.items()))
     if args.out:
