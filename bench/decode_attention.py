@@ -61,8 +61,7 @@ def build_at(rev: str) -> Any:
     (build / "cpu_ops.cpp").write_text(src)
     return cpp_extension.load(
         name=f"pdserve_cpu_ops_at_{rev.replace('/', '_')}", sources=[str(build / "cpu_ops.cpp")],
-        build_directory=str(build), verbose=False,
-        extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+        build_directory=str(build), verbose=False, extra_cflags=kernels.CFLAGS,
         extra_ldflags=["-fopenmp"])
 
 

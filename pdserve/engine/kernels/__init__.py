@@ -31,6 +31,7 @@ import torch.nn.functional as F
 log = structlog.get_logger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 DISABLE_ENV = "PDSERVE_DISABLE_CPU_KERNELS"
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]  # how cpu_ops.cpp is built
 
 
 class TorchKernels:
@@ -191,8 +192,7 @@ def _build() -> ModuleType | None:
             build_dir.mkdir(parents=True, exist_ok=True)
             return cpp_extension.load(
                 name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
-                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
-                extra_ldflags=["-fopenmp"], verbose=False)
+                extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, unusual platform: stay correct
         log.warning("cpu_kernels_unavailable", error=str(exc)[:500],
                     fallback="torch ops (slower decode)")
