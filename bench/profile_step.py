@@ -15,6 +15,10 @@ Also one `--prefill`-token prompt (prompt tokens / s).
 `--against REV`: float32 activations' fused kernels (norms, RoPE, KV write, decode attention)
 also from REV's kernels/cpu_ops.cpp (with its prefetch on, REV's default), the decode steps
 alternating between the two step by step on the same sequences: a before/after in one run.
+`--against-python-loop`: the same alternation between the model's C++ decode loop
+(cpu_ops.cpp's DecodeStack) and its Python layer loop over the same kernels. The parts inside
+a step are timed with the Python loop (the C++ one makes the same calls out of the clocks'
+reach).
 """
 
 from __future__ import annotations
@@ -70,10 +74,11 @@ def read_bandwidth_gbs(nbytes: int = 512 << 20) -> float:
 
 
 def _decode_steps(engine: LLMEngine, rng: random.Random, batch: int, context: int,
-                  steps: int, alternate: object = None,
+                  steps: int, alternate: Callable[[bool], object] | None = None,
                   on_decode: Callable[[], object] | None = None) -> list[float]:
-    """The decode steps' times (ms). With ``alternate`` (a kernels object), odd steps run
-    with it instead of the model's own kernels: even steps' times first, then odd ones'.
+    """The decode steps' times (ms). With ``alternate``, called with True before each odd
+    step and False before each even one (and at the end), odd steps run the other way: even
+    steps' times first, then odd ones'.
     ``on_decode`` is called once, when the prompts are in and decoding starts."""
     sp = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
     for _ in range(batch):
@@ -89,18 +94,18 @@ def _decode_steps(engine: LLMEngine, rng: random.Random, batch: int, context: in
                          "prefill")
     if on_decode is not None:
         on_decode()
-    model = engine.runner.model
-    own = model.kernels
     times: tuple[list[float], list[float]] = ([], [])
     try:
         while engine.has_unfinished():
             odd = alternate is not None and len(times[0]) > len(times[1])
-            model.kernels = alternate if odd else own  # type: ignore[assignment]
+            if alternate is not None:
+                alternate(odd)
             t = time.perf_counter()
             engine.step()
             times[odd].append((time.perf_counter() - t) * 1e3)
     finally:
-        model.kernels = own
+        if alternate is not None:
+            alternate(False)
     if alternate is None:
         return times[0][:-1]  # the last step only finishes requests
     n = min(len(times[0]), len(times[1])) - 1
@@ -190,6 +195,7 @@ def in_step_ms(engine: LLMEngine, rng: random.Random, batch: int, context: int,
     step between those calls (Python, metadata, the scheduler). Means per step, ms."""
     model, clock = engine.runner.model, _Clock()
     kernels = model.kernels
+    model.decode_stack_on = False  # the Python loop, whose calls the clocks see
     linears = [(owner, name) for layer in model.model.layers
                for owner, name in ((layer.self_attn, "qkv"), (layer.self_attn, "o"),
                                    (layer.mlp, "gate_up"), (layer.mlp, "down"))]
@@ -209,12 +215,18 @@ def in_step_ms(engine: LLMEngine, rng: random.Random, batch: int, context: int,
                 vars(obj).pop(name, None)
         for owner, name, kernel in saved:
             object.__setattr__(owner, name, kernel)
+        model.decode_stack_on = True
     n = clock.calls["step"]
     out = {part: 1e3 * clock.seconds.get(part, 0.0) / n
            for part in ("linear", "attention", "norm/rope/act", "sampling")}
     out["between_calls"] = 1e3 * clock.seconds["step"] / n - sum(out.values())
     out["step_mean"] = 1e3 * clock.seconds["step"] / n
     return out
+
+
+def _switch(obj: object, attr: str, even: object, odd: object) -> Callable[[bool], object]:
+    """For `_decode_steps`' ``alternate``: ``obj.attr`` set to ``odd`` or ``even``."""
+    return lambda is_odd: setattr(obj, attr, odd if is_odd else even)
 
 
 def _prefill(engine: LLMEngine, rng: random.Random, n: int) -> None:
@@ -236,6 +248,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write the rows as a JSON record here")
     ap.add_argument("--against", metavar="REV", help="alternate steps with REV's fused "
                     "kernels (float32 activations)")
+    ap.add_argument("--against-python-loop", action="store_true", help="alternate steps "
+                    "with the Python layer loop (where the C++ decode loop runs)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -263,9 +277,16 @@ def main() -> None:
             dtype=dtype, kv_cache_bytes=kv_bytes, enable_prefix_caching=False,
             num_threads=args.threads, step_target_ms=0.0))  # a prompt in whole chunks
         bound = engine.runner.model.weight_nbytes() / bw / 1e6
-        alternate = None
-        if args.against and isinstance(engine.runner.model.kernels, FusedCpuKernels):
-            alternate = FusedCpuKernels(build_at(args.against), prefetch=True)
+        model = engine.runner.model
+        alternate: Callable[[bool], object] | None = None
+        against_name = ""
+        if args.against and isinstance(model.kernels, FusedCpuKernels):
+            own, theirs = model.kernels, FusedCpuKernels(build_at(args.against), prefetch=True)
+            alternate = _switch(model, "kernels", own, theirs)
+            against_name = f"{args.against}'s fused kernels"
+        elif args.against_python_loop and model._stack is not None:
+            alternate = _switch(model, "decode_stack_on", True, False)
+            against_name = "the Python layer loop"
         for batch in (int(b) for b in args.batches.split(",")):
             both = _decode_steps(engine, rng, batch, args.context, args.steps, alternate)
             against = None
@@ -285,7 +306,7 @@ def main() -> None:
                 f"{v:.1f}" for v in parts.values()) + f" | {rest:.1f} | {bound:.1f} | "
                 f"{step / bound:.2f}x | {step / parts['linear']:.2f}x |")
             if against is not None:
-                print(f"|   | (the steps between, {args.against}'s fused kernels: "
+                print(f"|   | (the steps between, {against_name}: "
                       f"{against:.1f} ms; above / this {step / against:.3f}) |")
         prefill[dtype] = args.prefill / best_ms(lambda e=engine: _prefill(e, rng, args.prefill),
                                                 3) * 1e3
@@ -305,6 +326,7 @@ def main() -> None:
         record = {"benchmark": "bench.profile_step", "commit": commit_id(), "argv": sys.argv[1:],
                   "cpu": cpu_summary(), "threads": torch.get_num_threads(),
                   "read_bandwidth_gbs": bw, "against": args.against,
+                  "against_python_loop": args.against_python_loop,
                   "load_avg": os.getloadavg(), "rows": rows,
                   "prefill_tok_per_s": prefill}
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

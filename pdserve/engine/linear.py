@@ -56,6 +56,8 @@ WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", *QUANT_FORMATS)
 _STEPS = 63.5
 _SHRINK = 0.99
 _FLOAT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# (weights, out_features, bias, kernel capsule or None for the fp32 panels, qtype, isa)
+StepSpec = tuple[torch.Tensor, int, torch.Tensor | None, object, int, int]
 
 
 class LinearKernel(abc.ABC):
@@ -71,6 +73,11 @@ class LinearKernel(abc.ABC):
     @abc.abstractmethod
     def nbytes(self) -> int:
         """Bytes of weights one call reads (what bounds a decode step)."""
+
+    def step_spec(self) -> StepSpec | None:
+        """How the C++ decode loop (cpu_ops.cpp's DecodeStack) calls this kernel at a decode
+        batch, or None where it cannot (the Python loop runs instead)."""
+        return None
 
 
 class DenseLinear(LinearKernel):
@@ -130,6 +137,9 @@ class PanelLinear(LinearKernel):
         y = self._ext.panel_linear(x.reshape(-1, self.in_features), self.panels,
                                    self.out_features, self.bias)
         return y.view(*lead, self.out_features)
+
+    def step_spec(self) -> StepSpec:
+        return (self.panels, self.out_features, self.bias, None, 0, 0)
 
     @property
     def nbytes(self) -> int:
@@ -245,6 +255,14 @@ class QuantLinear(LinearKernel):
             return F.linear(x, self.dequantize(), self.bias)
         assert self._ext is not None
         return self._ext.quant_linear(x, self.blocks, self._code, self._isa, self.bias)
+
+    def step_spec(self) -> StepSpec | None:
+        # Only the panels run every batch size with one kernel; the blocks' path switches to
+        # a float GEMM past SMALL_M.
+        if self._panels is None or self._ext is None:
+            return None
+        return (self._panels, self.out_features, self.bias, self._ext.linear_panels_capsule(),
+                self._code, self._isa)
 
     @property
     def nbytes(self) -> int:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import structlog
 import torch
@@ -115,6 +116,11 @@ class FusedCpuKernels(TorchKernels):
                          scale: float) -> torch.Tensor:
         return self._ext.paged_decode_attention(
             q, kv_layer, tables, lens, scale, self._prefetch)
+
+    def decode_stack(self, heads: int, kv_heads: int, head_dim: int, scale: float) -> Any:
+        """An empty cpu_ops.cpp DecodeStack (add its layers, then `run` whole decode steps'
+        layers in one call) with this object's attention settings."""
+        return self._ext.DecodeStack(heads, kv_heads, head_dim, scale, self._prefetch)
 
 
 def gather_blocks(kv_layer: torch.Tensor, kind: int, block_ids: torch.Tensor) -> torch.Tensor:

@@ -877,6 +877,117 @@ torch::Tensor int8_merge(torch::Tensor y, torch::Tensor amax, torch::Tensor lo_a
   return out;
 }
 
+// ---------------------------------------------------------------------------------------
+// A decode step's decoder layers in one call (LlamaForCausalLM.forward's loop, op for op).
+//
+// Called from Python, the loop costs ~10 kernel calls a layer, each a pybind crossing that
+// drops and retakes the GIL; on a 2-core machine the serving thread's event loop can take the
+// GIL at each of them. `DecodeStack.run` makes the same calls, in the same order, on the same
+// kernels, from C++ under one GIL release: the same bits, without the crossings.
+//
+// A linear is either this extension's fp32 panels or a kernel of another extension that
+// follows the `QuantFn` contract (quant_ops.cpp's quant_linear_panels), handed over as a
+// named capsule so that a mismatched pointer is refused rather than called.
+using QuantFn = torch::Tensor (*)(const torch::Tensor& x, const torch::Tensor& w,
+                                  int64_t qtype, int64_t n, int64_t isa,
+                                  const c10::optional<torch::Tensor>& bias);
+constexpr const char* kQuantCapsule = "pdserve.quant_linear_panels";
+
+struct StepLinear {
+  torch::Tensor w;  // pack_panels' fp32 panels, or the QuantFn's weights
+  int64_t n = 0;    // out features
+  c10::optional<torch::Tensor> bias;
+  QuantFn fn = nullptr;  // nullptr: panel_linear
+  int64_t qtype = 0, isa = 0;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    return fn ? fn(x, w, qtype, n, isa, bias) : panel_linear(x, w, n, bias);
+  }
+};
+
+// (w, n, bias, capsule or None, qtype, isa): what engine.linear's kernels' `step_spec` gives.
+using LinearSpec = std::tuple<torch::Tensor, int64_t, c10::optional<torch::Tensor>,
+                              py::object, int64_t, int64_t>;
+
+StepLinear step_linear(const LinearSpec& spec) {
+  StepLinear lin;
+  py::object cap;
+  std::tie(lin.w, lin.n, lin.bias, cap, lin.qtype, lin.isa) = spec;
+  if (!cap.is_none()) {
+    void* fn = PyCapsule_GetPointer(cap.ptr(), kQuantCapsule);
+    if (fn == nullptr) {
+      PyErr_Clear();
+      TORCH_CHECK(false, "a linear's kernel must be a ", kQuantCapsule, " capsule");
+    }
+    lin.fn = reinterpret_cast<QuantFn>(fn);
+  } else {
+    check_f32(lin.w, "panels");
+  }
+  return lin;
+}
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, bool prefetch)
+      : heads_(heads), kv_heads_(kv_heads), hd_(head_dim), scale_(scale), prefetch_(prefetch) {}
+
+  void add_layer(const LinearSpec& qkv, const LinearSpec& o, const LinearSpec& gate_up,
+                 const LinearSpec& down, torch::Tensor norm_w, double norm_eps,
+                 torch::Tensor post_w, double post_eps) {
+    check_f32(norm_w, "norm weight");
+    check_f32(post_w, "post-attention norm weight");
+    layers_.push_back({step_linear(qkv), step_linear(o), step_linear(gate_up),
+                       step_linear(down), norm_w.contiguous(), norm_eps,
+                       post_w.contiguous(), post_eps});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x: the residual stream [n, hidden] (updated in place: on return it is the last layer's
+  // output, before the final norm). kv_layers: each layer's view of the pool.
+  void run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+           const std::vector<torch::Tensor>& kv_layers, const torch::Tensor& slot_blocks,
+           const torch::Tensor& slot_offsets, const torch::Tensor& tables,
+           const torch::Tensor& lens) const {
+    const int64_t layers = num_layers();
+    TORCH_CHECK(layers > 0, "no layers added");
+    TORCH_CHECK(static_cast<int64_t>(kv_layers.size()) == layers, "one KV view per layer");
+    check_f32(x, "x");
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [n, hidden]");
+    const int64_t n = x.size(0), h = heads_, hkv = kv_heads_;
+    torch::Tensor hs = rms_norm(x, layers_[0].norm_w, layers_[0].norm_eps);
+    for (int64_t i = 0; i < layers; ++i) {
+      const Layer& l = layers_[i];
+      torch::Tensor qkv = l.qkv(hs).view({n, h + 2 * hkv, hd_});
+      rope_(qkv, h + hkv, cos, sin);
+      torch::Tensor k = qkv.narrow(1, h, hkv), v = qkv.narrow(1, h + hkv, hkv);
+      write_kv(kv_layers[i], k, v, slot_blocks, slot_offsets);
+      torch::Tensor o = paged_decode_attention(qkv.narrow(1, 0, h), kv_layers[i], tables,
+                                               lens, scale_, prefetch_);
+      torch::Tensor a = l.o(o.reshape({n, h * hd_}));
+      hs = add_rms_norm_(x, a, l.post_w, l.post_eps);
+      torch::Tensor m = l.down(silu_mul(l.gate_up(hs)));
+      if (i + 1 < layers)
+        hs = add_rms_norm_(x, m, layers_[i + 1].norm_w, layers_[i + 1].norm_eps);
+      else
+        x.add_(m);
+    }
+  }
+
+ private:
+  struct Layer {
+    StepLinear qkv, o, gate_up, down;
+    torch::Tensor norm_w;
+    double norm_eps;
+    torch::Tensor post_w;
+    double post_eps;
+  };
+  int64_t heads_, kv_heads_, hd_;
+  double scale_;
+  bool prefetch_;
+  std::vector<Layer> layers_;
+};
+
 // Every op releases the GIL while it runs, as torch's own ops do: a worker's asyncio loop
 // (heartbeats, streaming, gRPC) runs in another thread of the same process and must not wait
 // for an attention or a matmul to finish.
@@ -895,4 +1006,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("kv"),
         py::arg("tables"), py::arg("lens"), py::arg("scale"), py::arg("prefetch") = true,
         release());
+  // module_local: another build of this file (bench --against, a test's rebuild) may load
+  // into the same process, and pybind11 registers a global type only once.
+  py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
+      .def(py::init<int64_t, int64_t, int64_t, double, bool>(), py::arg("heads"),
+           py::arg("kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("prefetch"))
+      .def("add_layer", &DecodeStack::add_layer)
+      .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def("run", &DecodeStack::run, release());
 }

@@ -759,4 +759,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("panels_to_blocks", &panels_to_blocks, "16-row panels -> the GGUF blocks they hold");
   mod.def("quant_linear_panels", &quant_linear_panels,
           "x @ W.T (+ bias) with W in panels, int8 activations (AVX-512 VNNI)");
+  // quant_linear_panels for cpu_ops.cpp's DecodeStack, which calls it from C++: the name
+  // states the signature (cpu_ops.cpp's QuantFn) and is checked there.
+  mod.def("linear_panels_capsule", [] {
+    using Fn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, int64_t,
+                                 int64_t, const c10::optional<torch::Tensor>&);
+    const Fn fn = &quant_linear_panels;
+    return py::capsule(reinterpret_cast<void*>(fn), "pdserve.quant_linear_panels");
+  });
 }

@@ -9,17 +9,20 @@ transformers' (fp32 RMSNorm, rotate-half RoPE), so greedy float32 outputs agree 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from pdserve.engine.attention import AttentionMetadata, paged_attention
 from pdserve.engine.config import ModelConfig, RopeScaling
-from pdserve.engine.kernels import TorchKernels, kernels_for
+from pdserve.engine.kernels import FusedCpuKernels, TorchKernels, kernels_for
 from pdserve.engine.linear import LinearKernel, detach_gguf_blocks, pack_linear
+
+DECODE_LOOP_ENV = "PDSERVE_DECODE_LOOP"  # "python": never the C++ decode loop
 
 
 class RMSNorm(nn.Module):
@@ -197,6 +200,13 @@ class LlamaForCausalLM(nn.Module):
         # nn.Module's attribute lookups and call hooks (~1 ms a decode step in Python).
         self._steps: list[_LayerStep] = []
         self._kv_views: tuple[torch.Tensor, bool, tuple[torch.Tensor, ...]] | None = None
+        # Set by pack() where every layer can: the decode steps' layer loop in C++
+        # (cpu_ops.cpp's DecodeStack), for the kernels it was built with. `decode_stack_on`
+        # turns it off (benchmarks alternate the two loops); PDSERVE_DECODE_LOOP=python never
+        # builds it.
+        self._stack: Any = None
+        self._stack_kernels: TorchKernels | None = None
+        self.decode_stack_on = True
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -226,7 +236,29 @@ class LlamaForCausalLM(nn.Module):
             for i, layer in enumerate(layers)]
         self.weight_format = weight_format
         self.kernels = kernels_for(self.model.embed_tokens.weight.device, self.activation_dtype)
+        self._stack = self._decode_stack()
+        self._stack_kernels = self.kernels if self._stack is not None else None
         return self
+
+    def _decode_stack(self) -> Any:
+        """cpu_ops.cpp's DecodeStack over these layers, or None where a layer needs what it
+        does not do (q/k norms, a linear kernel without a `step_spec`, no fused kernels)."""
+        kernels = self.kernels
+        config = self.config
+        if (not isinstance(kernels, FusedCpuKernels) or config.qk_norm
+                or os.environ.get(DECODE_LOOP_ENV) == "python"):
+            return None
+        stack = kernels.decode_stack(config.num_heads, config.num_kv_heads, config.head_dim,
+                                     config.head_dim**-0.5)
+        for step in self._steps:
+            attn, mlp = step.attn, step.mlp
+            assert attn.qkv and attn.o and mlp.gate_up and mlp.down
+            specs = [k.step_spec() for k in (attn.qkv, attn.o, mlp.gate_up, mlp.down)]
+            if any(spec is None for spec in specs):
+                return None
+            stack.add_layer(*specs, step.norm_weight, step.norm_eps, step.post_weight,
+                            step.post_eps)
+        return stack
 
     def weight_nbytes(self) -> int:
         """Bytes of weights one decode step reads: every projection and the LM head."""
@@ -255,15 +287,20 @@ class LlamaForCausalLM(nn.Module):
         views = self._kv_views
         if views is None or views[0] is not kv_pool or views[1] is not mode:
             views = self._kv_views = (kv_pool, mode, kv_pool.unbind(1))
-        steps = self._steps
-        h = kernels.rms_norm(x, steps[0].norm_weight, steps[0].norm_eps)
-        for step, kv_layer in zip(steps, views[2], strict=True):
-            a = step.attn.forward(h, cos, sin, kv_layer, meta, kernels)
-            h = kernels.add_rms_norm_(x, a, step.post_weight, step.post_eps)
-            m = step.mlp.forward(h, kernels)
-            if step.next_weight is not None:
-                h = kernels.add_rms_norm_(x, m, step.next_weight, step.next_eps)
-            else:
-                x.add_(m)
+        if (self._stack is not None and self.decode_stack_on and not meta.prefill_lens
+                and kernels is self._stack_kernels):  # the same calls as below, from C++
+            self._stack.run(x, cos, sin, views[2], meta.slot_blocks, meta.slot_offsets,
+                            meta.decode_block_tables, meta.decode_context_lens)
+        else:
+            steps = self._steps
+            h = kernels.rms_norm(x, steps[0].norm_weight, steps[0].norm_eps)
+            for step, kv_layer in zip(steps, views[2], strict=True):
+                a = step.attn.forward(h, cos, sin, kv_layer, meta, kernels)
+                h = kernels.add_rms_norm_(x, a, step.post_weight, step.post_eps)
+                m = step.mlp.forward(h, kernels)
+                if step.next_weight is not None:
+                    h = kernels.add_rms_norm_(x, m, step.next_weight, step.next_eps)
+                else:
+                    x.add_(m)
         final = self.model.norm
         return self.head(kernels.rms_norm(x[logits_indices], final.weight, final.eps)).float()
