@@ -280,8 +280,8 @@ def build_systems(args: argparse.Namespace, model_dir: Path, vllm_ok: bool) -> l
     systems = [available[n] for n in names]
     for dtype in filter(None, (d.strip() for d in args.extra_dtypes.split(","))):
         systems.append(System(f"{COLOCATED}-{dtype}", gateway(dtype), optional=True))
-    for name, extra in args.cluster_variant:
-        systems.append(System(f"{P1D1}-{name}", cluster_with(extra), workers=2))
+    for name, env, extra in args.cluster_variant:
+        systems.append(System(f"{P1D1}-{name}", cluster_with(extra), env, workers=2))
     return systems
 
 
@@ -311,12 +311,18 @@ def ensure_llama_server(args: argparse.Namespace) -> str:
     return llama_server.version(args.llama_server)
 
 
-def _variant(spec: str) -> tuple[str, list[str]]:
-    """NAME=FLAGS: the 1P1D cluster again with FLAGS added to `pdserve cluster up`."""
+def _variant(spec: str) -> tuple[str, dict[str, str], list[str]]:
+    """NAME=FLAGS: the 1P1D cluster again with FLAGS added to `pdserve cluster up`; leading
+    VAR=value words of FLAGS go into its environment instead, as in a shell."""
     name, sep, flags = spec.partition("=")
     if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise argparse.ArgumentTypeError(f"expected NAME=FLAGS, got {spec!r}")
-    return name, shlex.split(flags)
+    words = shlex.split(flags)
+    env: dict[str, str] = {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        var, _, value = words.pop(0).partition("=")
+        env[var] = value
+    return name, env, words
 
 
 def ensure_vllm(venv: Path, install: bool) -> None:
@@ -597,7 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra colocated rows with --dtype D, e.g. int8,bfloat16")  # fmt: skip
     p.add_argument("--cluster-variant", type=_variant, action="append", default=[],
                    metavar="NAME=FLAGS", help="also run the 1P1D cluster with FLAGS added to "
-                   "`pdserve cluster up` (row 1p1d-NAME), e.g. cost='--placement cost'")
+                   "`pdserve cluster up` (row 1p1d-NAME), e.g. cost='--placement cost'; leading "
+                   "VAR=value words set its environment, e.g. py='PDSERVE_DECODE_LOOP=python'")
     p.add_argument("--levels", type=_levels, default=LEVELS, metavar="C,...",
                    help="closed-loop concurrencies (default 1,4,16; issue 20 also asks 64)")
     p.add_argument("--vllm-venv", type=Path, default=REPO / ".venv-vllm")
