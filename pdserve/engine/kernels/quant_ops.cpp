@@ -752,13 +752,19 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& blocks, 
   return y;
 }
 
+// Every op releases the GIL while it runs, as cpu_ops.cpp's and torch's own do: a worker's
+// event loop (streaming, gRPC, heartbeats) runs in another thread of the same process, and a
+// prefill chunk's GEMM holding the GIL stalled it for the whole call.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("dequantize", &dequantize, "GGUF blocks -> float32 weights");
-  mod.def("quant_linear", &quant_linear, "x @ W.T (+ bias) with W in GGUF blocks");
-  mod.def("repack_panels", &repack_panels, "GGUF blocks -> 16-row panels for quant_linear_panels");
-  mod.def("panels_to_blocks", &panels_to_blocks, "16-row panels -> the GGUF blocks they hold");
+  using release = py::call_guard<py::gil_scoped_release>;
+  mod.def("dequantize", &dequantize, "GGUF blocks -> float32 weights", release());
+  mod.def("quant_linear", &quant_linear, "x @ W.T (+ bias) with W in GGUF blocks", release());
+  mod.def("repack_panels", &repack_panels, "GGUF blocks -> 16-row panels for quant_linear_panels",
+          release());
+  mod.def("panels_to_blocks", &panels_to_blocks, "16-row panels -> the GGUF blocks they hold",
+          release());
   mod.def("quant_linear_panels", &quant_linear_panels,
-          "x @ W.T (+ bias) with W in panels, int8 activations (AVX-512 VNNI)");
+          "x @ W.T (+ bias) with W in panels, int8 activations (AVX-512 VNNI)", release());
   // quant_linear_panels for cpu_ops.cpp's DecodeStack, which calls it from C++: the name
   // states the signature (cpu_ops.cpp's QuantFn) and is checked there.
   mod.def("linear_panels_capsule", [] {
