@@ -15,7 +15,7 @@ Also one `--prefill`-token prompt (prompt tokens / s).
 `--against REV`: float32 activations' fused kernels (norms, RoPE, KV write, decode attention)
 also from REV's kernels/cpu_ops.cpp (with its prefetch on, REV's default), the decode steps
 alternating between the two step by step on the same sequences: a before/after in one run.
-`--against-python-loop`: the same alternation between the model's C++ decode loop
+`--against-python-loop`: the same alternation between the model's C++ layer loop
 (cpu_ops.cpp's DecodeStack) and its Python layer loop over the same kernels. The parts inside
 a step are timed with the Python loop (the C++ one makes the same calls out of the clocks'
 reach).
@@ -249,7 +249,7 @@ def main() -> None:
     ap.add_argument("--against", metavar="REV", help="alternate steps with REV's fused "
                     "kernels (float32 activations)")
     ap.add_argument("--against-python-loop", action="store_true", help="alternate steps "
-                    "with the Python layer loop (where the C++ decode loop runs)")
+                    "with the Python layer loop (where the C++ layer loop runs)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

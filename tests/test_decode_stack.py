@@ -1,9 +1,11 @@
-"""The C++ decode loop (cpu_ops.cpp's DecodeStack) against the model's Python layer loop.
+"""The C++ layer loop (cpu_ops.cpp's DecodeStack) against the model's Python layer loop.
 
-Both make the same kernel calls in the same order, so a decode step's outputs must be the same
-bits either way: checked on the real default model, float32 and a quantized format, with
-sequences of different lengths decoding together. Token identity with transformers runs through
-it too (test_engine_reference, test_engine_archs: decode steps take the C++ loop by default).
+Both make the same kernel calls in the same order, so a step's outputs must be the same bits
+either way: checked on the real default model, float32 and a quantized format, with sequences
+of different lengths decoding together, prompts split into chunks (pieces that attend over
+context already in the pool) and steps that mix prompt pieces with decodes. Token identity with
+transformers runs through it too (test_engine_reference, test_engine_archs: steps take the C++
+loop by default).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def _both_loops(engine: LLMEngine, prompts: list[list[int]]) -> None:
             outs.append([[(e.token_id, e.logprob) for e in events[f"{on}-{i}"]]
                          for i in range(len(prompts))])
             if on:
-                assert counting.runs >= 11  # every decode-only step took it
+                assert counting.runs >= 11  # every step took it
                 runs = counting.runs
         assert counting.runs == runs  # and none while it was off
     finally:
@@ -61,7 +63,9 @@ def _both_loops(engine: LLMEngine, prompts: list[list[int]]) -> None:
 
 def test_float32_same_bits_as_the_python_loop(make_engine: Any,
                                               prompt_ids: list[list[int]]) -> None:
-    engine = make_engine(enable_prefix_caching=False)
+    # 96-token steps: the 300-token prompt goes in chunks, beside the others' decodes
+    engine = make_engine(enable_prefix_caching=False, max_num_batched_tokens=96,
+                         max_prefill_chunk=64, step_target_ms=0.0)
     _both_loops(engine, [prompt_ids[0], prompt_ids[3], prompt_ids[-1][:300]])
 
 
@@ -70,7 +74,8 @@ def test_quantized_same_bits_as_the_python_loop(model_dir: Path,
     if quant.quant_extension() is None or quant.default_isa() not in quant.INT8_ACTIVATION_ISAS:
         pytest.skip("the quantized panels need AVX2 or AVX-512 VNNI and the extension")
     engine = LLMEngine.from_dir(model_dir, EngineConfig(
-        dtype="q4_1", kv_cache_bytes=64 << 20, enable_prefix_caching=False))
+        dtype="q4_1", kv_cache_bytes=64 << 20, enable_prefix_caching=False,
+        max_num_batched_tokens=96, max_prefill_chunk=64, step_target_ms=0.0))
     _both_loops(engine, [prompt_ids[1], prompt_ids[2], prompt_ids[-1][:200]])
     assert engine.block_manager.num_free_blocks == engine.layout.num_blocks
 

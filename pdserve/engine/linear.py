@@ -75,8 +75,9 @@ class LinearKernel(abc.ABC):
         """Bytes of weights one call reads (what bounds a decode step)."""
 
     def step_spec(self) -> StepSpec | None:
-        """How the C++ decode loop (cpu_ops.cpp's DecodeStack) calls this kernel at a decode
-        batch, or None where it cannot (the Python loop runs instead)."""
+        """How the C++ layer loop (cpu_ops.cpp's DecodeStack) calls this kernel, at every
+        batch size (decode steps and prompt chunks), or None where it cannot (the Python loop
+        runs instead)."""
         return None
 
 

@@ -118,8 +118,8 @@ class FusedCpuKernels(TorchKernels):
             q, kv_layer, tables, lens, scale, self._prefetch)
 
     def decode_stack(self, heads: int, kv_heads: int, head_dim: int, scale: float) -> Any:
-        """An empty cpu_ops.cpp DecodeStack (add its layers, then `run` whole decode steps'
-        layers in one call) with this object's attention settings."""
+        """An empty cpu_ops.cpp DecodeStack (add its layers, then `run` whole steps' layers
+        in one call) with this object's attention settings."""
         return self._ext.DecodeStack(heads, kv_heads, head_dim, scale, self._prefetch)
 
 

@@ -878,7 +878,8 @@ torch::Tensor int8_merge(torch::Tensor y, torch::Tensor amax, torch::Tensor lo_a
 }
 
 // ---------------------------------------------------------------------------------------
-// A decode step's decoder layers in one call (LlamaForCausalLM.forward's loop, op for op).
+// A step's decoder layers in one call (LlamaForCausalLM.forward's loop, op for op): decode
+// steps, and steps with prompt pieces (whose attention is engine.attention.paged_attention's).
 //
 // Called from Python, the loop costs ~10 kernel calls a layer, each a pybind crossing that
 // drops and retakes the GIL; on a 2-core machine the serving thread's event loop can take the
@@ -943,18 +944,34 @@ class DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // x: the residual stream [n, hidden] (updated in place: on return it is the last layer's
-  // output, before the final norm). kv_layers: each layer's view of the pool.
+  // x: the residual stream [n, hidden] of the step's packed tokens (prompt pieces first, then
+  // one token per decoding sequence; updated in place: on return it is the last layer's
+  // output, before the final norm). kv_layers: each layer's view of the pool. The rest is
+  // engine.attention.AttentionMetadata's: each prompt piece's length, first position and
+  // block table, and the decodes' block tables and context lengths (None without decodes).
   void run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
            const std::vector<torch::Tensor>& kv_layers, const torch::Tensor& slot_blocks,
-           const torch::Tensor& slot_offsets, const torch::Tensor& tables,
-           const torch::Tensor& lens) const {
+           const torch::Tensor& slot_offsets, const std::vector<int64_t>& prefill_lens,
+           const std::vector<int64_t>& prefill_starts,
+           const std::vector<torch::Tensor>& prefill_tables,
+           const c10::optional<torch::Tensor>& tables,
+           const c10::optional<torch::Tensor>& lens) const {
     const int64_t layers = num_layers();
     TORCH_CHECK(layers > 0, "no layers added");
     TORCH_CHECK(static_cast<int64_t>(kv_layers.size()) == layers, "one KV view per layer");
     check_f32(x, "x");
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [n, hidden]");
+    TORCH_CHECK(prefill_starts.size() == prefill_lens.size() &&
+                    prefill_tables.size() == prefill_lens.size(),
+                "one length, start and block table per prompt piece");
     const int64_t n = x.size(0), h = heads_, hkv = kv_heads_;
+    int64_t prompt_tokens = 0;
+    for (const int64_t len : prefill_lens) prompt_tokens += len;
+    const bool decodes = n > prompt_tokens;
+    TORCH_CHECK(!decodes || (tables.has_value() && lens.has_value() &&
+                             tables->size(0) == n - prompt_tokens),
+                "decodes need their block tables and context lengths");
+    const Pieces pieces{prefill_lens, prefill_starts, prefill_tables, prompt_tokens};
     torch::Tensor hs = rms_norm(x, layers_[0].norm_w, layers_[0].norm_eps);
     for (int64_t i = 0; i < layers; ++i) {
       const Layer& l = layers_[i];
@@ -962,8 +979,11 @@ class DecodeStack {
       rope_(qkv, h + hkv, cos, sin);
       torch::Tensor k = qkv.narrow(1, h, hkv), v = qkv.narrow(1, h + hkv, hkv);
       write_kv(kv_layers[i], k, v, slot_blocks, slot_offsets);
-      torch::Tensor o = paged_decode_attention(qkv.narrow(1, 0, h), kv_layers[i], tables,
-                                               lens, scale_, prefetch_);
+      torch::Tensor q = qkv.narrow(1, 0, h);
+      torch::Tensor o = prompt_tokens == 0
+                            ? paged_decode_attention(q, kv_layers[i], *tables, *lens, scale_,
+                                                     prefetch_)
+                            : attend_pieces(q, k, v, kv_layers[i], pieces, tables, lens);
       torch::Tensor a = l.o(o.reshape({n, h * hd_}));
       hs = add_rms_norm_(x, a, l.post_w, l.post_eps);
       torch::Tensor m = l.down(silu_mul(l.gate_up(hs)));
@@ -975,6 +995,55 @@ class DecodeStack {
   }
 
  private:
+  struct Pieces {
+    const std::vector<int64_t>& lens;
+    const std::vector<int64_t>& starts;
+    const std::vector<torch::Tensor>& tables;
+    int64_t tokens;
+  };
+
+  // engine.attention.paged_attention for a step with prompt pieces, op for op: each piece
+  // through ATen's scaled_dot_product_attention (causal over its own new K/V when it starts
+  // the sequence, else over its context gathered from the pool with a causal mask), then the
+  // decodes through the paged kernel.
+  torch::Tensor attend_pieces(const torch::Tensor& q, const torch::Tensor& k_new,
+                              const torch::Tensor& v_new, const torch::Tensor& kv,
+                              const Pieces& pieces, const c10::optional<torch::Tensor>& tables,
+                              const c10::optional<torch::Tensor>& lens) const {
+    torch::Tensor out = torch::empty_like(q);
+    int64_t pos = 0;
+    for (size_t p = 0; p < pieces.lens.size(); ++p) {
+      const int64_t n = pieces.lens[p], start = pieces.starts[p];
+      torch::Tensor qs = q.narrow(0, pos, n).transpose(0, 1).unsqueeze(0);  // [1, h, n, d]
+      torch::Tensor o;
+      if (start == 0) {
+        torch::Tensor ks = k_new.narrow(0, pos, n).transpose(0, 1).unsqueeze(0);
+        torch::Tensor vs = v_new.narrow(0, pos, n).transpose(0, 1).unsqueeze(0);
+        o = at::scaled_dot_product_attention(qs, ks, vs, {}, 0.0, /*is_causal=*/true, scale_,
+                                             /*enable_gqa=*/true);
+      } else {
+        const torch::Tensor& table = pieces.tables[p];
+        auto context = [&](int64_t kind) {  // [kv_heads, start + n, d], as attention._gather
+          torch::Tensor rows = kv.select(1, kind).index_select(0, table.flatten());
+          return rows.flatten(0, 1).narrow(0, 0, start + n).transpose(0, 1);
+        };
+        // Query i sits at position start + i and sees keys 0 .. start + i.
+        torch::Tensor mask =
+            torch::ones({n, start + n}, q.options().dtype(torch::kBool)).tril(start);
+        o = at::scaled_dot_product_attention(qs, context(0).unsqueeze(0),
+                                             context(1).unsqueeze(0), mask, 0.0, false, scale_,
+                                             /*enable_gqa=*/true);
+      }
+      out.narrow(0, pos, n).copy_(o[0].transpose(0, 1));
+      pos += n;
+    }
+    const int64_t b = q.size(0) - pos;
+    if (b > 0)
+      out.narrow(0, pos, b).copy_(paged_decode_attention(q.narrow(0, pos, b), kv, *tables,
+                                                         *lens, scale_, prefetch_));
+    return out;
+  }
+
   struct Layer {
     StepLinear qkv, o, gate_up, down;
     torch::Tensor norm_w;

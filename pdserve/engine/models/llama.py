@@ -22,7 +22,7 @@ from pdserve.engine.config import ModelConfig, RopeScaling
 from pdserve.engine.kernels import FusedCpuKernels, TorchKernels, kernels_for
 from pdserve.engine.linear import LinearKernel, detach_gguf_blocks, pack_linear
 
-DECODE_LOOP_ENV = "PDSERVE_DECODE_LOOP"  # "python": never the C++ decode loop
+DECODE_LOOP_ENV = "PDSERVE_DECODE_LOOP"  # "python": never the C++ layer loop
 
 
 class RMSNorm(nn.Module):
@@ -200,8 +200,9 @@ class LlamaForCausalLM(nn.Module):
         # nn.Module's attribute lookups and call hooks (~1 ms a decode step in Python).
         self._steps: list[_LayerStep] = []
         self._kv_views: tuple[torch.Tensor, bool, tuple[torch.Tensor, ...]] | None = None
-        # Set by pack() where every layer can: the decode steps' layer loop in C++
-        # (cpu_ops.cpp's DecodeStack), for the kernels it was built with. `decode_stack_on`
+        # Set by pack() where every layer can: the steps' layer loop in C++ (cpu_ops.cpp's
+        # DecodeStack, named for the steps it was built for first), for the kernels it was
+        # built with. `decode_stack_on`
         # turns it off (benchmarks alternate the two loops); PDSERVE_DECODE_LOOP=python never
         # builds it.
         self._stack: Any = None
@@ -287,9 +288,10 @@ class LlamaForCausalLM(nn.Module):
         views = self._kv_views
         if views is None or views[0] is not kv_pool or views[1] is not mode:
             views = self._kv_views = (kv_pool, mode, kv_pool.unbind(1))
-        if (self._stack is not None and self.decode_stack_on and not meta.prefill_lens
+        if (self._stack is not None and self.decode_stack_on and not meta.use_flash
                 and kernels is self._stack_kernels):  # the same calls as below, from C++
             self._stack.run(x, cos, sin, views[2], meta.slot_blocks, meta.slot_offsets,
+                            meta.prefill_lens, meta.prefill_starts, meta.prefill_block_tables,
                             meta.decode_block_tables, meta.decode_context_lens)
         else:
             steps = self._steps
