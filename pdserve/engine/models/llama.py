@@ -202,9 +202,8 @@ class LlamaForCausalLM(nn.Module):
         self._kv_views: tuple[torch.Tensor, bool, tuple[torch.Tensor, ...]] | None = None
         # Set by pack() where every layer can: the steps' layer loop in C++ (cpu_ops.cpp's
         # DecodeStack, named for the steps it was built for first), for the kernels it was
-        # built with. `decode_stack_on`
-        # turns it off (benchmarks alternate the two loops); PDSERVE_DECODE_LOOP=python never
-        # builds it.
+        # built with. `decode_stack_on` turns it off (benchmarks alternate the two loops);
+        # PDSERVE_DECODE_LOOP=python never builds it.
         self._stack: Any = None
         self._stack_kernels: TorchKernels | None = None
         self.decode_stack_on = True
