@@ -219,6 +219,8 @@ def _names(args: argparse.Namespace) -> list[str]:
     if unknown := set(names) - {VLLM, COLOCATED, P1D1, LLAMACPP}:
         raise LoadgenError(f"--systems: unknown {sorted(unknown)}; use "
                            f"{VLLM},{LLAMACPP},{COLOCATED},{P1D1}")
+    if len(set(names)) < len(names):  # results are keyed by name: a second run would replace
+        raise LoadgenError(f"--systems: each system once, got {args.systems!r}")
     return names
 
 

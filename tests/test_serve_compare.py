@@ -32,3 +32,15 @@ def test_a_missing_llama_server_says_how_to_build_it(tmp_path: Path) -> None:
     args = sc.build_parser().parse_args(["--llama-server", str(tmp_path / "none")])
     with pytest.raises(sc.LoadgenError, match=r"python -m bench\.llama_server"):
         sc.ensure_llama_server(args)
+
+
+def test_variants_take_environment_and_systems_run_once(tmp_path: Path) -> None:
+    args = sc.build_parser().parse_args([
+        "--systems", "1p1d", "--cluster-variant", "py=PDSERVE_DECODE_LOOP=python --dtype q4_1"])
+    systems = sc.build_systems(args, tmp_path / "SmolLM2", vllm_ok=False)
+    variant = systems[-1]
+    assert variant.name == "1p1d-py" and dict(variant.env) == {"PDSERVE_DECODE_LOOP": "python"}
+    assert variant.argv(8123)[-2:] == ["--dtype", "q4_1"]
+    args = sc.build_parser().parse_args(["--systems", "vllm,1p1d,vllm"])
+    with pytest.raises(sc.LoadgenError, match="each system once"):
+        sc.build_systems(args, tmp_path / "SmolLM2", vllm_ok=False)
