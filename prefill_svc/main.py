@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import time
 
@@ -34,9 +33,14 @@ log = structlog.get_logger(__name__)
 SERVICE = "pdserve.v1.PrefillWorker"
 
 
-async def _warm_peers(directory: WorkerDirectory, sender: KVSender) -> None:
-    """Open endpoints to every decode worker as it appears, so no request pays the handshake."""
-    async for event in directory.events():
+async def _warm_peers(directory: WorkerDirectory, sender: KVSender,
+                      registered: asyncio.Event) -> None:
+    """Open endpoints to every decode worker, those known now and each as it appears, so no
+    request pays the handshake. Only once this worker is registered: a decode worker takes
+    a signed ping from registered prefill workers only (kvxfer.auth), so a ping sent before
+    would be refused, logged there as an unauthenticated write, and leave no endpoint."""
+    await registered.wait()
+    async for event in directory.events(known=True):
         info = event.worker
         if not info.descriptor_id or not (event.kind == "added" or event.restarted):
             continue
@@ -83,11 +87,8 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
             async with serving("prefill_worker", server, SERVICE, config.host, config.port,
                                config.server_credentials()) as service:
                 address = service.advertised(config.advertise_host or config.host)
-                # Connect to the decode workers we already know before announcing ourselves.
-                for info in decoders.snapshot().values():
-                    with contextlib.suppress(KVTransferError, OSError):
-                        await sender.warmup(descriptor_id=info.descriptor_id, timeout_s=5.0)
-                warm_task = asyncio.create_task(_warm_peers(decoders, sender))
+                registered = asyncio.Event()
+                warm_task = asyncio.create_task(_warm_peers(decoders, sender, registered))
 
                 def load() -> WorkerLoad:
                     return dataclasses.replace(worker.load(), metrics_port=mport)
@@ -96,6 +97,11 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
                                   grpc_address=address, model_id=engine.layout.model_id,
                                   epoch=epoch, started_at=time.time(), load=load(),
                                   host_id=this_host(), cpus=this_cpus())
+
+                async def register() -> None:
+                    await registry.register(info, config.lease_ttl_s,
+                                            heartbeat_s=config.heartbeat_s, load_fn=load)
+                    registered.set()
 
                 async def deregister() -> None:
                     worker.accepting = False  # a prefill sent before routers notice: refused
@@ -112,9 +118,7 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
                 try:
                     await service.run(
                         stop, ready,
-                        register=lambda: registry.register(info, config.lease_ttl_s,
-                                                           heartbeat_s=config.heartbeat_s,
-                                                           load_fn=load),
+                        register=register,
                         deregister=deregister,
                         # Pending prefills and their transfers.
                         drain=Drain(config.drain_timeout_s, worker.drained, min_grace_s=5.0),

@@ -119,6 +119,14 @@ async def test_remote_prefill_works_with_the_secret(cluster: LocalCluster) -> No
         done = await client.complete(text=PROMPT, sampling=Sampling(max_tokens=8))
     assert done.route == "remote", done.route
     assert done.usage.completion_tokens >= 1
+    # The prefill worker opened its signed endpoint to the decode worker once registered
+    # (a decode worker takes signed frames from registered prefill workers only), so no
+    # frame of this cluster's own was ever refused.
+    prefill_log = (cluster.log_dir / "prefill-0.log").read_text(errors="replace")
+    decode_log = (cluster.log_dir / "decode-0.log").read_text(errors="replace")
+    assert '"event": "kv_peer_warmed"' in prefill_log
+    assert "kv_peer_warmup_failed" not in prefill_log
+    assert "kv_write_unauthenticated" not in decode_log
 
 
 async def test_no_secret_or_prompt_text_in_any_log(cluster: LocalCluster) -> None:

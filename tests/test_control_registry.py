@@ -220,6 +220,23 @@ async def _follow_workers(registry: WorkerRegistry) -> None:
         await events.aclose()
 
 
+async def test_directory_events_can_start_with_the_known_workers(
+        registry: WorkerRegistry) -> None:
+    """`events(known=True)` yields the workers known at its first step as "added", then
+    its changes (subscribed before the snapshot is taken: nothing falls between)."""
+    async with asyncio.timeout(30):
+        await registry.register(worker("d0"), ttl_s=5, heartbeat_s=0.1)
+        async with WorkerDirectory(registry, role="decode", poll_s=0.1) as directory:
+            await directory.refresh()
+            assert directory.get("d0") is not None
+            events = directory.events(known=True)
+            first = await anext(events)
+            assert (first.kind, first.worker.worker_id) == ("added", "d0")
+            await registry.deregister()
+            await _until(events, lambda e: (e.kind, e.worker.worker_id) == ("removed", "d0"))
+            await events.aclose()
+
+
 async def test_crashed_worker_drops_out(redis_server: str, namespace: str) -> None:
     """A worker killed with SIGKILL stops heartbeating; its lease lapses within ~TTL."""
     script = textwrap.dedent(

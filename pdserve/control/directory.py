@@ -175,11 +175,15 @@ class WorkerDirectory(AsyncResource):
                         model_id=worker.model_id, expected=self.model_id)
         return False
 
-    async def events(self) -> AsyncIterator[WorkerEvent]:
-        """Changes from the first iteration on, in order; ends when the directory closes."""
+    async def events(self, *, known: bool = False) -> AsyncIterator[WorkerEvent]:
+        """Changes from the first iteration on, in order; ends when the directory closes.
+        With `known`, the workers known at that moment come first, each as "added"."""
         queue: asyncio.Queue[WorkerEvent | None] = asyncio.Queue()
         self._subscribers.add(queue)
         try:
+            if known:
+                for info in self.snapshot().values():
+                    yield WorkerEvent("added", info)
             while (event := await queue.get()) is not None:
                 yield event
         finally:
