@@ -1,11 +1,11 @@
 """The C++ layer loop (cpu_ops.cpp's DecodeStack) against the model's Python layer loop.
 
 Both make the same kernel calls in the same order, so a step's outputs must be the same bits
-either way: checked on the real default model, float32 and a quantized format, with sequences
-of different lengths decoding together, prompts split into chunks (pieces that attend over
-context already in the pool) and steps that mix prompt pieces with decodes. Token identity with
-transformers runs through it too (test_engine_reference, test_engine_archs: steps take the C++
-loop by default).
+either way: checked on the real default model, float32, int8 (fbgemm) and a quantized format,
+with sequences of different lengths decoding together, prompts split into chunks (pieces that
+attend over context already in the pool) and steps that mix prompt pieces with decodes. Token
+identity with transformers runs through it too (test_engine_reference, test_engine_archs:
+steps take the C++ loop by default).
 """
 
 from __future__ import annotations
@@ -80,13 +80,23 @@ def test_quantized_same_bits_as_the_python_loop(model_dir: Path,
     assert engine.block_manager.num_free_blocks == engine.layout.num_blocks
 
 
+def test_int8_same_bits_as_the_python_loop(model_dir: Path,
+                                           prompt_ids: list[list[int]]) -> None:
+    # fbgemm's int8 GEMM for the decodes, the weights expanded to fp32 for 64-token chunks
+    engine = LLMEngine.from_dir(model_dir, EngineConfig(
+        dtype="int8", kv_cache_bytes=64 << 20, enable_prefix_caching=False,
+        max_num_batched_tokens=96, max_prefill_chunk=64, step_target_ms=0.0))
+    _both_loops(engine, [prompt_ids[1], prompt_ids[2], prompt_ids[-1][:200]])
+    assert engine.block_manager.num_free_blocks == engine.layout.num_blocks
+
+
 def test_python_loop_where_asked(loaded_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     model: LlamaForCausalLM = loaded_model[0]
     monkeypatch.setenv(DECODE_LOOP_ENV, "python")
     assert model._decode_stack() is None
 
 
-def test_a_foreign_capsule_is_refused() -> None:
+def test_a_foreign_or_malformed_kernel_is_refused() -> None:
     fused = kernels_for(torch.device("cpu"), torch.float32)
     if not isinstance(fused, FusedCpuKernels):
         pytest.skip("fused CPU kernels could not be built here")
@@ -100,4 +110,9 @@ def test_a_foreign_capsule_is_refused() -> None:
     stack = fused.decode_stack(9, 3, 64, 0.125)
     with pytest.raises(RuntimeError, match="capsule"):
         stack.add_layer(spec, spec, spec, spec, torch.ones(576), 1e-5, torch.ones(576), 1e-5)
+    assert stack.num_layers == 0
+    bad_int8 = (torch.zeros(16, 576, dtype=torch.int8), 16, None, (None, None), 0, 0)
+    with pytest.raises(RuntimeError, match="int8 kernel"):
+        stack.add_layer(bad_int8, bad_int8, bad_int8, bad_int8, torch.ones(576), 1e-5,
+                        torch.ones(576), 1e-5)
     assert stack.num_layers == 0

@@ -56,7 +56,8 @@ WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", *QUANT_FORMATS)
 _STEPS = 63.5
 _SHRINK = 0.99
 _FLOAT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# (weights, out_features, bias, kernel capsule or None for the fp32 panels, qtype, isa)
+# (weights, out_features, bias, kernel, qtype, isa); the kernel is None for the fp32 panels, a
+# capsule for the quantized panels, or (packed, scales, anchor, steps, shrink, small_m) for int8
 StepSpec = tuple[torch.Tensor, int, torch.Tensor | None, object, int, int]
 
 
@@ -195,6 +196,14 @@ class Int8DynamicLinear(LinearKernel):
                                                True)
         out = torch.addcmul(y[:m], y[m:2 * m], lo_amax).mul_(amax / _SHRINK)
         return out if self.bias is None else out.add_(self.bias)
+
+    def step_spec(self) -> StepSpec | None:
+        # cpu_ops.cpp's Int8Linear makes `__call__`'s calls; without the extension there is
+        # no C++ loop either.
+        if self._ext is None:
+            return None
+        return (self._qweight, self.out_features, self.bias,
+                (self.packed, self._scales, self._anchor, _STEPS, _SHRINK, self.SMALL_M), 0, 0)
 
     @property
     def nbytes(self) -> int:

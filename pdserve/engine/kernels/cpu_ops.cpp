@@ -5,6 +5,7 @@
 // passes -ffp-contract=off), the same rsqrt-then-multiply order as transformers' RMSNorm, and
 // rotate-half RoPE; only summation orders differ (as between any two GEMM libraries).
 #include <torch/extension.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <ATen/Parallel.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -894,19 +895,51 @@ using QuantFn = torch::Tensor (*)(const torch::Tensor& x, const torch::Tensor& w
                                   const c10::optional<torch::Tensor>& bias);
 constexpr const char* kQuantCapsule = "pdserve.quant_linear_panels";
 
+// fbgemm's int8 GEMM (torch.ops.quantized.linear_dynamic), as engine.linear calls it.
+const c10::OperatorHandle& linear_dynamic_op() {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("quantized::linear_dynamic", "");
+  return op;
+}
+
+// engine.linear.Int8DynamicLinear's call, op for op: batches over `small_m` rows expand the
+// int8 weights to float32 for the fp32 GEMM; smaller ones go through fbgemm as two int8 rows
+// per activation row (int8_rows, int8_merge).
+struct Int8Linear {
+  c10::IValue packed;  // the prepacked weights (a LinearPackedParamsBase)
+  torch::Tensor scales, anchor;
+  double steps = 0, shrink = 0;
+  int64_t small_m = 0;
+
+  torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& qweight,
+                           const c10::optional<torch::Tensor>& bias) const {
+    if (x.size(0) > small_m)
+      return at::linear(x, qweight.to(torch::kFloat).mul_(scales.unsqueeze(1)), bias);
+    TORCH_CHECK(x.stride(-1) == 1, "int8 activations need contiguous rows");
+    std::vector<torch::Tensor> rows = int8_rows(x, anchor, steps, shrink);
+    torch::jit::Stack stack{rows[0], packed, true};
+    linear_dynamic_op().callBoxed(&stack);
+    return int8_merge(stack[0].toTensor(), rows[1], rows[2], shrink, bias);
+  }
+};
+
 struct StepLinear {
-  torch::Tensor w;  // pack_panels' fp32 panels, or the QuantFn's weights
+  torch::Tensor w;  // pack_panels' fp32 panels, the QuantFn's weights, or int8 weights
   int64_t n = 0;    // out features
   c10::optional<torch::Tensor> bias;
-  QuantFn fn = nullptr;  // nullptr: panel_linear
+  QuantFn fn = nullptr;  // nullptr: panel_linear (or int8)
   int64_t qtype = 0, isa = 0;
+  c10::optional<Int8Linear> int8;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
+    if (int8) return (*int8)(x, w, bias);
     return fn ? fn(x, w, qtype, n, isa, bias) : panel_linear(x, w, n, bias);
   }
 };
 
-// (w, n, bias, capsule or None, qtype, isa): what engine.linear's kernels' `step_spec` gives.
+// (w, n, bias, kernel, qtype, isa): what engine.linear's kernels' `step_spec` gives. The
+// kernel is None (w: fp32 panels), a QuantFn capsule, or for int8 a tuple (prepacked
+// weights, scales, anchor row, steps, shrink, small_m) with w the int8 weights.
 using LinearSpec = std::tuple<torch::Tensor, int64_t, c10::optional<torch::Tensor>,
                               py::object, int64_t, int64_t>;
 
@@ -914,7 +947,23 @@ StepLinear step_linear(const LinearSpec& spec) {
   StepLinear lin;
   py::object cap;
   std::tie(lin.w, lin.n, lin.bias, cap, lin.qtype, lin.isa) = spec;
-  if (!cap.is_none()) {
+  if (py::isinstance<py::tuple>(cap)) {
+    auto t = cap.cast<py::tuple>();
+    TORCH_CHECK(t.size() == 6, "an int8 kernel is (packed, scales, anchor, steps, shrink, "
+                "small_m)");
+    TORCH_CHECK(lin.w.scalar_type() == torch::kChar && lin.w.dim() == 2 &&
+                    lin.w.size(0) == lin.n, "int8 weights must be int8 [n, k]");
+    Int8Linear q;
+    q.packed = torch::jit::toIValue(t[0], linear_dynamic_op().schema().arguments()[1].type());
+    q.scales = t[1].cast<torch::Tensor>();
+    q.anchor = t[2].cast<torch::Tensor>();
+    q.steps = t[3].cast<double>();
+    q.shrink = t[4].cast<double>();
+    q.small_m = t[5].cast<int64_t>();
+    check_f32(q.scales, "int8 scales");
+    check_f32(q.anchor, "int8 anchor row");
+    lin.int8 = std::move(q);
+  } else if (!cap.is_none()) {
     void* fn = PyCapsule_GetPointer(cap.ptr(), kQuantCapsule);
     if (fn == nullptr) {
       PyErr_Clear();
