@@ -283,9 +283,12 @@ class LocalCluster:
         with os.fdopen(fd, "w") as f:
             f.write(f'port {port}\nbind 127.0.0.1\nsave ""\nappendonly no\n'
                     f"requirepass {password}\n")
+        # In a process group of its own: a Ctrl-C in the terminal signals the whole foreground
+        # group at once, and Redis, which exits on SIGINT at once, would be gone while the
+        # workers drain (deregister, last KV events). `close` stops it after them.
         self._redis = subprocess.Popen(
             guarded([exe, str(config)]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            cwd=self.log_dir)
+            cwd=self.log_dir, process_group=0)
         wait_port(port, self._redis, 10, "redis-server")
         return f"redis://:{password}@127.0.0.1:{port}/0"
 
