@@ -9,6 +9,10 @@ oneDNN's prepacked GEMM; `DenseLinear`: `F.linear`), median of `--reps`. Prints 
 weight-read rate it reached (weight bytes / time) and each kernel's time over the panels',
 beside the machine's read bandwidth and CPU flags.
 
+`--against REV` adds REV's panels (its cpu_ops.cpp compiled apart) as a fourth kernel and
+the ratio of this tree's panels to them; every rep runs the kernels one after another, so
+the two panel kernels see the same minutes of a drifting VM.
+
 `--avx2` runs both sides as an AVX2-only CPU would on a newer one: the extension compiled
 for x86-64-v3 (AVX2 + FMA, no AVX-512) into a scratch directory, and oneDNN held to AVX2
 (`ONEDNN_MAX_CPU_ISA`). An emulation of the instruction set, not of an older core.
@@ -28,7 +32,8 @@ from types import ModuleType
 
 import torch
 
-from bench.profile_step import _commit, read_bandwidth_gbs
+from bench import commit_id
+from bench.profile_step import read_bandwidth_gbs
 from pdserve.engine.cpu import cpu_summary
 from pdserve.engine.kernels import cpu_extension
 from pdserve.engine.linear import DenseLinear, LinearKernel, OneDnnLinear, PanelLinear
@@ -46,16 +51,19 @@ def model_shapes(model: str | None) -> list[tuple[int, int]]:
     return layer * cfg["num_hidden_layers"] + [(cfg["vocab_size"], h)]
 
 
-def pass_ms(kernels: list[LinearKernel], shapes: list[tuple[int, int]], rows: int,
-            reps: int) -> float:
+def pass_ms(kinds: dict[str, list[LinearKernel]], shapes: list[tuple[int, int]], rows: int,
+            reps: int) -> dict[str, float]:
+    """Median ms of one pass per kernel kind; each rep times every kind in turn."""
     xs = {k: torch.randn(rows, k) for k in {i for _, i in shapes}}
-    times = []
-    for _ in range(reps + 1):
-        t = time.perf_counter()
-        for (_, i), kernel in zip(shapes, kernels, strict=True):
-            kernel(xs[i])
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[1:]) * 1e3
+    times: dict[str, list[float]] = {name: [] for name in kinds}
+    for rep in range(reps + 1):
+        for name, kernels in kinds.items():
+            t = time.perf_counter()
+            for (_, i), kernel in zip(shapes, kernels, strict=True):
+                kernel(xs[i])
+            if rep:  # the first rep warms up
+                times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
 def avx2_extension() -> ModuleType:
@@ -79,6 +87,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--avx2", action="store_true",
                     help="both kernels as on an AVX2-only CPU (see the module's docstring)")
+    ap.add_argument("--against", metavar="REV", default=None,
+                    help="also time REV's panels (its cpu_ops.cpp, compiled apart)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -96,25 +106,34 @@ def main() -> None:
         "onednn": [OneDnnLinear(w, None) for w in weights],
         "F.linear": [DenseLinear(w, None) for w in weights],
     }
+    if args.against:
+        from bench.decode_attention import build_at
+
+        old = build_at(args.against)
+        kinds[f"panels@{args.against}"] = [PanelLinear(w, None, old) for w in weights]
+    against = f"panels@{args.against}" if args.against else None
     bw = read_bandwidth_gbs()
     isa = "; emulating AVX2 only (extension x86-64-v3, oneDNN AVX2)" if args.avx2 else ""
     print(f"CPU: {cpu_summary()}{isa}; torch threads {torch.get_num_threads()}; read bandwidth "
           f"{bw:.1f} GB/s; {nbytes / 1e6:.0f} MB of float32 weights in {len(shapes)} calls")
     print("\n| rows | " + " | ".join(f"{k} ms (GB/s)" for k in kinds)
-          + " | onednn / panels | F.linear / panels |")
-    print("|---:|" + "---:|" * (len(kinds) + 2))
+          + " | onednn / panels | F.linear / panels |"
+          + (f" panels / {against} |" if against else ""))
+    print("|---:|" + "---:|" * (len(kinds) + 2 + bool(against)))
     out = []
     for rows in (int(r) for r in args.rows.split(",")):
-        ms = {k: pass_ms(v, shapes, rows, args.reps) for k, v in kinds.items()}
+        ms = pass_ms(kinds, shapes, rows, args.reps)
         out.append({"rows": rows, **{f"{k}_ms": v for k, v in ms.items()}})
         print(f"| {rows} | " + " | ".join(
             f"{v:.1f} ({nbytes / v / 1e6:.1f})" for v in ms.values())
-            + f" | {ms['onednn'] / ms['panels']:.2f}x | {ms['F.linear'] / ms['panels']:.2f}x |")
+            + f" | {ms['onednn'] / ms['panels']:.2f}x | {ms['F.linear'] / ms['panels']:.2f}x |"
+            + (f" {ms['panels'] / ms[against]:.2f}x |" if against else ""))
     if args.out:
-        record = {"benchmark": "bench.linear_kernels", "commit": _commit(), "argv": sys.argv[1:],
+        record = {"benchmark": "bench.linear_kernels", "commit": commit_id(), "argv": sys.argv[1:],
                   "cpu": cpu_summary(), "threads": torch.get_num_threads(),
                   "read_bandwidth_gbs": bw, "weight_bytes": nbytes,
-                  "panel_width": ext.panel_width(), "avx2_emulated": args.avx2, "rows": out}
+                  "panel_width": ext.panel_width(), "avx2_emulated": args.avx2,
+                  "against": args.against, "rows": out}
         with open(args.out, "w") as fh:
             json.dump(record, fh, indent=1)
 

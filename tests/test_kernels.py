@@ -173,6 +173,22 @@ def test_panel_linear_against_float64(fused: FusedCpuKernels, n: int, k: int) ->
     assert kernel(x).shape == (2, 3, n)
 
 
+@pytest.mark.parametrize("n,k", [(96, 64), (64, 600), (50, 17)])
+def test_panel_linear_rows_do_not_depend_on_batchmates(fused: FusedCpuKernels, n: int,
+                                                         k: int) -> None:
+    """Prompt-sized batches take the cache-blocked loop (more rows than MC, so several row
+    blocks, and row tiles of another height); each row's result is the same bits as alone:
+    what lets the prefill and decode workers, and every step mix, write the same KV."""
+    g = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    kernel = PanelLinear(w, b, fused._ext)
+    x = torch.randn(301, k, generator=g)
+    whole = kernel(x)
+    for i in range(0, 301, 7):
+        assert torch.equal(kernel(x[i:i + 7]), whole[i:i + 7])
+    assert torch.equal(kernel(x[5:6]), whole[5:6])
+
+
 def test_float32_without_the_extension_uses_onednn(monkeypatch) -> None:
     monkeypatch.setenv("PDSERVE_DISABLE_CPU_KERNELS", "1")
     w = torch.randn(48, 64)
