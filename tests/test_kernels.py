@@ -173,18 +173,19 @@ def test_panel_linear_against_float64(fused: FusedCpuKernels, n: int, k: int) ->
     assert kernel(x).shape == (2, 3, n)
 
 
-@pytest.mark.parametrize("n,k", [(96, 64), (64, 600), (50, 17)])
-def test_panel_linear_rows_do_not_depend_on_batchmates(fused: FusedCpuKernels, n: int,
-                                                         k: int) -> None:
-    """Prompt-sized batches take the cache-blocked loop (more rows than MC, so several row
-    blocks, and row tiles of another height); each row's result is the same bits as alone:
-    what lets the prefill and decode workers, and every step mix, write the same KV."""
+@pytest.mark.parametrize("n,k,m", [(64, 1536, 700), (96, 64, 301), (50, 17, 301)])
+def test_panel_linear_rows_do_not_depend_on_batchmates(fused: FusedCpuKernels, n: int, k: int,
+                                                         m: int) -> None:
+    """A batch whose x outgrows half of L2 (700 x 1536 floats: 4.3 MB) takes the cache-blocked
+    loop, in several row blocks and row tiles of another height; smaller ones one pass. Each
+    row's result is the same bits as alone: what lets the prefill and decode workers, and
+    every step mix, write the same KV."""
     g = torch.Generator().manual_seed(n + k)
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     kernel = PanelLinear(w, b, fused._ext)
-    x = torch.randn(301, k, generator=g)
+    x = torch.randn(m, k, generator=g)
     whole = kernel(x)
-    for i in range(0, 301, 7):
+    for i in range(0, m, 7):
         assert torch.equal(kernel(x[i:i + 7]), whole[i:i + 7])
     assert torch.equal(kernel(x[5:6]), whole[5:6])
 

@@ -15,6 +15,8 @@
 #include <cmath>
 #include <vector>
 
+#include <unistd.h>
+
 namespace {
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -747,22 +749,29 @@ void panel_rows(const float* x, int64_t sx, const float* panel, int64_t k, float
   panel_tile<MB>(x, sx, panel, k, out, so);
 }
 
-// Prompt-sized batches: the same tiles over blocks of MC rows of x, each block passing over
-// all of the thread's panels before the next (x's block, MC * k floats, stays in L2; one
-// panel, k * PW floats, stays there while the block's rows pass over it). In one pass over
-// all rows per panel, every panel re-read all of x, from L3 once x outgrew L2: 1.1-1.2x the
-// time from ~1,000 rows up, where several prompts' chunks share a step. Rows go 12 at a time
-// on AVX-512 (24 of the 32 vector registers accumulate). A row's sums are the one-pass path's
-// (each over k in order in one accumulator), so the bits do not depend on the batch.
-constexpr int64_t MC = 120;
+// Batches whose x outgrows half of L2: the same tiles over blocks of rows of x that fit
+// there, each block passing over all of the thread's panels before the next. In one pass over
+// all rows per panel, every panel re-reads all of x, from L3 once x is past L2: 1.1-1.2x the
+// time from ~1,000 rows of 576 up (several prompts' chunks in one step). Below that, one
+// pass is better: the blocks would read the weights once per block instead of once. Rows go
+// 12 at a time on AVX-512 (24 of the 32 vector registers accumulate). A row's sums are the
+// one-pass path's (each over k in order in one accumulator): the bits do not depend on the
+// batch or on the machine's cache size.
 constexpr int BMB = PMB == 8 ? 12 : PMB;
-constexpr int64_t kBlockedRows = 4 * PMB;  // from this many rows of x on
+
+int64_t l2_bytes() {
+  static const int64_t bytes = [] {
+    const long v = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return v > 0 ? static_cast<int64_t>(v) : int64_t{1} << 20;
+  }();
+  return bytes;
+}
 
 void panel_linear_blocked(const float* xp, int64_t sx, const float* wp, int64_t m, int64_t k,
-                          int64_t n, int64_t np, float* op) {
+                          int64_t n, int64_t np, float* op, int64_t block_rows) {
   at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
-    for (int64_t m0 = 0; m0 < m; m0 += MC) {
-      const int64_t mc = std::min(MC, m - m0);
+    for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
+      const int64_t mc = std::min(block_rows, m - m0);
       for (int64_t p = b; p < e; ++p) {
         const float* panel = wp + p * k * PW;
         for (int64_t i0 = m0; i0 < m0 + mc; i0 += BMB) {
@@ -815,8 +824,9 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n,
     TORCH_CHECK(bc.numel() == n, "bias must have n elements");
     bp = bc.data_ptr<float>();
   }
-  if (m >= kBlockedRows && n % PW == 0) {  // (a ragged last panel takes the one-pass path)
-    panel_linear_blocked(xp, sx, wp, m, k, n, np, op);
+  const int64_t fits = l2_bytes() / 2 / (k * static_cast<int64_t>(sizeof(float)));  // rows
+  if (m > fits && n % PW == 0) {  // (a ragged last panel takes the one-pass path)
+    panel_linear_blocked(xp, sx, wp, m, k, n, np, op, std::max<int64_t>(BMB, fits / BMB * BMB));
     if (bp) out.add_(bc);  // after the sums, as the one-pass path adds it
     return out;
   }
