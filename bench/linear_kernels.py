@@ -40,15 +40,16 @@ from pdserve.engine.linear import DenseLinear, LinearKernel, OneDnnLinear, Panel
 from pdserve.engine.model_store import resolve_model
 
 
-def model_shapes(model: str | None) -> list[tuple[int, int]]:
-    """(out, in) of every linear call of one forward, fused as the engine fuses them."""
+def model_shapes(model: str | None, head: bool = True) -> list[tuple[int, int]]:
+    """(out, in) of every linear call of one forward, fused as the engine fuses them (the LM
+    head last, unless `head` is False)."""
     cfg = json.loads((resolve_model(model) / "config.json").read_text())
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     hd = cfg.get("head_dim", h // cfg["num_attention_heads"])
     kvh = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     qkv = cfg["num_attention_heads"] * hd + 2 * kvh * hd
     layer = [(qkv, h), (h, cfg["num_attention_heads"] * hd), (2 * inter, h), (h, inter)]
-    return layer * cfg["num_hidden_layers"] + [(cfg["vocab_size"], h)]
+    return layer * cfg["num_hidden_layers"] + ([(cfg["vocab_size"], h)] if head else [])
 
 
 def pass_ms(kinds: dict[str, list[LinearKernel]], shapes: list[tuple[int, int]], rows: int,
@@ -87,6 +88,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--avx2", action="store_true",
                     help="both kernels as on an AVX2-only CPU (see the module's docstring)")
+    ap.add_argument("--no-head", action="store_true",
+                    help="leave out the LM head: a prompt chunk's rows pass the layers only "
+                         "(the head runs on each sequence's last token)")
     ap.add_argument("--against", metavar="REV", default=None,
                     help="also time REV's panels (its cpu_ops.cpp, compiled apart)")
     ap.add_argument("--out", default=None)
@@ -98,7 +102,7 @@ def main() -> None:
     ext = avx2_extension() if args.avx2 else cpu_extension()
     if ext is None:
         sys.exit("the CPU extension could not be built here: nothing to compare")
-    shapes = model_shapes(args.model)
+    shapes = model_shapes(args.model, head=not args.no_head)
     weights = [torch.randn(o, i) * 0.05 for o, i in shapes]
     nbytes = sum(w.numel() * 4 for w in weights)
     kinds: dict[str, list[LinearKernel]] = {
@@ -133,7 +137,7 @@ def main() -> None:
                   "cpu": cpu_summary(), "threads": torch.get_num_threads(),
                   "read_bandwidth_gbs": bw, "weight_bytes": nbytes,
                   "panel_width": ext.panel_width(), "avx2_emulated": args.avx2,
-                  "against": args.against, "rows": out}
+                  "against": args.against, "head": not args.no_head, "rows": out}
         with open(args.out, "w") as fh:
             json.dump(record, fh, indent=1)
 
