@@ -11,7 +11,10 @@ beside the machine's read bandwidth and CPU flags.
 
 `--against REV` adds REV's panels (its cpu_ops.cpp compiled apart) as a fourth kernel and
 the ratio of this tree's panels to them; every rep runs the kernels one after another, so
-the two panel kernels see the same minutes of a drifting VM.
+the two panel kernels see the same minutes of a drifting VM. Whole passes still drift apart
+by +-20 % on a shared VM, so it then also alternates the two panel kernels call by call on
+each distinct shape (`--reps` pairs, median ratio per shape) and checks they give the same
+bits.
 
 `--avx2` runs both sides as an AVX2-only CPU would on a newer one: the extension compiled
 for x86-64-v3 (AVX2 + FMA, no AVX-512) into a scratch directory, and oneDNN held to AVX2
@@ -67,6 +70,28 @@ def pass_ms(kinds: dict[str, list[LinearKernel]], shapes: list[tuple[int, int]],
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
+def per_shape_ratios(ext: ModuleType, other: ModuleType, shapes: list[tuple[int, int]],
+                     rows: int, reps: int) -> dict[str, float]:
+    """Median over `reps` of (ext's panel_linear time / other's), the two called in turn, for
+    each distinct (out, in) shape; their outputs must be the same bits."""
+    out = {}
+    for n, k in dict.fromkeys(shapes):
+        w, x = torch.randn(n, k) * 0.05, torch.randn(rows, k)
+        mine, theirs = ext.pack_panels(w), other.pack_panels(w)
+        if not torch.equal(ext.panel_linear(x, mine, n, None),
+                           other.panel_linear(x, theirs, n, None)):
+            raise SystemExit(f"{n}x{k} at {rows} rows: the two builds' bits differ")
+        ratios = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            ext.panel_linear(x, mine, n, None)
+            t1 = time.perf_counter()
+            other.panel_linear(x, theirs, n, None)
+            ratios.append((t1 - t0) / (time.perf_counter() - t1))
+        out[f"{k}->{n}"] = statistics.median(ratios)
+    return out
+
+
 def avx2_extension() -> ModuleType:
     """cpu_ops.cpp built for AVX2 + FMA without AVX-512, in a scratch directory."""
     from torch.utils import cpp_extension
@@ -113,8 +138,8 @@ def main() -> None:
     if args.against:
         from bench.decode_attention import build_at
 
-        old = build_at(args.against)
-        kinds[f"panels@{args.against}"] = [PanelLinear(w, None, old) for w in weights]
+        other = build_at(args.against)
+        kinds[f"panels@{args.against}"] = [PanelLinear(w, None, other) for w in weights]
     against = f"panels@{args.against}" if args.against else None
     bw = read_bandwidth_gbs()
     isa = "; emulating AVX2 only (extension x86-64-v3, oneDNN AVX2)" if args.avx2 else ""
@@ -132,6 +157,14 @@ def main() -> None:
             f"{v:.1f} ({nbytes / v / 1e6:.1f})" for v in ms.values())
             + f" | {ms['onednn'] / ms['panels']:.2f}x | {ms['F.linear'] / ms['panels']:.2f}x |"
             + (f" {ms['panels'] / ms[against]:.2f}x |" if against else ""))
+    if args.against:
+        print(f"\nthis tree's panels / {args.against}'s, called in turn on each shape "
+              f"(in -> out), median of {args.reps}; same bits checked:")
+        for row in out:
+            row["per_shape_over_against"] = per_shape_ratios(ext, other, shapes, row["rows"],
+                                                             args.reps)
+            print(f"  {row['rows']:5d} rows: " + "  ".join(
+                f"{shape} {r:.2f}x" for shape, r in row["per_shape_over_against"].items()))
     if args.out:
         record = {"benchmark": "bench.linear_kernels", "commit": commit_id(), "argv": sys.argv[1:],
                   "cpu": cpu_summary(), "threads": torch.get_num_threads(),
