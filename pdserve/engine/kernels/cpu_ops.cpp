@@ -929,9 +929,10 @@ torch::Tensor int8_merge(torch::Tensor y, torch::Tensor amax, torch::Tensor lo_a
 // GIL at each of them. `DecodeStack.run` makes the same calls, in the same order, on the same
 // kernels, from C++ under one GIL release: the same bits, without the crossings.
 //
-// A linear is either this extension's fp32 panels or a kernel of another extension that
-// follows the `QuantFn` contract (quant_ops.cpp's quant_linear_panels), handed over as a
-// named capsule so that a mismatched pointer is refused rather than called.
+// A linear is this extension's fp32 panels, int8 through fbgemm (`Int8Linear`), or a kernel
+// of another extension that follows the `QuantFn` contract (quant_ops.cpp's
+// quant_linear_panels), handed over as a named capsule so that a mismatched pointer is
+// refused rather than called.
 using QuantFn = torch::Tensor (*)(const torch::Tensor& x, const torch::Tensor& w,
                                   int64_t qtype, int64_t n, int64_t isa,
                                   const c10::optional<torch::Tensor>& bias);
