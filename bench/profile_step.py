@@ -284,7 +284,7 @@ def main() -> None:
             own, theirs = model.kernels, FusedCpuKernels(build_at(args.against), prefetch=True)
             alternate = _switch(model, "kernels", own, theirs)
             against_name = f"{args.against}'s fused kernels"
-        elif args.against_python_loop and model._stack is not None:
+        elif args.against_python_loop and model.has_decode_stack:
             alternate = _switch(model, "decode_stack_on", True, False)
             against_name = "the Python layer loop"
         for batch in (int(b) for b in args.batches.split(",")):

@@ -38,7 +38,7 @@ class _Counting:
 
 def _both_loops(engine: LLMEngine, prompts: list[list[int]]) -> None:
     model = engine.runner.model
-    if model._stack is None:
+    if not model.has_decode_stack:
         pytest.skip("no C++ decode loop here (no fused kernels or quantized panels)")
     counting = _Counting(model._stack)
     model._stack = counting

@@ -209,6 +209,11 @@ class LlamaForCausalLM(nn.Module):
         self.decode_stack_on = True
 
     @property
+    def has_decode_stack(self) -> bool:
+        """Steps can take the C++ layer loop (`decode_stack_on` says whether they do)."""
+        return self._stack is not None
+
+    @property
     def activation_dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
