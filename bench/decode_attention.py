@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from bench import commit_id
+from bench import build_at, commit_id
 from pdserve.engine.cpu import cpu_summary
 from pdserve.engine.kernels import cpu_extension
 from pdserve.engine.model_runner import kv_pool_tensor
@@ -43,26 +43,6 @@ def _seconds(fn: Callable[[], Any]) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
-
-
-def build_at(rev: str) -> Any:
-    """REV's cpu_ops.cpp, compiled as the engine compiles its own."""
-    import subprocess
-    import tempfile
-
-    from torch.utils import cpp_extension
-
-    from pdserve.engine import kernels
-
-    rel = kernels._SOURCE.resolve().relative_to(Path.cwd().resolve())
-    src = subprocess.run(["git", "show", f"{rev}:{rel}"], check=True, capture_output=True,
-                         text=True).stdout
-    build = Path(tempfile.mkdtemp(prefix="pdserve_attention_"))
-    (build / "cpu_ops.cpp").write_text(src)
-    return cpp_extension.load(
-        name=f"pdserve_cpu_ops_at_{rev.replace('/', '_')}", sources=[str(build / "cpu_ops.cpp")],
-        build_directory=str(build), verbose=False, extra_cflags=kernels.CFLAGS,
-        extra_ldflags=["-fopenmp"])
 
 
 def run_case(ext: Any, batch: int, context: int, block: int, rounds: int,

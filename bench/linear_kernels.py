@@ -28,14 +28,12 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from bench import commit_id
+from bench import build_at, build_cpu_ops, commit_id
 from bench.profile_step import read_bandwidth_gbs
 from pdserve.engine.cpu import cpu_summary
 from pdserve.engine.kernels import cpu_extension
@@ -94,15 +92,10 @@ def per_shape_ratios(ext: ModuleType, other: ModuleType, shapes: list[tuple[int,
 
 def avx2_extension() -> ModuleType:
     """cpu_ops.cpp built for AVX2 + FMA without AVX-512, in a scratch directory."""
-    from torch.utils import cpp_extension
-
     import pdserve.engine.kernels as kernels
 
-    source = Path(kernels.__file__).with_name("cpu_ops.cpp")
-    return cpp_extension.load(
-        name="pdserve_cpu_ops_avx2_bench", sources=[str(source)],
-        extra_cflags=["-O3", "-march=x86-64-v3", "-ffp-contract=off", "-fopenmp"],
-        extra_ldflags=["-fopenmp"], build_directory=tempfile.mkdtemp(), verbose=False)
+    return build_cpu_ops(kernels._SOURCE.read_text(), "pdserve_cpu_ops_avx2_bench",
+                         march="x86-64-v3")
 
 
 def main() -> None:
@@ -136,8 +129,6 @@ def main() -> None:
         "F.linear": [DenseLinear(w, None) for w in weights],
     }
     if args.against:
-        from bench.decode_attention import build_at
-
         other = build_at(args.against)
         kinds[f"panels@{args.against}"] = [PanelLinear(w, None, other) for w in weights]
     against = f"panels@{args.against}" if args.against else None

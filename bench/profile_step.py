@@ -37,8 +37,7 @@ from typing import Any
 
 import torch
 
-from bench import commit_id
-from bench.decode_attention import build_at
+from bench import build_at, commit_id
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu import cpu_summary
 from pdserve.engine.kernels import FusedCpuKernels
