@@ -67,6 +67,13 @@ class Liveness:
         or was cut off (no answer to one probe): then its requests move now instead of
         waiting for a token or prefill deadline."""
         failure = await self.probe(w)
+        if w.worker_id in self._directory.snapshot():
+            # It joined again while the probe ran (a partition healed within the probe's
+            # deadline): the probe's answer is about a link that is back. Declared lost now, it
+            # would stay so while registered, and never be sent a request again.
+            log.info("worker_back_during_probe", worker_id=w.worker_id, role=w.role,
+                     probe=failure or "answered")
+            return
         if failure is None:
             self._channels.drop(w.grpc_address, self.config.drain_grace_s)
         else:

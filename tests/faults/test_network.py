@@ -115,12 +115,16 @@ async def test_prefill_worker_behind_a_faulty_link(veth: Veth, tmp_path: Path, m
         report.append(f"link up: prefill listed again after {back:.1f}s")
         remote_again = None
         start = time.monotonic()
+        routes: list[str] = []
         while remote_again is None and time.monotonic() - start < 90:
             res = await generate(router, prompt_ids[0], MAX_NEW_TOKENS, deadline_s=120)
             assert res.tokens == reference[0], f"after link up: wrong output ({res.route})"
+            routes.append(f"{res.route} at {time.monotonic() - start:.1f}s")
             if res.route == "remote":
                 remote_again = time.monotonic() - start
-        assert remote_again is not None, "remote prefill never came back"
+        assert remote_again is not None, (
+            f"remote prefill never came back: {routes}\n" + "\n".join(report)
+            + "\n" + c.procs.warnings())
         report.append(f"link up: remote prefill again {remote_again:.1f}s after it was listed")
 
         # No KV block leaked on either worker.

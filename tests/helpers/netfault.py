@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -130,6 +131,9 @@ def make_veth() -> Iterator[Veth]:
         ip_cmd("ip", "netns", "del", ns, check=False)
 
 
+_WARNING = re.compile(r'\[(warning|error|critical)|"level": ?"(warning|error|critical)"', re.I)
+
+
 class Procs:
     """Processes of one test, each logging to `<log_dir>/<name>.log`, stopped by close()."""
 
@@ -149,6 +153,15 @@ class Procs:
         for name, p in self.procs.items():
             if p.poll() is not None:
                 pytest.fail(f"{name} exited: {(self.log_dir / (name + '.log')).read_text()}")
+
+    def warnings(self, limit: int = 40) -> str:
+        """The last `limit` warning and error lines of every log, for a failure's message."""
+        out = []
+        for path in sorted(self.log_dir.glob("*.log")):
+            lines = [ln for ln in path.read_text(errors="replace").splitlines()
+                     if _WARNING.search(ln) or "Traceback" in ln]
+            out += [f"{path.stem}: {ln}" for ln in lines[-limit:]]
+        return "\n".join(out)
 
     def close(self) -> None:
         for p in self.procs.values():
