@@ -82,7 +82,7 @@ def test_quantized_same_bits_as_the_python_loop(model_dir: Path,
 
 def test_int8_same_bits_as_the_python_loop(model_dir: Path,
                                            prompt_ids: list[list[int]]) -> None:
-    # fbgemm's int8 GEMM for the decodes, the weights expanded to fp32 for 64-token chunks
+    # fbgemm's int8 GEMM for the decodes, the int8 panels (panel_linear_i8) for 64-token chunks
     engine = LLMEngine.from_dir(model_dir, EngineConfig(
         dtype="int8", kv_cache_bytes=64 << 20, enable_prefix_caching=False,
         max_num_batched_tokens=96, max_prefill_chunk=64, step_target_ms=0.0))

@@ -190,6 +190,30 @@ def test_panel_linear_rows_do_not_depend_on_batchmates(fused: FusedCpuKernels, n
     assert torch.equal(kernel(x[5:6]), whole[5:6])
 
 
+@pytest.mark.parametrize("n,k,ms", [(96, 64, (33, 64, 301)), (50, 17, (40, 301)),
+                                     (64, 1536, (33, 700))])
+def test_int8_panels_are_the_float_panels_over_the_dequantized_weights(
+        fused: FusedCpuKernels, n: int, k: int, ms: tuple[int, ...]) -> None:
+    """Int8DynamicLinear's prefill-sized batches (panel_linear_i8: each int8 panel dequantized
+    in cache) give the same bits as the fp32 panels over the weights dequantized up front, in
+    one pass, ragged, and cache-blocked (700 x 1536 floats)."""
+    from pdserve.engine.linear import Int8DynamicLinear
+
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    kernel = Int8DynamicLinear(w, b)
+    deq = kernel.dequantize()
+    assert deq.shape == (n, k)
+    torch.testing.assert_close(deq, w, rtol=0, atol=w.abs().max().item() / 127)
+    floats = PanelLinear(deq, b, fused._ext)
+    for m in ms:
+        assert m > Int8DynamicLinear.SMALL_M
+        x = torch.randn(m, k, generator=g)
+        assert torch.equal(kernel(x), floats(x)), m
+    with pytest.raises(RuntimeError, match="scales must be"):
+        fused._ext.panel_linear_i8(x, kernel._qweight, kernel._scales[:-1], n, None)
+
+
 def test_float32_without_the_extension_uses_onednn(monkeypatch) -> None:
     monkeypatch.setenv("PDSERVE_DISABLE_CPU_KERNELS", "1")
     w = torch.randn(48, 64)

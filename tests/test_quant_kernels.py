@@ -145,7 +145,7 @@ def test_int8_prefill_batches_take_the_float_gemm() -> None:
     kernel = pack_linear([w], [None], weight_format="int8")
     assert isinstance(kernel, Int8DynamicLinear)
     x = torch.randn(Int8DynamicLinear.SMALL_M + 8, 64)
-    deq = kernel._qweight.float() * kernel._scales[:, None]
+    deq = kernel.dequantize()
     torch.testing.assert_close(kernel(x), x @ deq.T, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(kernel(x[:2]), x[:2] @ deq.T, rtol=0.02, atol=0.05)
 

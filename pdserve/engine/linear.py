@@ -23,9 +23,11 @@ Formats (`pack_linear`, picked by `EngineConfig.dtype`):
   two results add up to ~14-bit activations, as accurate as weight-only int8 (measured: see
   bench/quality.py) for one extra row per token. fbgemm picks one activation range per call;
   a fixed [-1, 1] row pins it, so a token's result never depends on its batchmates.
-  Prefill-sized batches (more than `Int8DynamicLinear.SMALL_M` rows) skip all that: the int8
-  weights are expanded to float32 and go through the fp32 GEMM, so int8 prefill is never slower
-  than float32's (and exact weight-only int8 arithmetic).
+  Prefill-sized batches (more than `Int8DynamicLinear.SMALL_M` rows) skip all that: they go
+  through the fp32 panel GEMM over int8 panels, each panel dequantized in cache as the GEMM
+  reaches it (cpu_ops.cpp `panel_linear_i8`: exact weight-only int8 arithmetic, the float32
+  weights never written to memory), so int8 prefill runs at float32's speed. Without the
+  extension the int8 weights are expanded to float32 per call for `F.linear`.
 - ``q4_0`` / ``q4_1`` / ``q8_0``: GGUF's own 32-weight blocks (4.5-8.5 bits per weight), kept as
   blocks and multiplied by the extension in kernels/quant_ops.cpp (the path picked from the
   detected CPU flags). A weight carrying blocks read from the model's GGUF
@@ -151,8 +153,8 @@ class PanelLinear(LinearKernel):
 class Int8DynamicLinear(LinearKernel):
     """fbgemm int8 x int8 GEMM: per-channel int8 weights, per-token int8 activations."""
 
-    # Batches larger than this (prefill chunks) expand the weights to float32 and use the fp32
-    # GEMM: compute-bound there, where fbgemm's two rows per token cost more than the expansion.
+    # Batches larger than this (prefill chunks, big decode batches) take the fp32 panel GEMM
+    # over int8 panels: compute-bound there, where fbgemm's two rows per token cost more.
     SMALL_M = 32
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -169,17 +171,29 @@ class Int8DynamicLinear(LinearKernel):
         self._anchor = torch.zeros(1, self.in_features)
         self._anchor[0, 0], self._anchor[0, -1] = -1.0, 1.0
         self._nbytes = self.out_features * self.in_features
-        # For prefill-sized batches: the same int8 weights, expanded to float32 per call.
-        self._qweight = qweight.int_repr()
         self._scales = scales.float()
         from pdserve.engine.kernels import cpu_extension
 
         self._ext = cpu_extension()  # the row split and merge as two fused loops, if built
+        # For prefill-sized batches: the same int8 weights as panels for `panel_linear_i8`, or
+        # without the extension as they are, expanded to float32 per call.
+        self._qweight = qweight.int_repr()
+        if self._ext is not None:
+            self._qweight = self._ext.pack_panels(self._qweight)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights [out, in] this kernel computes with (for tests and benches)."""
+        q = self._qweight
+        if q.dim() == 3:  # panels [np, in, PW] -> rows
+            q = q.permute(0, 2, 1).reshape(-1, self.in_features)[:self.out_features]
+        return q.float().mul_(self._scales[:, None])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.SMALL_M:
-            weight = self._qweight.float().mul_(self._scales[:, None])
-            return F.linear(x, weight, self.bias)
+            if self._ext is not None and x.dtype == torch.float32 and x.dim() == 2:
+                return self._ext.panel_linear_i8(x.contiguous(), self._qweight, self._scales,
+                                                 self.out_features, self.bias)
+            return F.linear(x, self.dequantize(), self.bias)
         if self._ext is not None and x.dtype == torch.float32 and x.stride(-1) == 1:
             rows, amax, lo_amax = self._ext.int8_rows(x, self._anchor, _STEPS, _SHRINK)
             y = torch.ops.quantized.linear_dynamic(rows, self.packed, True)

@@ -767,55 +767,17 @@ int64_t l2_bytes() {
   return bytes;
 }
 
-void panel_linear_blocked(const float* xp, int64_t sx, const float* wp, int64_t m, int64_t k,
-                          int64_t n, int64_t np, float* op, int64_t block_rows) {
-  at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
-    for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
-      const int64_t mc = std::min(block_rows, m - m0);
-      for (int64_t p = b; p < e; ++p) {
-        const float* panel = wp + p * k * PW;
-        for (int64_t i0 = m0; i0 < m0 + mc; i0 += BMB) {
-          const int64_t rows = std::min<int64_t>(BMB, m0 + mc - i0);
-          panel_rows<BMB>(xp + i0 * sx, sx, panel, k, op + i0 * n + p * PW, n, rows);
-        }
-      }
-    }
-  });
-}
-}  // namespace
-
-int64_t panel_width() { return PW; }
-
-// W [n, k] -> panels [ceil(n / PW), k, PW], zero past row n.
-torch::Tensor pack_panels(torch::Tensor w) {
-  check_f32(w, "w");
-  TORCH_CHECK(w.dim() == 2, "w must be [n, k]");
-  const int64_t n = w.size(0), k = w.size(1), np = (n + PW - 1) / PW;
-  auto src = w.contiguous();
-  auto panels = torch::zeros({np, k, PW}, w.options());
-  const float* s = src.data_ptr<float>();
-  float* d = panels.data_ptr<float>();
-  at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
-    for (int64_t p = b; p < e; ++p)
-      for (int64_t j = 0; j < PW && p * PW + j < n; ++j)
-        for (int64_t kk = 0; kk < k; ++kk) d[(p * k + kk) * PW + j] = s[(p * PW + j) * k + kk];
-  });
-  return panels;
-}
-
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n,
-                           c10::optional<torch::Tensor> bias) {
-  check_f32(x, "x");
-  check_f32(panels, "panels");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [m, k] with contiguous rows");
-  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == PW,
-              "panels must come from pack_panels");
-  const int64_t m = x.size(0), k = x.size(1), np = panels.size(0), sx = x.stride(0);
-  TORCH_CHECK(panels.size(1) == k && n > (np - 1) * PW && n <= np * PW,
-              "panels do not match x or n");
+// The panel GEMM for both weight formats: `panel(p, buf)` gives panel p's float32 weights,
+// the fp32 panels themselves or the int8 ones dequantized into `buf` (k * PW floats of the
+// calling thread's). The blocked path asks for a panel once per block of rows, the one-pass
+// path once per call.
+template <typename PanelFn>
+torch::Tensor panel_gemm(const torch::Tensor& x, int64_t n, int64_t np, int64_t k,
+                         const c10::optional<torch::Tensor>& bias, bool buffered,
+                         PanelFn panel) {
+  const int64_t m = x.size(0), sx = x.stride(0);
   auto out = torch::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
   float* op = out.data_ptr<float>();
   torch::Tensor bc;
   const float* bp = nullptr;
@@ -826,20 +788,34 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n,
   }
   const int64_t fits = l2_bytes() / 2 / (k * static_cast<int64_t>(sizeof(float)));  // rows
   if (m > fits && n % PW == 0) {  // (a ragged last panel takes the one-pass path)
-    panel_linear_blocked(xp, sx, wp, m, k, n, np, op, std::max<int64_t>(BMB, fits / BMB * BMB));
+    const int64_t block_rows = std::max<int64_t>(BMB, fits / BMB * BMB);
+    at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> buf(buffered ? k * PW : 0);
+      for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
+        const int64_t mc = std::min(block_rows, m - m0);
+        for (int64_t p = b; p < e; ++p) {
+          const float* w = panel(p, buf.data());
+          for (int64_t i0 = m0; i0 < m0 + mc; i0 += BMB) {
+            const int64_t rows = std::min<int64_t>(BMB, m0 + mc - i0);
+            panel_rows<BMB>(xp + i0 * sx, sx, w, k, op + i0 * n + p * PW, n, rows);
+          }
+        }
+      }
+    });
     if (bp) out.add_(bc);  // after the sums, as the one-pass path adds it
     return out;
   }
   at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
     float tmp[PMB * PW];
+    std::vector<float> buf(buffered ? k * PW : 0);
     for (int64_t p = b; p < e; ++p) {
-      const float* panel = wp + p * k * PW;
+      const float* w = panel(p, buf.data());
       const int64_t c0 = p * PW, cols = std::min(PW, n - c0);
       for (int64_t i0 = 0; i0 < m; i0 += PMB) {
         const int64_t rows = std::min<int64_t>(PMB, m - i0);
         const bool whole = cols == PW;
         float* dst = whole ? op + i0 * n + c0 : tmp;
-        panel_rows<PMB>(xp + i0 * sx, sx, panel, k, dst, whole ? n : PW, rows);
+        panel_rows<PMB>(xp + i0 * sx, sx, w, k, dst, whole ? n : PW, rows);
         if (!whole)
           for (int64_t i = 0; i < rows; ++i)
             std::copy_n(tmp + i * PW, cols, op + (i0 + i) * n + c0);
@@ -850,6 +826,84 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n,
     }
   });
   return out;
+}
+
+void check_x(const torch::Tensor& x) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [m, k] with contiguous rows");
+}
+}  // namespace
+
+int64_t panel_width() { return PW; }
+
+// W [n, k] -> panels [ceil(n / PW), k, PW], zero past row n (float32, or int8 for the int8
+// panels of panel_linear_i8).
+template <typename T>
+void pack_rows(const T* s, T* d, int64_t n, int64_t k, int64_t np) {
+  at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p)
+      for (int64_t j = 0; j < PW && p * PW + j < n; ++j)
+        for (int64_t kk = 0; kk < k; ++kk) d[(p * k + kk) * PW + j] = s[(p * PW + j) * k + kk];
+  });
+}
+
+torch::Tensor pack_panels(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), "w must be a CPU [n, k]");
+  const int64_t n = w.size(0), k = w.size(1), np = (n + PW - 1) / PW;
+  auto src = w.contiguous();
+  auto panels = torch::zeros({np, k, PW}, w.options());
+  if (w.scalar_type() == torch::kChar) {
+    pack_rows(src.data_ptr<int8_t>(), panels.data_ptr<int8_t>(), n, k, np);
+  } else {
+    check_f32(w, "w");
+    pack_rows(src.data_ptr<float>(), panels.data_ptr<float>(), n, k, np);
+  }
+  return panels;
+}
+
+static void check_panels(const torch::Tensor& x, const torch::Tensor& panels, int64_t n) {
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == PW,
+              "panels must come from pack_panels");
+  const int64_t np = panels.size(0);
+  TORCH_CHECK(panels.size(1) == x.size(1) && n > (np - 1) * PW && n <= np * PW,
+              "panels do not match x or n");
+}
+
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n,
+                           c10::optional<torch::Tensor> bias) {
+  check_x(x);
+  check_f32(panels, "panels");
+  check_panels(x, panels, n);
+  const int64_t k = x.size(1);
+  const float* wp = panels.data_ptr<float>();
+  return panel_gemm(x, n, panels.size(0), k, bias, false,
+                    [&](int64_t p, float*) { return wp + p * k * PW; });
+}
+
+// y = x @ (q * scales[:, None]).T (+ b) for int8 panels q (pack_panels of per-output-channel
+// int8 weights): each panel is dequantized into the thread's buffer (L1/L2) as the GEMM comes
+// to it, never the whole matrix to memory. The same bits as panel_linear over pack_panels of
+// `q.float() * scales[:, None]` (the product is the same single rounding).
+torch::Tensor panel_linear_i8(torch::Tensor x, torch::Tensor panels, torch::Tensor scales,
+                              int64_t n, c10::optional<torch::Tensor> bias) {
+  check_x(x);
+  TORCH_CHECK(panels.scalar_type() == torch::kChar, "int8 panels must be int8");
+  check_panels(x, panels, n);
+  check_f32(scales, "scales");
+  TORCH_CHECK(scales.dim() == 1 && scales.numel() == n, "scales must be [n]");
+  const int64_t k = x.size(1), np = panels.size(0);
+  auto sc = torch::zeros({np * PW}, scales.options());  // zero past n (the panels are too)
+  sc.narrow(0, 0, n).copy_(scales);
+  const int8_t* qp = panels.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  return panel_gemm(x, n, np, k, bias, true, [&](int64_t p, float* buf) {
+    const int8_t* q = qp + p * k * PW;
+    const float* s = sp + p * PW;
+    for (int64_t kk = 0; kk < k; ++kk)
+      for (int64_t j = 0; j < PW; ++j)
+        buf[kk * PW + j] = static_cast<float>(q[kk * PW + j]) * s[j];
+    return static_cast<const float*>(buf);
+  });
 }
 
 // int8 activation rows for engine.linear.Int8DynamicLinear: for x [m, k] returns
@@ -945,19 +999,18 @@ const c10::OperatorHandle& linear_dynamic_op() {
   return op;
 }
 
-// engine.linear.Int8DynamicLinear's call, op for op: batches over `small_m` rows expand the
-// int8 weights to float32 for the fp32 GEMM; smaller ones go through fbgemm as two int8 rows
-// per activation row (int8_rows, int8_merge).
+// engine.linear.Int8DynamicLinear's call, op for op: batches over `small_m` rows go through
+// the int8 panels (panel_linear_i8); smaller ones through fbgemm as two int8 rows per
+// activation row (int8_rows, int8_merge).
 struct Int8Linear {
   c10::IValue packed;  // the prepacked weights (a LinearPackedParamsBase)
   torch::Tensor scales, anchor;
   double steps = 0, shrink = 0;
   int64_t small_m = 0;
 
-  torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& qweight,
+  torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& qpanels, int64_t n,
                            const c10::optional<torch::Tensor>& bias) const {
-    if (x.size(0) > small_m)
-      return at::linear(x, qweight.to(torch::kFloat).mul_(scales.unsqueeze(1)), bias);
+    if (x.size(0) > small_m) return panel_linear_i8(x, qpanels, scales, n, bias);
     TORCH_CHECK(x.stride(-1) == 1, "int8 activations need contiguous rows");
     std::vector<torch::Tensor> rows = int8_rows(x, anchor, steps, shrink);
     torch::jit::Stack stack{rows[0], packed, true};
@@ -967,7 +1020,7 @@ struct Int8Linear {
 };
 
 struct StepLinear {
-  torch::Tensor w;  // pack_panels' fp32 panels, the QuantFn's weights, or int8 weights
+  torch::Tensor w;  // pack_panels' fp32 panels, the QuantFn's weights, or int8 panels
   int64_t n = 0;    // out features
   c10::optional<torch::Tensor> bias;
   QuantFn fn = nullptr;  // nullptr: panel_linear (or int8)
@@ -975,14 +1028,14 @@ struct StepLinear {
   c10::optional<Int8Linear> int8;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (int8) return (*int8)(x, w, bias);
+    if (int8) return (*int8)(x, w, n, bias);
     return fn ? fn(x, w, qtype, n, isa, bias) : panel_linear(x, w, n, bias);
   }
 };
 
 // (w, n, bias, kernel, qtype, isa): what engine.linear's kernels' `step_spec` gives. The
 // kernel is None (w: fp32 panels), a QuantFn capsule, or for int8 a tuple (prepacked
-// weights, scales, anchor row, steps, shrink, small_m) with w the int8 weights.
+// weights, scales, anchor row, steps, shrink, small_m) with w the int8 panels.
 using LinearSpec = std::tuple<torch::Tensor, int64_t, c10::optional<torch::Tensor>,
                               py::object, int64_t, int64_t>;
 
@@ -994,8 +1047,9 @@ StepLinear step_linear(const LinearSpec& spec) {
     auto t = cap.cast<py::tuple>();
     TORCH_CHECK(t.size() == 6, "an int8 kernel is (packed, scales, anchor, steps, shrink, "
                 "small_m)");
-    TORCH_CHECK(lin.w.scalar_type() == torch::kChar && lin.w.dim() == 2 &&
-                    lin.w.size(0) == lin.n, "int8 weights must be int8 [n, k]");
+    TORCH_CHECK(lin.w.scalar_type() == torch::kChar && lin.w.dim() == 3 &&
+                    lin.w.size(2) == PW && lin.n > (lin.w.size(0) - 1) * PW &&
+                    lin.n <= lin.w.size(0) * PW, "int8 weights must be pack_panels' int8 panels");
     Int8Linear q;
     q.packed = torch::jit::toIValue(t[0], linear_dynamic_op().schema().arguments()[1].type());
     q.scales = t[1].cast<torch::Tensor>();
@@ -1004,6 +1058,7 @@ StepLinear step_linear(const LinearSpec& spec) {
     q.shrink = t[4].cast<double>();
     q.small_m = t[5].cast<int64_t>();
     check_f32(q.scales, "int8 scales");
+    TORCH_CHECK(q.scales.dim() == 1 && q.scales.numel() == lin.n, "int8 scales must be [n]");
     check_f32(q.anchor, "int8 anchor row");
     lin.int8 = std::move(q);
   } else if (!cap.is_none()) {
@@ -1157,6 +1212,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_width", &panel_width);
   m.def("pack_panels", &pack_panels, release());
   m.def("panel_linear", &panel_linear, release());
+  m.def("panel_linear_i8", &panel_linear_i8, release());
   m.def("int8_rows", &int8_rows, release());
   m.def("int8_merge", &int8_merge, release());
   m.def("rms_norm", &rms_norm, release());
