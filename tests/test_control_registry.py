@@ -285,3 +285,25 @@ async def test_unreachable_redis_is_a_control_plane_error(namespace: str) -> Non
     ) as reg:
         with pytest.raises(ControlPlaneError):
             await reg.list_workers()
+
+
+async def test_closing_leaves_no_connection_open(redis_server: str, namespace: str) -> None:
+    """close() ends a command still running (here one blocked in Redis), then closes every
+    connection, including any a running command opened after the pool was closed (redis-py's
+    pool has none of its own state for that: such a socket was left to the garbage collector,
+    a ResourceWarning in some later test). Commands after close() fail at once."""
+    reg = WorkerRegistry.from_url(redis_server, namespace=namespace)
+    await reg.register(worker("d0"), ttl_s=5, heartbeat_s=1)
+    blocked = asyncio.ensure_future(
+        reg.call(reg.redis.blpop([reg.key("nothing")], timeout=20), timeout_s=30))
+    await asyncio.sleep(0.2)
+    started = time.monotonic()
+    await reg.close()
+    with pytest.raises(ControlPlaneError):
+        await blocked
+    assert time.monotonic() - started < 2
+    pool = reg.redis.connection_pool
+    conns = [*pool._available_connections, *pool._in_use_connections]  # type: ignore[attr-defined]
+    assert conns and not any(c.is_connected for c in conns)
+    with pytest.raises(ControlPlaneError, match="closed"):
+        await reg.list_workers()

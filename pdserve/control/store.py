@@ -19,9 +19,10 @@ a record someone else wrote into Redis is dropped, never used.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 from collections.abc import Awaitable
-from typing import Self, TypeVar
+from typing import Any, Self, TypeVar
 
 import redis.asyncio as aioredis
 import structlog
@@ -68,6 +69,11 @@ class ControlStore(AsyncResource):
         self.op_timeout_s = op_timeout_s
         self._prefix = f"pdserve:{namespace}:"
         self.signer = signer  # None: the open mode, records neither signed nor checked
+        # Commands still running (`call` shields them), for close() to end first: redis-py's
+        # pool has no closed state, so a command that gets a connection after the pool was
+        # closed opens a new one that nobody closes (a socket left to the garbage collector).
+        self._running: set[asyncio.Future[Any]] = set()
+        self._closed = False
         # Whoever writes junk into Redis cannot flood the log (readers poll every fraction
         # of a second): one line per kind per 30 s, with a count.
         self._rejected = RateLimitedLog(log, "control_record_refused")
@@ -92,13 +98,21 @@ class ControlStore(AsyncResource):
 
     async def close(self) -> None:
         """Close the client if this store created it: one bounded attempt, never raises
-        for an unreachable Redis."""
-        if self._owns_client:
-            try:
-                async with asyncio.timeout(self.op_timeout_s):
+        for an unreachable Redis. Commands still running are cancelled first (an XREAD
+        blocked in Redis too; their callers get ControlPlaneError): left running, redis-py
+        would retry one that lost its connection on a new one, opened after the pool closed
+        and never closed. Later commands fail with ControlPlaneError."""
+        self._closed = True
+        for task in self._running:
+            task.cancel()
+        try:
+            async with asyncio.timeout(self.op_timeout_s):
+                if self._running:
+                    await asyncio.wait(self._running)
+                if self._owns_client:
                     await self._redis.aclose()
-            except (TimeoutError, RedisError, OSError) as err:
-                log.warning("redis_close_failed", error=str(err))
+        except (TimeoutError, RedisError, OSError) as err:
+            log.warning("redis_close_failed", error=str(err) or type(err).__name__)
 
     # ------------------------------------------------------------------ keys
 
@@ -175,7 +189,13 @@ class ControlStore(AsyncResource):
         leave a pooled connection half-read so that a later command on it hangs or reads
         another command's reply. The abandoned command ends by itself within the client's
         socket timeouts (set to `op_timeout_s` by `from_url`) and returns its connection."""
+        if self._closed:
+            if inspect.iscoroutine(op):
+                op.close()  # never started: nothing to await
+            raise ControlPlaneError("the control-plane store is closed")
         task = asyncio.ensure_future(op)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
         bound = self.op_timeout_s if timeout_s is None else timeout_s
         try:
             async with asyncio.timeout(bound):
@@ -185,6 +205,11 @@ class ControlStore(AsyncResource):
             raise ControlPlaneError(f"redis did not answer within {bound}s") from exc
         except asyncio.CancelledError:
             task.add_done_callback(_consume)
+            current = asyncio.current_task()
+            if task.cancelled() and self._closed and current is not None \
+                    and not current.cancelling():  # the command was, by close(); not the caller
+                raise ControlPlaneError("the control-plane store closed during the command") \
+                    from None
             raise
         except RedisError as exc:
             raise ControlPlaneError(f"redis error: {exc}") from exc
