@@ -892,13 +892,13 @@ torch::Tensor panel_linear_i8(torch::Tensor x, torch::Tensor panels, torch::Tens
   check_f32(scales, "scales");
   TORCH_CHECK(scales.dim() == 1 && scales.numel() == n, "scales must be [n]");
   const int64_t k = x.size(1), np = panels.size(0);
-  auto sc = torch::zeros({np * PW}, scales.options());  // zero past n (the panels are too)
-  sc.narrow(0, 0, n).copy_(scales);
+  auto sc = scales.contiguous();
   const int8_t* qp = panels.data_ptr<int8_t>();
   const float* sp = sc.data_ptr<float>();
   return panel_gemm(x, n, np, k, bias, true, [&](int64_t p, float* buf) {
     const int8_t* q = qp + p * k * PW;
-    const float* s = sp + p * PW;
+    float s[PW];  // this panel's scales, zero past n (a ragged last panel's rows are zero)
+    for (int64_t j = 0; j < PW; ++j) s[j] = p * PW + j < n ? sp[p * PW + j] : 0.0f;
     for (int64_t kk = 0; kk < k; ++kk)
       for (int64_t j = 0; j < PW; ++j)
         buf[kk * PW + j] = static_cast<float>(q[kk * PW + j]) * s[j];
