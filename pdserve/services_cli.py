@@ -128,7 +128,13 @@ def _run_until_signal(main: Callable[[asyncio.Event], Any], log_level: str,
             if ucxx is not None:
                 ucxx.stop_notifier_thread()
 
-    asyncio.run(runner())
+    from pdserve.errors import ModelLoadError
+
+    try:
+        asyncio.run(runner())
+    except ModelLoadError as exc:  # a model or KV pool this host cannot hold: say so, no trace
+        print(f"pdserve: error: {exc.message}", file=sys.stderr)
+        return 1
     return 0
 
 

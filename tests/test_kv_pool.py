@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from pdserve.engine.model_runner import kv_pool_tensor
+from pdserve.engine.model_runner import kv_pool_tensor, memory_available
+from pdserve.errors import ModelLoadError
 
 SHAPE = (64, 2, 2, 16, 3, 64)  # 3 MiB of float32: spans at least one aligned 2 MiB page
 
@@ -37,3 +39,12 @@ def test_pool_is_in_huge_pages_where_the_kernel_allows(monkeypatch: pytest.Monke
     monkeypatch.setenv("PDSERVE_NO_KV_HUGEPAGES", "1")
     plain = kv_pool_tensor((256, *SHAPE[1:]), torch.float32, torch.device("cpu"))
     assert not plain.any()
+
+
+@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="Linux only")
+def test_a_pool_larger_than_the_memory_available_is_refused_before_any_is_touched() -> None:
+    free = memory_available()
+    assert free is not None and free > 0
+    rows = (2 * free) // (math.prod(SHAPE[1:]) * 4) + 1  # twice what this host has left
+    with pytest.raises(ModelLoadError, match="lower --kv-cache-mb"):
+        kv_pool_tensor((rows, *SHAPE[1:]), torch.float32, torch.device("cpu"))

@@ -82,7 +82,9 @@ class SimConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     sharing: Sharing = "own"
     overheads: Overheads = field(default_factory=Overheads)
-    num_blocks: int = 728  # 512 MiB of KV for SmolLM2-135M float32 (737,280 bytes a block)
+    # the engine's default pool (EngineConfig.kv_cache_bytes, 2 GiB) of SmolLM2-135M float32
+    # blocks (737,280 bytes each)
+    num_blocks: int = EngineConfig().kv_cache_bytes // 737_280
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int = 512

@@ -128,7 +128,11 @@ class EngineConfig:
     """Engine knobs. KV memory is `kv_cache_bytes` unless `num_kv_blocks` pins the count."""
 
     block_size: int = 16
-    kv_cache_bytes: int = 512 << 20  # `--kv-cache-mb`'s default (512) on every command
+    # `--kv-cache-mb`'s default (2048) on every command: 64 sequences (`max_num_seqs`) of ~700
+    # tokens for the default model in float32. At 512 MiB a 2-core CPU's c=64 load of 264-token
+    # streams preempted and recomputed (docs/BENCHMARKS.md, "A KV pool that holds
+    # max_num_seqs streams"). Checked against the memory available when the pool is made.
+    kv_cache_bytes: int = 2048 << 20
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget (decodes + prefill chunks)

@@ -13,6 +13,7 @@ from pdserve.engine.attention import HAVE_FLASH_ATTN, AttentionMetadata
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.errors import ModelLoadError
 from pdserve.kv_layout import KVLayout
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -30,13 +31,56 @@ def kv_layout(model: ModelConfig, config: EngineConfig, model_id: str) -> KVLayo
     return layout
 
 
+def memory_available() -> int | None:
+    """Bytes this process can still fault in: /proc/meminfo's MemAvailable, lowered to what the
+    cgroup (v2) limit leaves (memory.max - memory.current) inside a container. None where
+    neither can be read (not Linux)."""
+    limits = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    limits.append(int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            cap = f.read().strip()
+        if cap != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                limits.append(int(cap) - int(f.read()))
+    except (OSError, ValueError):
+        pass
+    return min(limits) if limits else None
+
+
+# Memory the pool must leave to the rest of the process and the host (weights are loaded
+# before the pool; activations, the RPC buffers and the page cache want the rest).
+_POOL_HEADROOM = 256 << 20
+
+
+def check_pool_fits(nbytes: int) -> None:
+    """Refuse, with the flag to change, a host-memory KV pool that would not fit: the pool is
+    faulted in up front, so one that did not fit would end in the OOM killer, not an error."""
+    free = memory_available()
+    if free is not None and nbytes + _POOL_HEADROOM > free:
+        raise ModelLoadError(
+            f"the KV cache pool ({nbytes >> 20} MiB) does not fit in the {max(free, 0) >> 20} MiB "
+            f"of memory available ({_POOL_HEADROOM >> 20} MiB kept free): lower --kv-cache-mb "
+            f"(EngineConfig.kv_cache_bytes)")
+
+
 def kv_pool_tensor(shape: tuple[int, ...], dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor:
     """A zeroed pool. On a Linux CPU it lives in its own anonymous mapping marked for
     transparent huge pages (where the kernel's THP mode is "madvise", the common default): a
     decode step reads every sequence's blocks scattered through the pool, and with 4 KiB pages
     each block's rows cost TLB misses. Faulted in here, not during the first steps.
-    ``PDSERVE_NO_KV_HUGEPAGES=1``: plain torch.zeros."""
+    ``PDSERVE_NO_KV_HUGEPAGES=1``: plain torch.zeros. A pool in host memory larger than the
+    memory available is refused (`check_pool_fits`)."""
+    if device.type == "cpu":
+        check_pool_fits(math.prod(shape) * dtype.itemsize)
     if (device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE")
             or os.environ.get("PDSERVE_NO_KV_HUGEPAGES") == "1"):
         return torch.zeros(shape, dtype=dtype, device=device)
