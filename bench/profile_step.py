@@ -10,7 +10,8 @@ data in the caches). So a second table times the same parts inside real decode s
 call wrapped in a clock, and what is left between the calls: Python, step metadata, the
 scheduler (plus ~1 us a wrapped call). Rooflines beside it: the weight-read bound
 (weight bytes / the read bandwidth measured here) and the bare GEMM time of the same shapes.
-Also one `--prefill`-token prompt (prompt tokens / s).
+Also one `--prefill`-token prompt (prompt tokens / s). `--prefill-ab ROUNDS`: only that
+prompt, the dtypes taking turns round by round (an interleaved A/B of prefill speed).
 
 `--against REV`: float32 activations' fused kernels (norms, RoPE, KV write, decode attention)
 also from REV's kernels/cpu_ops.cpp (with its prefetch on, REV's default), the decode steps
@@ -235,6 +236,27 @@ def _prefill(engine: LLMEngine, rng: random.Random, n: int) -> None:
         engine.step()
 
 
+def prefill_ab(model_dir: Path, dtypes: list[str], tokens: int, rounds: int,
+               threads: int | None) -> dict[str, list[float]]:
+    """One `tokens`-token prompt per dtype per round, the dtypes taking turns on the same
+    prompt each round (every engine built first), so a slow spell of the machine lands on all
+    of them: prompt tokens / s per dtype and round."""
+    engines = {d: LLMEngine.from_dir(model_dir, EngineConfig(
+        dtype=d, kv_cache_bytes=256 << 20, enable_prefix_caching=False, num_threads=threads,
+        step_target_ms=0.0)) for d in dtypes}
+    rng = random.Random(0)
+    for e in engines.values():
+        _prefill(e, rng, tokens)  # warm
+    rates: dict[str, list[float]] = {d: [] for d in dtypes}
+    for _ in range(rounds):
+        seed = rng.random()
+        for d, e in engines.items():
+            start = time.perf_counter()
+            _prefill(e, random.Random(seed), tokens)
+            rates[d].append(tokens / (time.perf_counter() - start))
+    return rates
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
@@ -249,9 +271,31 @@ def main() -> None:
                     "kernels (float32 activations)")
     ap.add_argument("--against-python-loop", action="store_true", help="alternate steps "
                     "with the Python layer loop (where the C++ layer loop runs)")
+    ap.add_argument("--prefill-ab", type=int, default=0, metavar="ROUNDS",
+                    help="instead: only the --prefill-token prompt, the dtypes taking turns "
+                    "for ROUNDS rounds (an interleaved A/B of prefill)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.prefill_ab:
+        dtypes = args.dtypes.split(",")
+        rates = prefill_ab(resolve_model(args.model), dtypes, args.prefill, args.prefill_ab,
+                           args.threads)
+        med = {d: statistics.median(r) for d, r in rates.items()}
+        print(f"CPU: {cpu_summary()}; torch threads {torch.get_num_threads()}; prompt "
+              f"{args.prefill} tokens, {args.prefill_ab} rounds, dtypes in turn")
+        for d in dtypes:
+            wins = sum(a > b for a, b in zip(rates[d], rates[dtypes[0]], strict=True))
+            print(f"{d:9s} p50 {med[d]:7.0f} tok/s  min {min(rates[d]):7.0f}  max "
+                  f"{max(rates[d]):7.0f}  / {dtypes[0]} {med[d] / med[dtypes[0]]:.3f}x  "
+                  f"(faster in {wins} of {args.prefill_ab} rounds)")
+        if args.out:
+            Path(args.out).write_text(json.dumps({
+                "benchmark": "bench.profile_step --prefill-ab", "commit": commit_id(),
+                "argv": sys.argv[1:], "cpu": cpu_summary(), "threads": torch.get_num_threads(),
+                "load_avg": os.getloadavg(), "prefill_tokens": args.prefill,
+                "tok_per_s": rates, "p50_tok_per_s": med}, indent=1) + "\n")
+        return
     bw = read_bandwidth_gbs()
     print(f"CPU: {cpu_summary()}; torch threads {torch.get_num_threads()}; "
           f"read bandwidth {bw:.1f} GB/s")
