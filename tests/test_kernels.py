@@ -191,12 +191,28 @@ def test_panel_linear_rows_do_not_depend_on_batchmates(fused: FusedCpuKernels, n
 
 
 @pytest.mark.parametrize("n,k,ms", [(96, 64, (33, 64, 301)), (50, 17, (40, 301)),
-                                     (64, 1536, (33, 700))])
+                                     (64, 1536, (33, 700)), (2048, 1536, (400,))])
+@pytest.mark.parametrize("threads", [1, 0])
 def test_int8_panels_are_the_float_panels_over_the_dequantized_weights(
-        fused: FusedCpuKernels, n: int, k: int, ms: tuple[int, ...]) -> None:
+        fused: FusedCpuKernels, n: int, k: int, ms: tuple[int, ...], threads: int) -> None:
     """Int8DynamicLinear's prefill-sized batches (panel_linear_i8: each int8 panel dequantized
-    in cache) give the same bits as the fp32 panels over the weights dequantized up front, in
-    one pass, ragged, and cache-blocked (700 x 1536 floats)."""
+    once per call) give the same bits as the fp32 panels over the weights dequantized up
+    front: in one pass, ragged, and cache-blocked (700 and 400 rows of 1536 floats), where
+    the blocked path keeps a thread's dequantized panels for the call and, on one thread,
+    where 2048 rows of weights are more than it keeps (cpu_ops.cpp KEEP_MAX) and each panel
+    is dequantized again per block of rows. threads 0: torch's own count."""
+    if threads:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            _int8_panels_match(fused, n, k, ms)
+        finally:
+            torch.set_num_threads(before)
+    else:
+        _int8_panels_match(fused, n, k, ms)
+
+
+def _int8_panels_match(fused: FusedCpuKernels, n: int, k: int, ms: tuple[int, ...]) -> None:
     from pdserve.engine.linear import Int8DynamicLinear
 
     g = torch.Generator().manual_seed(n * 7 + k)

@@ -24,10 +24,12 @@ Formats (`pack_linear`, picked by `EngineConfig.dtype`):
   bench/quality.py) for one extra row per token. fbgemm picks one activation range per call;
   a fixed [-1, 1] row pins it, so a token's result never depends on its batchmates.
   Prefill-sized batches (more than `Int8DynamicLinear.SMALL_M` rows) skip all that: they go
-  through the fp32 panel GEMM over int8 panels, each panel dequantized in cache as the GEMM
-  reaches it (cpu_ops.cpp `panel_linear_i8`: exact weight-only int8 arithmetic, the float32
-  weights never written to memory), so int8 prefill runs at float32's speed. Without the
-  extension the int8 weights are expanded to float32 per call for `F.linear`.
+  through the fp32 panel GEMM over int8 panels, each panel dequantized once per call as the
+  GEMM reaches it (cpu_ops.cpp `panel_linear_i8`: exact weight-only int8 arithmetic; into
+  the thread's L1/L2 buffer, or, on the cache-blocked path of long prompts, into a buffer of
+  the thread's share of panels that it keeps between calls), so int8 prefill runs within a
+  few percent of float32's speed. Without the extension the int8 weights are expanded to
+  float32 per call for `F.linear`.
 - ``q4_0`` / ``q4_1`` / ``q8_0``: GGUF's own 32-weight blocks (4.5-8.5 bits per weight), kept as
   blocks and multiplied by the extension in kernels/quant_ops.cpp (the path picked from the
   detected CPU flags). A weight carrying blocks read from the model's GGUF

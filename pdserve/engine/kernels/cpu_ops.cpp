@@ -758,6 +758,8 @@ void panel_rows(const float* x, int64_t sx, const float* panel, int64_t k, float
 // one-pass path's (each over k in order in one accumulator): the bits do not depend on the
 // batch or on the machine's cache size.
 constexpr int BMB = PMB == 8 ? 12 : PMB;
+// The most dequantized panels one thread keeps for a call of the blocked path (bytes).
+constexpr int64_t KEEP_MAX = int64_t{8} << 20;
 
 int64_t l2_bytes() {
   static const int64_t bytes = [] {
@@ -769,8 +771,7 @@ int64_t l2_bytes() {
 
 // The panel GEMM for both weight formats: `panel(p, buf)` gives panel p's float32 weights,
 // the fp32 panels themselves or the int8 ones dequantized into `buf` (k * PW floats of the
-// calling thread's). The blocked path asks for a panel once per block of rows, the one-pass
-// path once per call.
+// calling thread's). Both paths ask for each panel once per call.
 template <typename PanelFn>
 torch::Tensor panel_gemm(const torch::Tensor& x, int64_t n, int64_t np, int64_t k,
                          const c10::optional<torch::Tensor>& bias, bool buffered,
@@ -790,11 +791,22 @@ torch::Tensor panel_gemm(const torch::Tensor& x, int64_t n, int64_t np, int64_t 
   if (m > fits && n % PW == 0) {  // (a ragged last panel takes the one-pass path)
     const int64_t block_rows = std::max<int64_t>(BMB, fits / BMB * BMB);
     at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> buf(buffered ? k * PW : 0);
+      // Dequantized panels are made once per call, not once per block of rows: all of the
+      // thread's, into a buffer it keeps between calls (no page faults per call), read back
+      // per block as the float32 panels are. A thread's share past KEEP_MAX (an int8 LM head
+      // over a prompt's rows) is dequantized per block into one panel's buffer instead.
+      const int64_t share = (e - b) * k * PW;
+      const bool keep = buffered && share * static_cast<int64_t>(sizeof(float)) <= KEEP_MAX;
+      thread_local std::vector<float> kept;
+      if (keep && kept.size() < static_cast<size_t>(share)) kept.resize(share);
+      std::vector<float> buf(buffered && !keep ? k * PW : 0);
+      std::vector<const float*> ws(keep || !buffered ? e - b : 0);
+      for (int64_t p = b; p < static_cast<int64_t>(ws.size()) + b; ++p)
+        ws[p - b] = panel(p, keep ? kept.data() + (p - b) * k * PW : nullptr);
       for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
         const int64_t mc = std::min(block_rows, m - m0);
         for (int64_t p = b; p < e; ++p) {
-          const float* w = panel(p, buf.data());
+          const float* w = ws.empty() ? panel(p, buf.data()) : ws[p - b];
           for (int64_t i0 = m0; i0 < m0 + mc; i0 += BMB) {
             const int64_t rows = std::min<int64_t>(BMB, m0 + mc - i0);
             panel_rows<BMB>(xp + i0 * sx, sx, w, k, op + i0 * n + p * PW, n, rows);
