@@ -31,10 +31,40 @@ def kv_layout(model: ModelConfig, config: EngineConfig, model_id: str) -> KVLayo
     return layout
 
 
+def _cgroup_room() -> int | None:
+    """What this process's memory cgroup's limit leaves (limit - usage); None without a
+    limit. cgroup v2 ("0::/path") or v1 ("N:memory:/path"); inside a container's namespace
+    the path is "/", or is not mounted and the mount's root is the container's group."""
+    files = {"0": ("", "memory.max", "memory.current"),
+             "memory": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes")}
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.strip().split(":", 2) for line in f]
+    except OSError:
+        return None
+    for hid, controllers, rel in (x for x in lines if len(x) == 3):
+        key = "0" if hid == "0" else "memory" if "memory" in controllers.split(",") else ""
+        if not key:
+            continue
+        sub, limit_file, usage_file = files[key]
+        for group in (os.path.join("/sys/fs/cgroup", sub, rel.lstrip("/")),
+                      os.path.join("/sys/fs/cgroup", sub)):
+            try:
+                with open(os.path.join(group, limit_file)) as f:
+                    cap = f.read().strip()
+                with open(os.path.join(group, usage_file)) as f:
+                    used = int(f.read())
+            except (OSError, ValueError):
+                continue
+            if cap != "max" and int(cap) < 1 << 60:  # v1 spells "no limit" as ~2**63
+                return int(cap) - used
+            break
+    return None
+
+
 def memory_available() -> int | None:
-    """Bytes this process can still fault in: /proc/meminfo's MemAvailable, lowered to what the
-    cgroup (v2) limit leaves (memory.max - memory.current) inside a container. None where
-    neither can be read (not Linux)."""
+    """Bytes this process can still fault in: /proc/meminfo's MemAvailable, lowered to what
+    its memory cgroup's limit leaves inside a container. None where neither can be read."""
     limits = []
     try:
         with open("/proc/meminfo") as f:
@@ -44,14 +74,9 @@ def memory_available() -> int | None:
                     break
     except (OSError, ValueError):
         pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            cap = f.read().strip()
-        if cap != "max":
-            with open("/sys/fs/cgroup/memory.current") as f:
-                limits.append(int(cap) - int(f.read()))
-    except (OSError, ValueError):
-        pass
+    room = _cgroup_room()
+    if room is not None:
+        limits.append(room)
     return min(limits) if limits else None
 
 
