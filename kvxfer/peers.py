@@ -166,6 +166,12 @@ class Peers:
             self.drop(peer)
             raise error(ErrorCode.KV_PEER_GONE,
                         f"lost connection to {peer.address}: {exc!r}") from exc
+        except (TimeoutError, asyncio.CancelledError):
+            # Given up mid-exchange: a frame cut off mid-send leaves the control stream out
+            # of step, and a reply that comes late would wait on its tag with nobody to take
+            # it. The endpoint is done; the receiver fails what it took on it.
+            self.drop(peer)
+            raise
 
     async def _peer(self, address: str, timeout_s: float) -> Peer:
         if self._closed:
