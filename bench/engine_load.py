@@ -60,12 +60,9 @@ def closed_loop(engine: LLMEngine, streams: int, requests: int, prompt: int, out
         now = time.perf_counter()
         for s in out.scheduled:
             scheduled.setdefault(s.seq.request_id, now)
-        prefill = sum(s.num_new_tokens for s in out.scheduled
-                      if s.start < s.seq.num_prompt_tokens)
+        rows = [s.num_new_tokens for s in out.scheduled if s.start < s.seq.num_prompt_tokens]
         result = run(out)
-        steps.append((prefill, len(out.scheduled) - sum(
-            1 for s in out.scheduled if s.start < s.seq.num_prompt_tokens),
-            time.perf_counter() - now))
+        steps.append((sum(rows), len(out.scheduled) - len(rows), time.perf_counter() - now))
         return result
 
     engine.runner.run = timed_run  # type: ignore[method-assign]
@@ -103,6 +100,9 @@ def closed_loop(engine: LLMEngine, streams: int, requests: int, prompt: int, out
                         last_add = now
     finally:
         engine.runner.run = run  # type: ignore[method-assign]
+    if last_add <= full_from:
+        raise ValueError(f"{requests} requests for {streams} streams leave no window with the "
+                         "loop full: raise --requests")
     window = [r for r, t in added.items() if full_from <= t <= last_add]
     tokens = sum(1 for t in emitted if full_from <= t <= last_add)
     ttft = [first[r] - added[r] for r in window]
@@ -144,6 +144,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     requests = args.requests or 4 * args.streams
+    if requests < 3 * args.streams:
+        p.error("--requests must be at least 3 x --streams (a window with the loop full)")
     model = resolve_model(None)
     configs = [(int(kv), dt, float(st)) for kv in args.kv_mb.split(",")
                for dt in args.dtypes.split(",") for st in args.step_targets.split(",")]
@@ -154,7 +156,10 @@ def main() -> int:
             engine = LLMEngine.from_dir(model, EngineConfig(
                 kv_cache_bytes=kv << 20, dtype=dtype, step_target_ms=target,
                 num_threads=args.threads, enable_prefix_caching=False))
-            closed_loop(engine, 1, 1, args.prompt, 8, seed=10_000)  # warm the kernels
+            engine.add_request(GenerateRequest(  # warm the kernels
+                "warm", tuple(range(1000, 1000 + args.prompt)), SamplingParams(max_tokens=8)))
+            while engine.has_unfinished():
+                engine.step()
             row = {"kv_mb": kv, "dtype": dtype, "step_target_ms": target, "round": rnd,
                    **closed_loop(engine, args.streams, requests, args.prompt, args.output,
                                  seed=rnd)}

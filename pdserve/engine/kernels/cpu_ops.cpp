@@ -796,17 +796,19 @@ torch::Tensor panel_gemm(const torch::Tensor& x, int64_t n, int64_t np, int64_t 
       // per block as the float32 panels are. A thread's share past KEEP_MAX (an int8 LM head
       // over a prompt's rows) is dequantized per block into one panel's buffer instead.
       const int64_t share = (e - b) * k * PW;
-      const bool keep = buffered && share * static_cast<int64_t>(sizeof(float)) <= KEEP_MAX;
+      const bool per_block =
+          buffered && share * static_cast<int64_t>(sizeof(float)) > KEEP_MAX;
       thread_local std::vector<float> kept;
-      if (keep && kept.size() < static_cast<size_t>(share)) kept.resize(share);
-      std::vector<float> buf(buffered && !keep ? k * PW : 0);
-      std::vector<const float*> ws(keep || !buffered ? e - b : 0);
-      for (int64_t p = b; p < static_cast<int64_t>(ws.size()) + b; ++p)
-        ws[p - b] = panel(p, keep ? kept.data() + (p - b) * k * PW : nullptr);
+      if (buffered && !per_block && kept.size() < static_cast<size_t>(share))
+        kept.resize(share);
+      std::vector<float> buf(per_block ? k * PW : 0);
+      std::vector<const float*> ws(per_block ? 0 : e - b);
+      for (int64_t p = b; p < e && !per_block; ++p)
+        ws[p - b] = panel(p, buffered ? kept.data() + (p - b) * k * PW : nullptr);
       for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
         const int64_t mc = std::min(block_rows, m - m0);
         for (int64_t p = b; p < e; ++p) {
-          const float* w = ws.empty() ? panel(p, buf.data()) : ws[p - b];
+          const float* w = per_block ? panel(p, buf.data()) : ws[p - b];
           for (int64_t i0 = m0; i0 < m0 + mc; i0 += BMB) {
             const int64_t rows = std::min<int64_t>(BMB, m0 + mc - i0);
             panel_rows<BMB>(xp + i0 * sx, sx, w, k, op + i0 * n + p * PW, n, rows);
