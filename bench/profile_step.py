@@ -264,7 +264,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--prefill", type=int, default=512, help="prompt tokens to time a "
+                    "prefill with (0: none)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="also write the rows as a JSON record here")
     ap.add_argument("--against", metavar="REV", help="alternate steps with REV's fused "
@@ -351,8 +352,9 @@ def main() -> None:
             if against is not None:
                 print(f"|   | (the steps between, {against_name}: "
                       f"{against:.1f} ms; above / this {step / against:.3f}) |")
-        prefill[dtype] = args.prefill / best_ms(lambda e=engine: _prefill(e, rng, args.prefill),
-                                                3) * 1e3
+        if args.prefill > 0:
+            prefill[dtype] = args.prefill / best_ms(
+                lambda e=engine: _prefill(e, rng, args.prefill), 3) * 1e3
         del engine
     print("\nThe same parts timed inside real decode steps (each call wrapped in a clock), "
           "means per step, ms:\n")
@@ -363,8 +365,9 @@ def main() -> None:
         print(f"| {dtype} | {batch} | {p['step_mean']:.1f} | {p['linear']:.1f} | "
               f"{p['attention']:.1f} | {p['norm/rope/act']:.1f} | {p['sampling']:.1f} | "
               f"{p['between_calls']:.1f} |")
-    print("\n" + "; ".join(f"prefill {args.prefill} tokens, {k}: {v:.0f} tok/s"
-                           for k, v in prefill.items()))
+    if prefill:
+        print("\n" + "; ".join(f"prefill {args.prefill} tokens, {k}: {v:.0f} tok/s"
+                               for k, v in prefill.items()))
     if args.out:
         record = {"benchmark": "bench.profile_step", "commit": commit_id(), "argv": sys.argv[1:],
                   "cpu": cpu_summary(), "threads": torch.get_num_threads(),
