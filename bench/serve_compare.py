@@ -73,7 +73,7 @@ from bench import llama_server
 from bench.loadgen.cli import config_from_args, parse_rates
 from bench.loadgen.config import RunConfig
 from bench.loadgen.errors import LoadgenError, TargetError
-from bench.loadgen.metrics import Percentiles
+from bench.loadgen.metrics import Percentiles, RequestResult, steady_output_throughput
 from bench.loadgen.report import compare, run_to_dict, sweep_to_dict, write_json
 from bench.loadgen.runner import RunResult, SweepResult, run_load, sweep
 from bench.loadgen.workload import LengthDist, custom_workload
@@ -498,8 +498,8 @@ def level_table(outcomes: Mapping[str, Outcome]) -> str:
     head = "".join(f" tok/s / {BASE_LABELS[b]} | TPOT / {BASE_LABELS[b]} | TTFT / "
                    f"{BASE_LABELS[b]} |" for b in bases)
     lines = [
-        "| c | system | ok | out tok/s | TPOT p50 ms | TTFT p50 ms |" + head,
-        "|---:|---|---:|---:|---:|---:|" + "---:|" * (3 * len(bases)),
+        "| c | system | ok | out tok/s | steady tok/s | TPOT p50 ms | TTFT p50 ms |" + head,
+        "|---:|---|---:|---:|---:|---:|---:|" + "---:|" * (3 * len(bases)),
     ]
     for c in sorted({c for o in outcomes.values() for c in o.levels}):
         metrics: dict[str, tuple[float | None, ...]] = {}
@@ -510,8 +510,9 @@ def level_table(outcomes: Mapping[str, Outcome]) -> str:
                 metrics[name] = (tps, _v(s.overall.tpot_ms), _v(s.overall.ttft_ms))
         for name, m in metrics.items():
             s = outcomes[name].levels[c].summary
-            cells = [str(c), name, f"{s.overall.num_ok}/{s.num_sent}", _num(m[0], 1)]
-            cells += [_num(m[1]), _num(m[2])]
+            steady = steady_output_throughput(outcomes[name].levels[c].requests, c)
+            cells = [str(c), name, f"{s.overall.num_ok}/{s.num_sent}", _num(m[0], 1),
+                     _num(steady, 1), _num(m[1]), _num(m[2])]
             for base in bases:
                 ref = metrics.get(base)
                 show = ref is not None and name != base and name not in (VLLM, LLAMACPP)
@@ -548,7 +549,9 @@ def report(outcomes: Mapping[str, Outcome], notes: Mapping[str, Any]) -> str:
         "",
         "Ratios are system / baseline for each metric (tok/s: higher is better; TPOT and TTFT: "
         "lower is better), for pdserve's rows; `/ coloc.`: the 1P1D and extra-dtype rows "
-        "against colocated.",
+        "against colocated. `steady tok/s`: output tokens/s while the loop was full (from the "
+        "end of the first wave to the start of the last request; n/a with fewer than about "
+        "two waves); `out tok/s` counts the whole run.",
         "",
         level_table(outcomes),
     ]
@@ -582,7 +585,9 @@ def to_json(outcomes: Mapping[str, Outcome], notes: Mapping[str, Any]) -> dict[s
         "systems": {
             name: {
                 **o.record,
-                "levels": {str(c): run_to_dict(run) for c, run in o.levels.items()},
+                "levels": {str(c): run_to_dict(run) | {
+                    "steady_output_token_throughput": steady_output_throughput(
+                        run.requests, c)} for c, run in o.levels.items()},
                 "goodput": None if o.sweep is None else sweep_to_dict(o.sweep),
             }
             for name, o in outcomes.items()
@@ -626,6 +631,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="while a system still meets the SLOs at the sweep's highest rate, "
                    "go on at 1.5x, up to N more rates, so every system is ranked (default 4)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--steady-from", type=Path, default=None, metavar="JSON",
+                   help="only print each level's whole-run and steady tok/s from a "
+                   "serve_compare.json (no server is started)")
     return p
 
 
@@ -633,8 +641,28 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def steady_from(path: Path) -> str:
+    """Each system's output tok/s per level from a serve_compare.json, over the whole run and
+    while the loop was full (`steady_output_throughput`): for records made before the
+    report had that column."""
+    fields = RequestResult.__dataclass_fields__
+    lines = ["| system | c | out tok/s | steady tok/s |", "|---|---:|---:|---:|"]
+    for name, system in json.loads(path.read_text())["systems"].items():
+        for c, level in system["levels"].items():
+            requests = [RequestResult(**{k: tuple(v) if k == "itl_s" else v
+                                         for k, v in r.items() if k in fields})
+                        for r in level["requests"]]
+            whole = level["summary"]["output_token_throughput"]
+            steady = steady_output_throughput(requests, int(c))
+            lines.append(f"| {name} | {c} | {whole:.1f} | {_num(steady, 1)} |")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.steady_from is not None:
+        print(steady_from(args.steady_from))
+        return 0
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGHUP, _interrupt)

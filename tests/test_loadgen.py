@@ -38,6 +38,7 @@ from bench.loadgen import (
 )
 from bench.loadgen.arrivals import arrival_times
 from bench.loadgen.cli import main as cli_main
+from bench.loadgen.metrics import steady_output_throughput
 from bench.loadgen.prompts import load_tokenizer, synthetic_prompt
 from bench.loadgen.workload import build_requests, custom_workload
 
@@ -465,6 +466,26 @@ def test_attainment_and_goodput_exact() -> None:
     assert (unbounded.rate, unbounded.interpolated, unbounded.bounded) == (2, 2, False)
     # Highest passing rate, even past a dip.
     assert goodput([(1, 1.0), (2, 0.5), (4, 0.95), (8, 0.0)]).rate == 4
+
+
+def test_steady_throughput_counts_the_full_loop_only() -> None:
+    """A closed loop at concurrency 2: the window runs from the end of the first two requests
+    (3.5 s) to the start of the last (5.0 s); a chunk carrying two tokens counts twice."""
+    def req(i: int, start: float, ttft: float, tokens: int = 4,
+            error: str | None = None) -> RequestResult:
+        return RequestResult(index=i, latency_class="standard", prompt_tokens=8,
+                             max_tokens=tokens, output_tokens=tokens, start_s=start,
+                             ttft_s=ttft, e2e_s=ttft + 1.5, itl_s=(0.5, 0.5, 0.5), error=error)
+
+    loop = [req(0, 0.0, 1.0), req(1, 0.0, 2.0), req(2, 2.5, 1.0), req(3, 3.5, 1.0),
+            req(4, 5.0, 1.0)]
+    # in [3.5, 5.0]: r1's last chunk, all 4 of r2's, r3's first 2
+    assert steady_output_throughput(loop, 2) == pytest.approx(7 / 1.5)
+    doubled = [*loop[:2], req(2, 2.5, 1.0, tokens=8), *loop[3:]]
+    assert steady_output_throughput(doubled, 2) == pytest.approx(11 / 1.5)
+    assert steady_output_throughput(loop[:2], 2) is None  # one wave: no full loop
+    assert steady_output_throughput([*loop, req(5, 5.0, 1.0, error="HTTP 500")], 2) is None
+    assert steady_output_throughput([], 2) is None
 
 
 def test_poisson_and_gamma_arrivals() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,23 @@ def test_variants_take_environment_and_systems_run_once(tmp_path: Path) -> None:
     args = sc.build_parser().parse_args(["--systems", "vllm,1p1d,vllm"])
     with pytest.raises(sc.LoadgenError, match="each system once"):
         sc.build_systems(args, tmp_path / "SmolLM2", vllm_ok=False)
+
+
+def test_steady_from_a_record(tmp_path: Path) -> None:
+    """--steady-from reads a serve_compare.json: the whole run's tok/s as recorded, and the
+    full loop's from the per-request records (n/a with one wave)."""
+    def req(start: float, ttft: float) -> dict[str, object]:
+        return {"index": 0, "latency_class": "standard", "prompt_tokens": 8, "max_tokens": 4,
+                "output_tokens": 4, "start_s": start, "ttft_s": ttft, "e2e_s": ttft + 1.5,
+                "itl_s": [0.5, 0.5, 0.5], "status": 200, "error": None, "route": None,
+                "server_timings_ms": None, "retry_after_s": None, "ok": True, "tpot_s": 0.5}
+
+    loop = [req(0.0, 1.0), req(0.0, 2.0), req(2.5, 1.0), req(3.5, 1.0), req(5.0, 1.0)]
+    record = {"systems": {"x": {"levels": {
+        "2": {"summary": {"output_token_throughput": 2.5}, "requests": loop},
+        "4": {"summary": {"output_token_throughput": 1.0}, "requests": loop[:2]}}}}}
+    path = tmp_path / "serve_compare.json"
+    path.write_text(json.dumps(record))
+    assert sc.steady_from(path).splitlines()[2:] == [
+        "| x | 2 | 2.5 | 4.7 |", "| x | 4 | 1.0 | n/a |"]
+    assert sc.main(["--steady-from", str(path)]) == 0

@@ -46,6 +46,42 @@ class RequestResult:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
+def token_times(r: RequestResult) -> list[float]:
+    """When each content chunk of a successful request arrived, seconds since the run
+    started: the first at start + TTFT, then one per inter-token latency."""
+    if not r.ok or r.ttft_s is None:
+        return []
+    times = [r.start_s + r.ttft_s]
+    for gap in r.itl_s:
+        times.append(times[-1] + gap)
+    return times
+
+
+def steady_output_throughput(results: Sequence[RequestResult],
+                             concurrency: int) -> float | None:
+    """Output tokens/s of a closed loop while it was full: from the moment the first
+    ``concurrency`` requests to start had all finished (each replaced at once, so every slot
+    has been refilled at least once) to the start of the last request (after which the loop
+    drains). The whole run's rate also counts the first wave's prefill with nothing decoding
+    and the last wave's tail, which weigh more the fewer waves a run has. A request's tokens
+    are spread over its chunks (a chunk may carry several). None when a request failed, a
+    request lacks its timings, or the window is empty (fewer than about two waves)."""
+    if (not results or concurrency < 1 or any(not r.ok for r in results)
+            or any(r.ttft_s is None or r.e2e_s is None for r in results)):
+        return None
+    by_start = sorted(results, key=lambda r: r.start_s)
+    begin = max(r.start_s + (r.e2e_s or 0.0) for r in by_start[:concurrency])
+    end = by_start[-1].start_s
+    if end <= begin:
+        return None
+    tokens = 0.0
+    for r in results:
+        times = token_times(r)
+        inside = sum(1 for t in times if begin <= t <= end)
+        tokens += r.output_tokens * inside / len(times) if times else 0.0
+    return tokens / (end - begin)
+
+
 def meets_ttft(r: RequestResult, slo: SLO) -> bool:
     ttft_ms, _ = slo.limits(r.latency_class)
     return r.ok and r.ttft_s is not None and r.ttft_s * 1000.0 <= ttft_ms
