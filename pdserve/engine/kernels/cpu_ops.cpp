@@ -360,7 +360,7 @@ inline vf hsum16(const vf* part) {
 
 // How many 16-float sums pv_heads keeps in registers: 24 of AVX-512's 32, 4 (8 halves) of
 // AVX2's 16, each head's V row then read from L1 by each head (more sums spilled to the stack
-// every token: at 24, 0.44 of this attention's time on a Zen 3).
+// every token: at 24, 0.43 of this attention's time on a Zen 3).
 #if defined(__AVX512F__)
 constexpr int64_t kPvSums = 24;
 #else
