@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -88,32 +89,68 @@ def _ephemeral_range() -> tuple[int, int]:
 _PICKED_FLOOR = 10000
 
 
+# Every port free_port handed out in this process. None is handed out twice: a port picked
+# for a child that has not bound it yet is still free, and picked again (1 in ~22,000 per
+# pair, ~7 ports a cluster, dozens of clusters a test run) the two children raced for it and
+# the slower one, a worker loading its model, exited with "Address already in use".
+_given: set[int] = set()
+_given_lock = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on `host` now, for a child to bind later. Taken below the kernel's
     ephemeral range where there is room: a port picked there could be handed to any socket
     of any process (UCX's listeners and connections on lo, clients) before the child binds
     it, and the child would fail with "Address already in use"."""
     lo, _ = _ephemeral_range()
-    if lo - _PICKED_FLOOR >= 1000:
-        rng = random.SystemRandom()
-        for _ in range(64):
-            port = rng.randrange(_PICKED_FLOOR, lo)
+    with _given_lock:
+        if lo - _PICKED_FLOOR >= 1000:
+            rng = random.SystemRandom()
+            for _ in range(64):
+                port = rng.randrange(_PICKED_FLOOR, lo)
+                if port not in _given and _bindable(host, port):
+                    _given.add(port)
+                    return port
+        while True:
             with socket.socket() as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue
+                s.bind((host, 0))
+                port = int(s.getsockname()[1])
+            if port not in _given:
+                _given.add(port)
                 return port
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
-def wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float, what: str) -> None:
+def exited_error(what: str, proc: subprocess.Popen[bytes], log: Path | None) -> RuntimeError:
+    """The error for a child that exited while starting: its code, and the end of its log
+    (where it said why), so a test run's report says it without the log directory."""
+    if log is None:
+        return RuntimeError(f"{what} exited with code {proc.returncode} while starting")
+    try:
+        tail = log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+    except OSError as exc:
+        tail = [f"(its log could not be read: {exc})"]
+    return RuntimeError(f"{what} exited with code {proc.returncode} while starting; the end "
+                        f"of {log}:\n" + "\n".join(tail))
+
+
+_LOG_TAIL_LINES = 25
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float, what: str,
+              log: Path | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode} while starting")
+            raise exited_error(what, proc, log)
         with socket.socket() as s:
             s.settimeout(0.2)
             if s.connect_ex(("127.0.0.1", port)) == 0:
@@ -251,9 +288,12 @@ class LocalCluster:
         return ["--tls-cert", str(d / f"{name}.crt"), "--tls-key", str(d / f"{name}.key"),
                 "--tls-ca", str(d / "ca.crt")]
 
+    def _log(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         # The child gets its own copy of the descriptor; ours is closed once it is started.
-        with open(self.log_dir / f"{name}.log", "wb") as log:
+        with open(self._log(name), "wb") as log:
             proc = subprocess.Popen(guarded(argv), stdout=log, stderr=subprocess.STDOUT,
                                     env=self.env)
         self.procs[name] = proc
@@ -323,7 +363,7 @@ class LocalCluster:
                                                *self._tls_args(role), *self.extra,
                                                *self.extra_by_role.get(role, ())))
         if wait:
-            wait_port(port, proc, timeout_s, name)
+            wait_port(port, proc, timeout_s, name, self._log(name))
         return name
 
     def add_router(self, index: int, timeout_s: float = 120) -> tuple[int, int]:
@@ -333,7 +373,8 @@ class LocalCluster:
         proc = self._spawn(f"router-{index}", self._pdserve(
             "router", "--port", str(grpc_port), "--http-port", str(http_port),
             *self._tls_args("router"), *self.router_args))
-        wait_port(http_port, proc, timeout_s, f"router-{index}")
+        wait_port(http_port, proc, timeout_s, f"router-{index}",
+                  self._log(f"router-{index}"))
         return grpc_port, http_port
 
     def start(self, timeout_s: float = 300) -> LocalCluster:
@@ -347,7 +388,8 @@ class LocalCluster:
         router = self._spawn("router", self._pdserve(
             "router", "--port", str(self.grpc_port), "--http-port", str(self.http_port),
             *self._tls_args("router"), *self.router_args))
-        wait_port(self.http_port, router, max(0.0, deadline - time.monotonic()), "router")
+        wait_port(self.http_port, router, max(0.0, deadline - time.monotonic()), "router",
+                  self._log("router"))
         self.wait_ready(max(0.0, deadline - time.monotonic()))
         return self
 
@@ -368,8 +410,7 @@ class LocalCluster:
         while True:
             for name, p in self.procs.items():
                 if p.poll() is not None:
-                    raise RuntimeError(f"{name} exited with code {p.returncode}; see "
-                                       f"{self.log_dir / (name + '.log')}")
+                    raise exited_error(name, p, self._log(name))
             try:
                 r = httpx.get(f"{self.http_url}/v1/pdserve/workers", headers=headers,
                               timeout=2, verify=verify)

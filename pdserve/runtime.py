@@ -79,6 +79,12 @@ def stop_event_on_signals(*signals: signal.Signals,
     return stop
 
 
+class ListenError(OSError):
+    """A listener could not bind its configured address. The process says so and exits 1
+    (pdserve.services_cli), with no traceback: it is a setting or another process, not a
+    bug."""
+
+
 def _hard_exit(reason: str) -> None:
     structlog.get_logger(__name__).error("forced_exit", reason=reason)
     sys.stderr.flush()
@@ -91,10 +97,14 @@ async def start_server(server: grpc.aio.Server, host: str, port: int,
     `credentials` (`pdserve.rpc.tls.TLSConfig.server_credentials`) the port speaks TLS only:
     nothing is served in plaintext."""
     address = f"{host}:{port}"
-    bound = (server.add_insecure_port(address) if credentials is None
-             else server.add_secure_port(address, credentials))
+    try:
+        bound = (server.add_insecure_port(address) if credentials is None
+                 else server.add_secure_port(address, credentials))
+    except RuntimeError:  # grpcio's "Failed to bind", whatever the cause
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not bind gRPC server to {host}:{port}")
+        raise ListenError(f"cannot listen on {address} (gRPC): the port is in use, or the "
+                          f"address is not one of this host's")
     await server.start()
     return f"{host}:{bound}"
 
@@ -196,8 +206,12 @@ def metrics_server(registry: CollectorRegistry, host: str, port: int,
     if port < 0:
         yield None
         return
-    httpd, thread = (start_http_server(port, addr=host, registry=registry) if tls is None
-                     else _start_tls_metrics(registry, host, port, tls))
+    try:
+        httpd, thread = (start_http_server(port, addr=host, registry=registry) if tls is None
+                         else _start_tls_metrics(registry, host, port, tls))
+    except OSError as exc:
+        raise ListenError(f"cannot listen on {host}:{port} (metrics): {exc.strerror or exc}"
+                          ) from exc
     try:
         yield int(httpd.server_port)
     finally:

@@ -129,11 +129,15 @@ def _run_until_signal(main: Callable[[asyncio.Event], Any], log_level: str,
                 ucxx.stop_notifier_thread()
 
     from pdserve.errors import ModelLoadError
+    from pdserve.runtime import ListenError
 
     try:
         asyncio.run(runner())
     except ModelLoadError as exc:  # a model or KV pool this host cannot hold: say so, no trace
         print(f"pdserve: error: {exc.message}", file=sys.stderr)
+        return 1
+    except ListenError as exc:  # a port taken or an address not this host's: the same
+        print(f"pdserve: error: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -1,0 +1,50 @@
+"""LocalCluster's start on real processes: the ports it hands its children, and what it says
+when a child exits while starting.
+
+A worker that cannot bind its port exits while the cluster waits for it; the error names the
+worker and carries the end of its log (why it exited), so a test run's report says it without
+the log directory, which is gone with the machine in CI."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+import pdserve.cluster as cluster_mod
+from pdserve.cluster import LocalCluster, free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_free_port_never_hands_out_a_port_twice() -> None:
+    """Ports handed to children that have not bound them yet are still free; handed out again,
+    two children race for one port (once in ~22,000 pairs, dozens of clusters a test run)."""
+    ports = [free_port() for _ in range(3000)]
+    assert len(set(ports)) == len(ports)
+
+
+def test_a_worker_that_cannot_bind_is_reported_with_its_log(model_dir: Path,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    c = LocalCluster(prefill=0, decode=1, model=str(model_dir),
+                     extra_worker_args=("--threads", "1", "--kv-cache-mb", "64"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = int(taken.getsockname()[1])
+        try:
+            c.start_redis()
+            # The decode worker's gRPC port is the next one picked (start_redis picks no other
+            # once Redis runs). The router starts, and the cluster waits for the worker.
+            picked, real = iter([busy]), cluster_mod.free_port
+            monkeypatch.setattr(cluster_mod, "free_port",
+                                lambda *a: next(picked, None) or real(*a))
+            with pytest.raises(RuntimeError) as info:
+                c.start(timeout_s=240)
+        finally:
+            c.close()
+    message = str(info.value)
+    assert message.startswith("decode-0 exited with code ")
+    assert f"cannot listen on 127.0.0.1:{busy}" in message  # the end of its log says why
