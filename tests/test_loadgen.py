@@ -275,7 +275,7 @@ async def test_refusals_keep_their_status_and_retry_after() -> None:
     behaviour = Behaviour(failures={0: "429", 1: "500"}, cycle=3)
     async with serve(behaviour) as url:
         config = RunConfig(url=url, workload=WORKLOAD, num_requests=6, concurrency=2,
-                           slo=LOOSE_SLO, max_duration_s=60)
+                           slo=LOOSE_SLO, max_duration_s=60, max_retry_after_s=0)
         result = await run_load(config)
     refused = [r for r in result.requests if r.status == 429]
     assert len(refused) == 2 and all(r.retry_after_s == 7.0 for r in refused)
@@ -285,6 +285,22 @@ async def test_refusals_keep_their_status_and_retry_after() -> None:
     s = summarize_run(result)
     assert (s["completed"], s["rejected"], s["rejected_with_retry_after"], s["errors"],
             s["hangs"], s["good"]) == (2, 2, 2, 2, 0, 2)
+
+
+async def test_a_closed_loop_waits_out_a_refusals_retry_after() -> None:
+    """A worker refused with Retry-After sends its next request once the wait is over (capped
+    by max_retry_after_s), as a real client does; not at once, which on a server shedding
+    load spends the run's requests on refusals in a second."""
+    behaviour = Behaviour(failures={0: "429"}, cycle=100)  # the first request only
+    async with serve(behaviour) as url:
+        config = RunConfig(url=url, workload=WORKLOAD, num_requests=2, concurrency=1,
+                           slo=LOOSE_SLO, max_duration_s=60, max_retry_after_s=0.5)
+        result = await run_load(config)
+    refused, served = sorted(result.requests, key=lambda r: r.start_s)
+    assert refused.status == 429 and refused.retry_after_s == 7.0 and served.ok
+    assert refused.e2e_s is not None
+    gap = served.start_s - (refused.start_s + refused.e2e_s)
+    assert gap >= 0.5 * 0.9  # slept (the cap: the header's 7 s would only slow the test)
 
 
 async def test_without_usage_output_tokens_are_counted_from_chunks() -> None:

@@ -101,6 +101,14 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     )
     load.add_argument("--max-concurrency", type=int, help="cap on in-flight open-loop requests")
     load.add_argument(
+        "--max-retry-after",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="closed loop: a worker whose request was refused with Retry-After waits that "
+        "long, at most S seconds, before its next request (0: never waits)",
+    )
+    load.add_argument(
         "--warmup",
         type=int,
         default=0,
@@ -164,6 +172,7 @@ def config_from_args(args: argparse.Namespace, url: str, **overrides: Any) -> Ru
         max_duration_s=args.max_duration,
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
+        max_retry_after_s=args.max_retry_after,
         seed=args.seed,
         slo=SLO(
             args.ttft_slo_ms, args.tpot_slo_ms, args.slo_target, parse_class_slos(args.class_slo)

@@ -86,9 +86,11 @@ class RunConfig:
     Open loop (default): requests arrive at `rate` req/s (inf = all at once) with gamma
     inter-arrivals of shape `burstiness` (1.0 = Poisson), optionally capped at
     `max_concurrency` in flight. Closed loop: set `concurrency`; that many workers each send
-    the next request as soon as their previous one ends. Either way the run stops after
-    `num_requests` or `max_duration_s`, whichever comes first; requests still in flight at the
-    deadline are cancelled and count as errors.
+    the next request as soon as their previous one ends, or, when it was refused with a
+    Retry-After (a server shedding load), once that wait is over (at most
+    `max_retry_after_s`; 0: never wait), as the `openai` client does. Either way the run
+    stops after `num_requests` or `max_duration_s`, whichever comes first; requests still in
+    flight at the deadline are cancelled and count as errors.
     """
 
     url: str
@@ -101,6 +103,7 @@ class RunConfig:
     burstiness: float = 1.0
     concurrency: int | None = None
     max_concurrency: int | None = None
+    max_retry_after_s: float = 30.0
     seed: int = 0
     slo: SLO = field(default_factory=SLO)
     ignore_eos: bool = False
@@ -128,6 +131,8 @@ class RunConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        if not self.max_retry_after_s >= 0:
+            raise ConfigError("max_retry_after_s must be >= 0")
         if self.warmup_requests < 0:
             raise ConfigError("warmup_requests must be >= 0")
         if not (self.request_timeout_s > 0 and self.connect_timeout_s > 0):

@@ -163,7 +163,8 @@ async def _drive(
     limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     start = time.perf_counter()
 
-    async def one(spec: RequestSpec) -> None:
+    async def one(spec: RequestSpec) -> float:
+        """Send `spec`; returns the Retry-After of a refusal in seconds, else 0."""
         nonlocal num_errors
         if limit is not None:
             await limit.acquire()
@@ -174,10 +175,12 @@ async def _drive(
         finally:
             if limit is not None:
                 limit.release()
-        if not trace.result().ok:
+        result = trace.result()
+        if not result.ok:
             num_errors += 1
             bar.set_postfix(errors=num_errors, refresh=False)
         bar.update(1)
+        return 0.0 if result.ok else result.retry_after_s or 0.0
 
     async def open_loop() -> None:
         times = arrival_times(len(specs), config.rate, config.burstiness, config.seed)
@@ -192,8 +195,12 @@ async def _drive(
         pending = iter(specs)  # shared: each worker takes the next unsent request
 
         async def worker() -> None:
+            # A refusal with a Retry-After is waited out before this worker's next request,
+            # as a real client (the `openai` one) does: sent at once, the next one would be
+            # refused too, and a loop of refusals spends the run's requests in a second.
             for spec in pending:
-                await one(spec)
+                if wait_s := min(await one(spec), config.max_retry_after_s):
+                    await asyncio.sleep(wait_s)
 
         async with asyncio.TaskGroup() as group:
             for _ in range(config.concurrency or 1):
