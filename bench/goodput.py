@@ -35,7 +35,6 @@ import math
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +56,7 @@ from bench.loadgen.plots import plot_sweeps
 from bench.loadgen.report import compare, write_json, write_sweep
 from bench.loadgen.runner import RunResult, SweepResult, run_load, sweep
 from bench.loadgen.workload import Workload
+from pdserve.cluster import free_port
 from pdserve.engine.config import EngineConfig
 
 # ucxx's default "thread" progress mode awaits every UCX request with a yield loop on the
@@ -123,12 +123,6 @@ def _cpus(cores: Sequence[int]) -> str:
     return ",".join(str(c) for c in cores)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def allowed_cpus(pid: int) -> str:
     """The union of Cpus_allowed_list over a process's threads, e.g. "0" or "0-1"."""
     lists = set()
@@ -168,7 +162,7 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: P
 @contextmanager
 def colocated(setup: Setup) -> Iterator[StartedSystem]:
     """`python -m pdserve.gateway`: one engine with one torch thread per core, pinned by taskset."""
-    port = _free_port()
+    port = free_port()
     argv = [
         "taskset", "-c", _cpus(setup.cores), sys.executable, "-m", "pdserve.gateway",
         "--port", str(port), "--log-level", "WARNING", *setup.engine_args(len(setup.cores)),

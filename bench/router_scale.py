@@ -93,6 +93,7 @@ from typing import Any
 import redis
 import redis.utils
 
+from pdserve.cluster import free_port
 from pdserve.control.kv_events import MAX_OPS_PER_ENTRY, KVEventStreams
 from pdserve.control.load import WorkerLoad
 from pdserve.control.registry import WorkerRegistry
@@ -758,12 +759,6 @@ async def publisher_main(args: argparse.Namespace) -> int:
         return 0
     finally:
         await reg.close()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ping(port: int) -> bool:

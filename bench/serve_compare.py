@@ -77,6 +77,7 @@ from bench.loadgen.metrics import Percentiles, RequestResult, steady_output_thro
 from bench.loadgen.report import compare, run_to_dict, sweep_to_dict, write_json
 from bench.loadgen.runner import RunResult, SweepResult, run_load, sweep
 from bench.loadgen.workload import LengthDist, custom_workload
+from pdserve.cluster import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM, COLOCATED, P1D1, LLAMACPP = "vllm", "colocated", "1p1d", "llamacpp"
@@ -251,7 +252,7 @@ def build_systems(args: argparse.Namespace, model_dir: Path, vllm_ok: bool) -> l
     def cluster_with(extra: Sequence[str]) -> Callable[[int], list[str]]:
         def argv(port: int) -> list[str]:
             return [*taskset, *pdserve, "cluster", "up", "--prefill", "1", "--decode", "1",
-                    *model, "--http-port", str(port), "--port", str(gp._free_port()), *extra]
+                    *model, "--http-port", str(port), "--port", str(free_port()), *extra]
 
         return argv
 
@@ -424,7 +425,7 @@ async def drive(url: str, args: argparse.Namespace, tokenizer: str, out: Outcome
 
 
 def measure(system: System, args: argparse.Namespace, model_dir: Path) -> Outcome:
-    port = gp._free_port()
+    port = free_port()
     argv = system.argv(port)
     out = Outcome(system.name, {"loadavg_before": gp.loadavg(), "env": dict(system.env)})
     out.record["command"] = shlex.join(a if a != VLLM_MAIN else "$VLLM_MAIN" for a in argv)

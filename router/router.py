@@ -248,10 +248,19 @@ class Router(AsyncResource):
         tried: set[str] = set()
         streamed: list[int] = []  # output token ids the client has
         retries = migrations = 0
+        failed: tuple[str, BaseException] | None = None  # the last attempt's worker and error
         while True:
             sub = req if not streamed else dataclasses.replace(
                 req, resume_output_ids=tuple(streamed))
-            decode, prefill, decision = await self.place(sub, frozenset(tried))
+            try:
+                decode, prefill, decision = await self.place(sub, frozenset(tried))
+            except CapacityError as exc:
+                if failed is None or exc.code != ErrorCode.NO_DECODE_WORKER:
+                    raise
+                worker_id, cause = failed  # the client hears why, not only that none is left
+                raise CapacityError(f"decode worker {worker_id} failed and no other decode "
+                                    f"worker is available: {describe(cause)}",
+                                    code=ErrorCode.NO_DECODE_WORKER) from cause
             if not streamed:
                 clock.routed()
             tried.add(decode.worker_id)
@@ -281,6 +290,14 @@ class Router(AsyncResource):
                 code = code_of(exc)
                 if isinstance(exc, OverloadedError) or code == ErrorCode.FIRST_TOKEN_DEADLINE:
                     raise  # refused, or its deadline is spent: another placement cannot help
+                if not streamed and time.monotonic() >= clock.started + first_token_timeout_s:
+                    # The worker's stream ran out the request's first-token budget: that is
+                    # the deadline, not a worker to avoid (nor "no decode worker" with one).
+                    raise WorkerTimeoutError(
+                        f"no first token within {first_token_timeout_s:.0f}s, the request's "
+                        f"deadline (decode worker {decode.worker_id}: {describe(exc)})",
+                        code=ErrorCode.FIRST_TOKEN_DEADLINE) from exc
+                failed = (decode.worker_id, exc)
                 if not streamed:
                     retries += 1
                     if retries >= cfg.max_decode_attempts:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -46,6 +47,42 @@ async def test_outputs_equal_reference_and_routes_are_right(cluster, prompt_ids,
     again = await generate(cluster.grpc_address, prompt_ids[-1])
     assert again.route == "local" and again.cached_tokens > 1000
     assert again.tokens == hf_reference[-1]
+
+
+async def test_a_first_token_past_its_deadline_is_reported_as_that(cluster, tokenizer,
+                                                                   model_dir: Path) -> None:
+    """With one decode worker, a request whose first token misses the router's first-token
+    deadline ends with that error (FIRST_TOKEN_DEADLINE, retryable), not with "no decode
+    worker is available" from a second placement with nobody left to try; its blocks are
+    freed. An in-process router on the cluster's Redis, with a deadline (20 ms) no prefill of
+    63 tokens of this model meets."""
+    from pdserve.control import WorkerRegistry
+    from pdserve.engine.config import ModelConfig
+    from pdserve.errors import ErrorCode, WorkerTimeoutError
+    from pdserve.types import GenerateRequest, SamplingParams
+    from router.config import RouterConfig
+    from router.router import Router
+
+    config = dataclasses.replace(RouterConfig(), first_token_timeout_s=0.02)
+    assert cluster.redis_url is not None
+    max_model_len = ModelConfig.from_dir(model_dir).max_position_embeddings
+    async with (WorkerRegistry.from_url(cluster.redis_url, namespace=cluster.namespace)
+                as registry,
+                Router(registry, tokenizer, model_name=model_dir.name,
+                       max_model_len=max_model_len, config=config, poll_s=0.1) as router):
+        deadline = time.monotonic() + 30
+        while not router.workers("decode"):
+            assert time.monotonic() < deadline, "the router did not list the decode worker"
+            await asyncio.sleep(0.1)
+        ids = [9000 + (i * 7919) % 20000 for i in range(REMOTE_THRESHOLD - 1)]  # local
+        req = GenerateRequest(request_id="late-first-token", prompt_token_ids=tuple(ids),
+                              sampling=SamplingParams(max_tokens=4))
+        with pytest.raises(WorkerTimeoutError) as err:
+            async for _ in router.generate(req):
+                pass
+    assert err.value.code == ErrorCode.FIRST_TOKEN_DEADLINE, err.value
+    free, total = await wait_blocks_free(_addr(cluster, "decode-0"), "decode")
+    assert free == total
 
 
 def _stages(t: common_pb2.StageTimings) -> dict[str, float]:
