@@ -398,6 +398,15 @@ class Outcome:
     sweep: SweepResult | None = None
 
 
+def _error_kind(r: RequestResult) -> str:
+    """A failed request's kind for the report: its HTTP status (e.g. "429 with Retry-After",
+    a refusal), else the start of its error."""
+    error = r.error or "unknown"
+    if r.status is None:
+        return error[:60]
+    return f"{r.status}" + (" with Retry-After" if r.retry_after_s is not None else "")
+
+
 async def drive(url: str, args: argparse.Namespace, tokenizer: str, out: Outcome) -> None:
     for i, c in enumerate(args.levels):
         run = await run_load(
@@ -413,6 +422,8 @@ async def drive(url: str, args: argparse.Namespace, tokenizer: str, out: Outcome
             f"exactly_{OUTPUT_TOKENS}_out": sum(r.output_tokens == OUTPUT_TOKENS for r in ok),
             "prompt_tokens_mean": sum(r.prompt_tokens for r in ok) / max(len(ok), 1),
             "prefill_routes": dict(routes),  # pdserve only: local / remote / fallback
+            # Why the others were not served: refusals (429) apart from failures.
+            "not_served": dict(Counter(_error_kind(r) for r in run.requests if not r.ok)),
         }
         await asyncio.sleep(3)
     if args.no_goodput:
@@ -563,6 +574,9 @@ def report(outcomes: Mapping[str, Outcome], notes: Mapping[str, Any]) -> str:
             parts.append(f"\n{name}, where prompts were prefilled: "
                          + "; ".join(f"c={c} {r}" for c, r in routes.items()))  # fmt: skip
         for c, check in checks.items():
+            if check.get("not_served"):
+                parts.append(f"\n**{name} c={c}: {check['sent'] - check['ok']} of "
+                             f"{check['sent']} not served: {check['not_served']}**")
             if check[f"exactly_{OUTPUT_TOKENS}_out"] != check["ok"]:
                 parts.append(f"\n**{name} c={c}: not every request produced {OUTPUT_TOKENS} "
                              f"tokens: {check}**")  # fmt: skip

@@ -65,3 +65,19 @@ def test_steady_from_a_record(tmp_path: Path) -> None:
     assert sc.steady_from(path).splitlines()[2:] == [
         "| x | 2 | 2.5 | 4.7 |", "| x | 4 | 1.0 | n/a |"]
     assert sc.main(["--steady-from", str(path)]) == 0
+
+
+def test_unserved_requests_are_told_apart_by_kind() -> None:
+    """A level's check counts why requests were not served: refusals with a Retry-After (a
+    server shedding load) apart from other HTTP errors and from broken connections."""
+    from bench.loadgen.metrics import RequestResult
+
+    def failed(status: int | None, error: str, retry: float | None = None) -> RequestResult:
+        return RequestResult(0, "standard", 8, 4, 0, 0.0, None, None, status=status,
+                             error=error, retry_after_s=retry)
+
+    kinds = [sc._error_kind(r) for r in (
+        failed(429, "HTTP 429: predicted wait", 1.0), failed(503, "HTTP 503: no first token"),
+        failed(None, "ReadError: connection closed by the server" + "x" * 80))]
+    assert kinds[:2] == ["429 with Retry-After", "503"]
+    assert kinds[2].startswith("ReadError") and len(kinds[2]) == 60
