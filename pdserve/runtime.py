@@ -209,7 +209,9 @@ def metrics_server(registry: CollectorRegistry, host: str, port: int,
     try:
         httpd, thread = (start_http_server(port, addr=host, registry=registry) if tls is None
                          else _start_tls_metrics(registry, host, port, tls))
-    except OSError as exc:
+    except ssl.SSLError:
+        raise  # its certificate or key, not the address
+    except OSError as exc:  # the address taken or not this host's (gaierror included)
         raise ListenError(f"cannot listen on {host}:{port} (metrics): {exc.strerror or exc}"
                           ) from exc
     try:

@@ -3,7 +3,8 @@ when a child exits while starting.
 
 A worker that cannot bind its port exits while the cluster waits for it; the error names the
 worker and carries the end of its log (why it exited), so a test run's report says it without
-the log directory, which is gone with the machine in CI."""
+the log directory, which is gone with the machine in CI. The log says why because a listener
+that cannot bind raises ListenError naming its address."""
 
 from __future__ import annotations
 
@@ -48,3 +49,26 @@ def test_a_worker_that_cannot_bind_is_reported_with_its_log(model_dir: Path,
     message = str(info.value)
     assert message.startswith("decode-0 exited with code ")
     assert f"cannot listen on 127.0.0.1:{busy}" in message  # the end of its log says why
+
+
+async def test_listeners_on_a_taken_port_say_so() -> None:
+    """gRPC and metrics listeners on a port another socket holds raise ListenError naming the
+    address (the process prints it and exits 1), not grpcio's RuntimeError or a bare OSError."""
+    import grpc
+    from prometheus_client import CollectorRegistry
+
+    from pdserve.runtime import ListenError, metrics_server, start_server
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = int(taken.getsockname()[1])
+        server = grpc.aio.server()
+        try:
+            with pytest.raises(ListenError, match=f"cannot listen on 127.0.0.1:{busy} \\(gRPC\\)"):
+                await start_server(server, "127.0.0.1", busy)
+        finally:
+            await server.stop(None)
+        with pytest.raises(ListenError, match=f"cannot listen on 127.0.0.1:{busy} \\(metrics\\)"):
+            with metrics_server(CollectorRegistry(), "127.0.0.1", busy):
+                pass
