@@ -129,6 +129,9 @@ def _bindable(host: str, port: int) -> bool:
         return True
 
 
+_LOG_TAIL_LINES = 25
+
+
 def exited_error(what: str, proc: subprocess.Popen[bytes], log: Path | None) -> RuntimeError:
     """The error for a child that exited while starting: its code, and the end of its log
     (where it said why), so a test run's report says it without the log directory."""
@@ -140,9 +143,6 @@ def exited_error(what: str, proc: subprocess.Popen[bytes], log: Path | None) -> 
         tail = [f"(its log could not be read: {exc})"]
     return RuntimeError(f"{what} exited with code {proc.returncode} while starting; the end "
                         f"of {log}:\n" + "\n".join(tail))
-
-
-_LOG_TAIL_LINES = 25
 
 
 def wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float, what: str,

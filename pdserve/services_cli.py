@@ -133,10 +133,9 @@ def _run_until_signal(main: Callable[[asyncio.Event], Any], log_level: str,
 
     try:
         asyncio.run(runner())
-    except ModelLoadError as exc:  # a model or KV pool this host cannot hold: say so, no trace
-        print(f"pdserve: error: {exc.message}", file=sys.stderr)
-        return 1
-    except ListenError as exc:  # a port taken or an address not this host's: the same
+    except (ModelLoadError, ListenError) as exc:
+        # A model or KV pool this host cannot hold, a port taken or an address not this
+        # host's: a setting, not a bug. Say so, no trace.
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -245,6 +245,7 @@ class Router(AsyncResource):
         if adm.enabled:  # an admitted request does not wait far past its class's deadline
             first_token_timeout_s = min(first_token_timeout_s, adm.deadline_s(
                 req.latency_class) * adm.first_token_deadline_factor)
+        first_token_by = clock.started + first_token_timeout_s  # across every attempt
         tried: set[str] = set()
         streamed: list[int] = []  # output token ids the client has
         retries = migrations = 0
@@ -276,8 +277,7 @@ class Router(AsyncResource):
                         sub, decode, prefill, decision, clock,
                         # The class deadline bounds the wait for the request's first token
                         # across every attempt; a migrated stream gets a fresh one.
-                        first_token_timeout_s if streamed else
-                        clock.started + first_token_timeout_s - time.monotonic(),
+                        first_token_timeout_s if streamed else first_token_by - time.monotonic(),
                         timed=not streamed)) as events:
                     async for ev in events:
                         if self.ledger.charged(req.request_id):  # its prompt is prefilled
@@ -290,7 +290,7 @@ class Router(AsyncResource):
                 code = code_of(exc)
                 if isinstance(exc, OverloadedError) or code == ErrorCode.FIRST_TOKEN_DEADLINE:
                     raise  # refused, or its deadline is spent: another placement cannot help
-                if not streamed and time.monotonic() >= clock.started + first_token_timeout_s:
+                if not streamed and time.monotonic() >= first_token_by:
                     # The worker's stream ran out the request's first-token budget: that is
                     # the deadline, not a worker to avoid (nor "no decode worker" with one).
                     raise WorkerTimeoutError(
