@@ -48,7 +48,12 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.loadgen.cli import add_load_arguments, config_from_args, parse_rates
+from bench.loadgen.cli import (
+    add_load_arguments,
+    add_rate_search_arguments,
+    config_from_args,
+    parse_rates,
+)
 from bench.loadgen.config import RunConfig
 from bench.loadgen.errors import LoadgenError, TargetError
 from bench.loadgen.metrics import Percentiles, RequestResult
@@ -532,6 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--cooldown", type=float, default=5.0, metavar="S", help="pause between rates (default 5)"
     )
+    add_rate_search_arguments(parser)
     parser.add_argument(
         "--calibrate",
         type=int,
@@ -628,6 +634,8 @@ async def _main(args: argparse.Namespace) -> int:
                 progress=not args.quiet,
                 cooldown_s=args.cooldown,
                 fresh_prompts=True,
+                raise_until_below=args.raise_rates,
+                lower_until_met=args.lower_rates,
             )
         notes["systems"][name] = {
             "layout": system.layout,

@@ -33,7 +33,8 @@ prompts of fresh random words so no prefix cache can help, exactly 64 output tok
 `ignore_eos`, which every server accepts; max(8, 3c) requests per level, `--quick`: max(4,
 c)), then the goodput sweep of docs/BENCHMARKS.md (`bench.goodput.DOCUMENTED_SWEEP`:
 mixed-cpu workload, its SLOs and rates, then 1.5x higher ones while the system still meets
-them, up to `--raise-rates` more; `--quick`: 8 requests at two of the rates). Prints
+them, up to `--raise-rates` more, and 1.5x lower ones while it meets them at no rate, up to
+`--lower-rates` more; `--quick`: 8 requests at two of the rates). Prints
 and writes `<out>/serve_compare.md` (ratio tables: output tok/s, TPOT p50, TTFT p50 per
 system and level against vLLM, 1P1D and extra-dtype rows also against colocated; goodput per
 system) and `<out>/serve_compare.json` (machine, CPU flags, versions, commands, per-request
@@ -70,7 +71,7 @@ import httpx
 
 from bench import goodput as gp
 from bench import llama_server
-from bench.loadgen.cli import config_from_args, parse_rates
+from bench.loadgen.cli import add_rate_search_arguments, config_from_args, parse_rates
 from bench.loadgen.config import RunConfig
 from bench.loadgen.errors import LoadgenError, TargetError
 from bench.loadgen.metrics import Percentiles, RequestResult, steady_output_throughput
@@ -432,6 +433,7 @@ async def drive(url: str, args: argparse.Namespace, tokenizer: str, out: Outcome
     out.sweep = await sweep(
         replace(config, url=url), rates, label=out.name, progress=not args.quiet,
         cooldown_s=cooldown, fresh_prompts=True, raise_until_below=args.raise_rates,
+        lower_until_met=args.lower_rates,
     )  # fmt: skip
 
 
@@ -642,9 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=600.0, metavar="S")
     p.add_argument("--cooldown", type=float, default=5.0, metavar="S", help="between systems")
     p.add_argument("--no-goodput", action="store_true", help="skip the goodput sweep")
-    p.add_argument("--raise-rates", type=int, default=4, metavar="N",
-                   help="while a system still meets the SLOs at the sweep's highest rate, "
-                   "go on at 1.5x, up to N more rates, so every system is ranked (default 4)")
+    add_rate_search_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--steady-from", type=Path, default=None, metavar="JSON",
                    help="only print each level's whole-run and steady tok/s from a "

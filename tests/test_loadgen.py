@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from bench.loadgen import (
     goodput,
     named_workload,
     run_load,
+    runner,
     summarize,
     sweep,
     write_sweep,
@@ -386,6 +388,51 @@ async def test_a_sweep_raises_the_rate_until_the_slo_breaks() -> None:
         strict = replace(config, slo=replace(LOOSE_SLO, ttft_ms=0.001))
         broken = await sweep(strict, [4.0], raise_until_below=2)
         assert broken.rates == [4.0] and broken.goodput.rate is None
+
+
+async def test_a_sweep_lowers_the_rate_only_while_that_helps() -> None:
+    """With `lower_until_met`, a system that meets its SLOs at no planned rate is run again
+    lower; when the lower rate does not raise the attainment (here: an unloaded TTFT above the
+    bound), the sweep stops there instead of spending the allowed runs."""
+    async with serve(Behaviour()) as url:
+        config = RunConfig(url=url, workload=WORKLOAD, num_requests=3, max_duration_s=60,
+                           slo=replace(LOOSE_SLO, ttft_ms=0.001))  # fmt: skip
+        never = await sweep(config, [6.0, 9.0], lower_until_met=3)
+        assert never.rates == [4.0, 6.0, 9.0]  # ascending, whatever order they ran in
+        assert never.goodput.rate is None
+        loose = await sweep(replace(config, slo=LOOSE_SLO), [6.0], lower_until_met=3)
+        assert loose.rates == [6.0]
+
+
+def _ran(rate: float, attainment: float) -> Any:
+    """What `runner._rates` reads of a run: its rate and its SLO attainment."""
+    both = SimpleNamespace(both=attainment)
+    summary = SimpleNamespace(overall=SimpleNamespace(attainment=both))
+    return SimpleNamespace(config=SimpleNamespace(rate=rate), summary=summary)
+
+
+@pytest.mark.parametrize(
+    ("attainments", "raise_n", "lower_n", "expected"),
+    [
+        # every rate above 90 %: raised at 1.5x until one breaks, never lowered
+        ({1.0: 1.0, 2.0: 0.95, 3.0: 0.92, 4.5: 0.5}, 4, 2, [1.0, 2.0, 3.0, 4.5]),
+        # none meets it: lowered while each step helps, until one meets it
+        ({1.0: 0.5, 2.0: 0.1, 0.667: 0.8, 0.445: 0.95}, 4, 3, [1.0, 2.0, 0.667, 0.445]),
+        # a step down that does not help ends it
+        ({1.0: 0.5, 2.0: 0.1, 0.667: 0.5}, 4, 3, [1.0, 2.0, 0.667]),
+        # never more than allowed
+        ({1.0: 0.5, 0.667: 0.6, 0.445: 0.7}, 0, 2, [1.0, 0.667, 0.445]),
+        # lowering off
+        ({1.0: 0.3}, 4, 0, [1.0]),
+    ],
+)
+def test_the_rates_a_sweep_runs(attainments: dict[float, float], raise_n: int, lower_n: int,
+                                expected: list[float]) -> None:  # fmt: skip
+    runs: list[Any] = []
+    planned = [r for r in (1.0, 2.0) if r in attainments]
+    for rate in runner._rates(planned, runs, 0.9, raise_n, lower_n, 1.5):
+        runs.append(_ran(rate, attainments[rate]))
+    assert [run.config.rate for run in runs] == expected
 
 
 async def test_cli_sweep(tmp_path: Path) -> None:

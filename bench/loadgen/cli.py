@@ -206,6 +206,18 @@ def parse_class_slos(items: Sequence[str]) -> tuple[tuple[str, float, float], ..
     return tuple(out)
 
 
+def add_rate_search_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--raise-rates / --lower-rates: a sweep goes past its planned rates until every system has a
+    goodput and a rate it fails at (`runner.sweep`'s `raise_until_below` / `lower_until_met`)."""
+    parser.add_argument("--raise-rates", type=int, default=4, metavar="N",
+                        help="while the highest rate still meets the SLOs, go on at 1.5x it, up "
+                        "to N more rates, so the sweep finds where a system breaks (default 4)")
+    parser.add_argument("--lower-rates", type=int, default=2, metavar="N",
+                        help="while no rate meets the SLOs, go on at the lowest / 1.5, up to N "
+                        "more rates while that raises the attainment, so every system gets a "
+                        "goodput (default 2)")  # fmt: skip
+
+
 def parse_rates(text: str) -> list[float]:
     try:
         rates = [float(r) for r in text.split(",") if r.strip()]
@@ -245,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="seed + i for the i-th rate, so a prefix cache never sees a prompt twice",
     )
+    add_rate_search_arguments(sw)
     add_load_arguments(sw)
     return parser
 
@@ -266,6 +279,8 @@ async def _main(args: argparse.Namespace) -> int:
         progress=progress,
         cooldown_s=args.cooldown,
         fresh_prompts=args.fresh_prompts,
+        raise_until_below=args.raise_rates,
+        lower_until_met=args.lower_rates,
     )
     for path in write_sweep(args.out, result_sweep):
         print(f"wrote {path}", file=sys.stderr)

@@ -78,6 +78,7 @@ async def sweep(
     cooldown_s: float = 0.0,
     fresh_prompts: bool = False,
     raise_until_below: int = 0,
+    lower_until_met: int = 0,
     growth: float = 1.5,
 ) -> SweepResult:
     """One open-loop run per rate (ascending), same workload and seed each time; warmup
@@ -88,6 +89,12 @@ async def sweep(
     `raise_until_below`: while the highest rate run still meets the SLO target, run the next
     one at `growth` x that rate, at most this many more times: a sweep that stops before a
     system breaks cannot rank it against another.
+    `lower_until_met`: while no run has met the SLO target, run the next one at the lowest
+    rate / `growth`, at most this many more times, so a system that misses its SLOs at the
+    lowest planned rate still gets a goodput. It stops early when a lower rate did not raise
+    the attainment: what misses the SLOs then is not the load (e.g. an unloaded TTFT above
+    the bound), and a lower rate would only take longer to say so.
+    The runs come back in ascending rate, whatever order they ran in.
     """
     if config.closed_loop:
         raise ConfigError("a rate sweep needs open-loop arrivals; unset concurrency")
@@ -97,8 +104,9 @@ async def sweep(
         tokenizer = load_tokenizer(config.tokenizer_path)
     runs: list[RunResult] = []
     planned = sorted(set(rates))
-    for i, rate in enumerate(_raised(planned, runs, config.slo.target, raise_until_below,
-                                     growth)):
+    rates_to_run = _rates(planned, runs, config.slo.target, raise_until_below, lower_until_met,
+                          growth)
+    for i, rate in enumerate(rates_to_run):
         if i and cooldown_s > 0:
             await asyncio.sleep(cooldown_s)
         run_config = config.with_rate(rate)
@@ -112,18 +120,36 @@ async def sweep(
                 run_config, tokenizer=tokenizer, transport=transport, progress=progress, desc=desc
             )
         )
-    points = [(run.config.rate, run.summary.overall.attainment.both) for run in runs]
+    runs.sort(key=lambda run: run.config.rate)
+    points = [(run.config.rate, _attainment(run)) for run in runs]
     return SweepResult(label, config, tuple(runs), goodput(points, config.slo.target))
 
 
-def _raised(planned: list[float], runs: list[RunResult], target: float, extra: int,
-            growth: float) -> Iterator[float]:
-    """The planned rates, then higher ones while the last run met `target` (see `sweep`)."""
+def _attainment(run: RunResult) -> float:
+    return run.summary.overall.attainment.both
+
+
+def _rates(planned: list[float], runs: list[RunResult], target: float, raise_n: int,
+           lower_n: int, growth: float) -> Iterator[float]:
+    """The planned rates; then higher ones while the last run met `target`; then, if none
+    met it, lower ones while that helps (see `sweep`). Reads `runs` as the sweep appends."""
     yield from planned
-    for _ in range(extra):
-        if not runs or runs[-1].summary.overall.attainment.both < target:
-            return
+    for _ in range(raise_n):
+        if not runs or _attainment(runs[-1]) < target:
+            break
         yield round(runs[-1].config.rate * growth, 3)
+    above: float | None = None  # the attainment of the lowest rate before the last step down
+    for _ in range(lower_n):
+        if not runs or any(_attainment(run) >= target for run in runs):
+            return
+        lowest = min(runs, key=lambda run: run.config.rate)
+        if above is not None and _attainment(lowest) <= above:
+            return
+        above = _attainment(lowest)
+        lower = round(lowest.config.rate / growth, 3)
+        if lower <= 0:
+            return
+        yield lower
 
 
 async def _warmup(
