@@ -400,6 +400,8 @@ async def test_a_sweep_lowers_the_rate_only_while_that_helps() -> None:
         never = await sweep(config, [6.0, 9.0], lower_until_met=3)
         assert never.rates == [4.0, 6.0, 9.0]  # ascending, whatever order they ran in
         assert never.goodput.rate is None
+        assert "| never | none | none (below 90% down to 4 req/s: sweep lower) |" in compare(
+            {"never": never})
         loose = await sweep(replace(config, slo=LOOSE_SLO), [6.0], lower_until_met=3)
         assert loose.rates == [6.0]
 

@@ -134,6 +134,8 @@ def compare(results_by_system: Mapping[str, SweepResult], baseline: str | None =
         if g.interpolated is not None and base.interpolated:
             ratio = f"{g.interpolated / base.interpolated:.2f}x"
         more = "" if g.bounded else " (not reached: sweep higher)"
+        if g.rate is None and result.rates:
+            more = f" (below {target:.0%} down to {min(result.rates):g} req/s: sweep lower)"
         lines.append(f"| {name} | {_rate(g.rate)} | {_rate(g.interpolated)}{more} | {ratio} |")
     lines += [
         "",
