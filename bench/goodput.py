@@ -636,6 +636,7 @@ async def _main(args: argparse.Namespace) -> int:
                 fresh_prompts=True,
                 raise_until_below=args.raise_rates,
                 lower_until_met=args.lower_rates,
+                min_seconds=args.min_rate_seconds,
             )
         notes["systems"][name] = {
             "layout": system.layout,

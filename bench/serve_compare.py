@@ -34,7 +34,8 @@ prompts of fresh random words so no prefix cache can help, exactly 64 output tok
 c)), then the goodput sweep of docs/BENCHMARKS.md (`bench.goodput.DOCUMENTED_SWEEP`:
 mixed-cpu workload, its SLOs and rates, then 1.5x higher ones while the system still meets
 them, up to `--raise-rates` more, and 1.5x lower ones while it meets them at no rate, up to
-`--lower-rates` more; `--quick`: 8 requests at two of the rates). Prints
+`--lower-rates` more; each rate held at least `--min-rate-seconds` (default 60, so a high
+rate is not a burst absorbed in a queue); `--quick`: 8 requests at two of the rates). Prints
 and writes `<out>/serve_compare.md` (ratio tables: output tok/s, TPOT p50, TTFT p50 per
 system and level against vLLM, 1P1D and extra-dtype rows also against colocated; goodput per
 system) and `<out>/serve_compare.json` (machine, CPU flags, versions, commands, per-request
@@ -434,6 +435,7 @@ async def drive(url: str, args: argparse.Namespace, tokenizer: str, out: Outcome
         replace(config, url=url), rates, label=out.name, progress=not args.quiet,
         cooldown_s=cooldown, fresh_prompts=True, raise_until_below=args.raise_rates,
         lower_until_met=args.lower_rates,
+        min_seconds=0.0 if args.quick else args.min_rate_seconds,
     )  # fmt: skip
 
 

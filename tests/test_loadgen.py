@@ -459,6 +459,10 @@ async def test_cli_sweep(tmp_path: Path) -> None:
             "--quiet",
             "--ttft-slo-ms",
             "5000",
+            "--raise-rates",
+            "1",
+            "--min-rate-seconds",
+            "1",
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             cwd=REPO_ROOT,
@@ -466,6 +470,10 @@ async def test_cli_sweep(tmp_path: Path) -> None:
         out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
     assert proc.returncode == 0, err.decode()
     assert "| 8 | system | 100.0% |" in out.decode()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    # raised once to 12; each rate held >= 1 s: 4 and 8 requests, then 12 (over --num-requests 3)
+    assert [len(json.loads((tmp_path / f"rate_{r}.json").read_text())["requests"])
+            for r in (4, 8, 12)] == [4, 8, 12] and len(summary["runs"]) == 3  # fmt: skip
     assert (tmp_path / "summary.json").is_file() and (tmp_path / "slo_attainment.png").is_file()
 
 

@@ -208,14 +208,33 @@ def parse_class_slos(items: Sequence[str]) -> tuple[tuple[str, float, float], ..
 
 def add_rate_search_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """--raise-rates / --lower-rates: a sweep goes past its planned rates until every system has a
-    goodput and a rate it fails at (`runner.sweep`'s `raise_until_below` / `lower_until_met`)."""
-    parser.add_argument("--raise-rates", type=int, default=4, metavar="N",
-                        help="while the highest rate still meets the SLOs, go on at 1.5x it, up "
-                        "to N more rates, so the sweep finds where a system breaks (default 4)")
-    parser.add_argument("--lower-rates", type=int, default=2, metavar="N",
-                        help="while no rate meets the SLOs, go on at the lowest / 1.5, up to N "
-                        "more rates while that raises the attainment, so every system gets a "
-                        "goodput (default 2)")  # fmt: skip
+    goodput and a rate it fails at (`runner.sweep`'s `raise_until_below` / `lower_until_met`);
+    --min-rate-seconds: each rate is held that long (`min_seconds`)."""
+    parser.add_argument(
+        "--raise-rates",
+        type=int,
+        default=4,
+        metavar="N",
+        help="while the highest rate still meets the SLOs, go on at 1.5x it, up "
+        "to N more rates, so the sweep finds where a system breaks (default 4)",
+    )
+    parser.add_argument(
+        "--lower-rates",
+        type=int,
+        default=2,
+        metavar="N",
+        help="while no rate meets the SLOs, go on at the lowest / 1.5, up to N "
+        "more rates while that raises the attainment, so every system gets a "
+        "goodput (default 2)",
+    )
+    parser.add_argument(
+        "--min-rate-seconds",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="each rate sends at least rate x S requests, so it is held for S "
+        "seconds, not absorbed as a burst (default 60; 0: --num-requests only)",
+    )
 
 
 def parse_rates(text: str) -> list[float]:
@@ -281,6 +300,7 @@ async def _main(args: argparse.Namespace) -> int:
         fresh_prompts=args.fresh_prompts,
         raise_until_below=args.raise_rates,
         lower_until_met=args.lower_rates,
+        min_seconds=args.min_rate_seconds,
     )
     for path in write_sweep(args.out, result_sweep):
         print(f"wrote {path}", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -80,6 +81,7 @@ async def sweep(
     raise_until_below: int = 0,
     lower_until_met: int = 0,
     growth: float = 1.5,
+    min_seconds: float = 0.0,
 ) -> SweepResult:
     """One open-loop run per rate (ascending), same workload and seed each time; warmup
     requests, if any, are sent only before the first rate.
@@ -95,6 +97,9 @@ async def sweep(
     the attainment: what misses the SLOs then is not the load (e.g. an unloaded TTFT above
     the bound), and a lower rate would only take longer to say so.
     The runs come back in ascending rate, whatever order they ran in.
+    `min_seconds`: each rate sends at least rate x this many requests, so a high rate is
+    held that long instead of being a burst of `num_requests` that a latency SLO of seconds
+    can absorb in a queue (the system then "meets" a rate it cannot sustain).
     """
     if config.closed_loop:
         raise ConfigError("a rate sweep needs open-loop arrivals; unset concurrency")
@@ -110,6 +115,9 @@ async def sweep(
         if i and cooldown_s > 0:
             await asyncio.sleep(cooldown_s)
         run_config = config.with_rate(rate)
+        held = math.ceil(rate * min_seconds - 1e-9)
+        if held > config.num_requests:
+            run_config = replace(run_config, num_requests=held)
         if fresh_prompts:
             run_config = replace(run_config, seed=config.seed + i)
         if runs:
