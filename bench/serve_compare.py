@@ -587,8 +587,8 @@ def report(outcomes: Mapping[str, Outcome], notes: Mapping[str, Any]) -> str:
     sweeps = {name: o.sweep for name, o in outcomes.items() if o.sweep is not None}
     if sweeps:
         first = next(iter(sweeps.values()))
-        parts += ["", f"## Goodput ({first.config.workload.name}, {first.config.num_requests} "
-                  f"requests per rate; SLOs: {first.config.slo.describe()})", ""]  # fmt: skip
+        parts += ["", f"## Goodput ({first.config.workload.name}, requests per rate as the "
+                  f"table says; SLOs: {first.config.slo.describe()})", ""]  # fmt: skip
         parts.append(compare(sweeps, baseline=VLLM if VLLM in sweeps else None))
         outs = {n: sum(r.output_tokens for run in s.runs for r in run.requests if r.ok)
                 / max(1, sum(run.summary.overall.num_ok for run in s.runs))

@@ -139,9 +139,9 @@ def compare(results_by_system: Mapping[str, SweepResult], baseline: str | None =
         lines.append(f"| {name} | {_rate(g.rate)} | {_rate(g.interpolated)}{more} | {ratio} |")
     lines += [
         "",
-        "| rate (req/s) | system | SLO att. | p99 TTFT interactive ms | p99 TTFT ms "
+        "| rate (req/s) | system | requests | SLO att. | p99 TTFT interactive ms | p99 TTFT ms "
         "| p99 TPOT ms | req/s | output tok/s | errors |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = sorted(
         (
@@ -155,7 +155,7 @@ def compare(results_by_system: Mapping[str, SweepResult], baseline: str | None =
         s = run.summary
         interactive = s.by_class.get("interactive")
         lines.append(
-            f"| {rate:g} | {name} | {s.overall.attainment.both:.1%} "
+            f"| {rate:g} | {name} | {len(run.requests)} | {s.overall.attainment.both:.1%} "
             f"| {_ms(interactive.ttft_ms if interactive else None, 'p99')} "
             f"| {_ms(s.overall.ttft_ms, 'p99')} | {_ms(s.overall.tpot_ms, 'p99')} "
             f"| {s.request_throughput:.2f} | {s.output_token_throughput:.1f} "
