@@ -51,11 +51,11 @@ from bench import commit_id
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu import cpu_summary
-from pdserve.engine.kernels import FusedCpuKernels, cpu_extension
+from pdserve.engine.kernels import FusedCpuKernels, TorchKernels, cpu_extension
 from pdserve.engine.linear import LinearKernel
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_store import resolve_model
-from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.llama import LlamaForCausalLM, _inv_freq
 
 _EXT: Any = None
 CPP_WRAPPER = "cpp-wrapper"  # a --modes name: the default mode, its wrapper code in C++
@@ -159,14 +159,14 @@ class TorchDecoder(nn.Module):
         _KERNELS.append(packed.head)
         self.head_kernel = len(_KERNELS) - 1
         d = config.head_dim
-        inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2).float() / d))
+        inv = _inv_freq(d, config.rope_theta, config.rope_scaling)  # the engine's, scaling too
         freqs = torch.arange(8192).float()[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_table", emb.cos(), persistent=False)
         self.register_buffer("sin_table", emb.sin(), persistent=False)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps))
+        return TorchKernels.rms_norm(x, w, self.config.rms_norm_eps)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, kernel: int) -> torch.Tensor:
         if self.panels:
