@@ -118,8 +118,9 @@ def parts_ms(engine: LLMEngine, batch: int, context: int) -> dict[str, float]:
     cfg = engine.model_config
     kernels = model.kernels
     h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    x = torch.randn(batch, cfg.hidden_size)
-    xi = torch.randn(batch, cfg.intermediate_size)
+    dt = engine.kv_pool.dtype  # the activations' dtype (bfloat16 weights take bf16 rows)
+    x = torch.randn(batch, cfg.hidden_size, dtype=dt)
+    xi = torch.randn(batch, cfg.intermediate_size, dtype=dt)
     layers = model.model.layers
     calls = [(k, xi if k is layer.mlp.down else x) for layer in layers
              for k in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up,
@@ -130,9 +131,9 @@ def parts_ms(engine: LLMEngine, batch: int, context: int) -> dict[str, float]:
     tables = torch.arange(batch * nb).view(batch, nb) % layout.num_blocks
     lens = torch.full((batch,), context + 1)
     span = torch.arange(nb * layout.block_size)
-    mask = torch.zeros(batch, 1, 1, nb * layout.block_size).masked_fill(
+    mask = torch.zeros(batch, 1, 1, nb * layout.block_size, dtype=dt).masked_fill(
         (span[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
-    qkv = torch.randn(batch, h + 2 * hkv, d)
+    qkv = torch.randn(batch, h + 2 * hkv, d, dtype=dt)
     slots = tables[:, -1], torch.full((batch,), context % layout.block_size)
     pool = engine.kv_pool
 
@@ -142,9 +143,9 @@ def parts_ms(engine: LLMEngine, batch: int, context: int) -> dict[str, float]:
             kernels.write_kv(kv, qkv[:, h:h + hkv], qkv[:, h + hkv:], *slots)
             kernels.decode_attention(qkv[:, :h], kv, tables, lens, mask, d**-0.5)
 
-    cos, sin = torch.randn(batch, d), torch.randn(batch, d)
-    w = torch.ones(cfg.hidden_size)
-    gu = torch.randn(batch, 2 * cfg.intermediate_size)
+    cos, sin = torch.randn(batch, d, dtype=dt), torch.randn(batch, d, dtype=dt)
+    w = torch.ones(cfg.hidden_size, dtype=dt)
+    gu = torch.randn(batch, 2 * cfg.intermediate_size, dtype=dt)
 
     def elementwise() -> None:
         for _ in layers:
