@@ -4,13 +4,16 @@ engine.linear). Model-level token identity is in test_engine_reference / test_en
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from pdserve.engine import kernels
+from pdserve.engine.cpu import DISABLE_AMX_ENV, amx_gemm
 from pdserve.engine.kernels import FusedCpuKernels, TorchKernels, kernels_for
 from pdserve.engine.linear import DenseLinear, OneDnnLinear, PanelLinear, pack_linear
 
@@ -217,7 +220,8 @@ def _int8_panels_match(fused: FusedCpuKernels, n: int, k: int, ms: tuple[int, ..
 
     g = torch.Generator().manual_seed(n * 7 + k)
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-    kernel = Int8DynamicLinear(w, b)
+    with mock.patch.dict(os.environ, {DISABLE_AMX_ENV: "1"}):  # the panels, not the tiles
+        kernel = Int8DynamicLinear(w, b)
     deq = kernel.dequantize()
     assert deq.shape == (n, k)
     torch.testing.assert_close(deq, w, rtol=0, atol=w.abs().max().item() / 127)
@@ -228,6 +232,30 @@ def _int8_panels_match(fused: FusedCpuKernels, n: int, k: int, ms: tuple[int, ..
         assert torch.equal(kernel(x), floats(x)), m
     with pytest.raises(RuntimeError, match="scales must be"):
         fused._ext.panel_linear_i8(x, kernel._qweight, kernel._scales[:-1], n, None)
+
+
+@pytest.mark.skipif(not amx_gemm(), reason="no AMX (amx_bf16) on this CPU")
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (50, 17), (2048, 576)])
+def test_int8_amx_path_is_a_bf16_gemm_over_the_exact_weights(
+        fused: FusedCpuKernels, n: int, k: int) -> None:
+    """On a CPU with AMX, Int8DynamicLinear's batches from AMX_ROWS rows: the int8 weights
+    (exact in bf16) times x rounded to bf16, the output rounded to bf16 (oneDNN's GEMM), then
+    scales and bias in float32; smaller prefill batches stay on the exact int8 panels."""
+    from pdserve.engine.linear import Int8DynamicLinear
+
+    g = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    kernel = Int8DynamicLinear(w, b)
+    deq = kernel.dequantize()
+    q = (deq / kernel._scales[:, None]).round()
+    floats = PanelLinear(deq, b, fused._ext)
+    x = torch.randn(Int8DynamicLinear.AMX_ROWS - 1, k, generator=g)
+    assert torch.equal(kernel(x), floats(x))
+    for m in (Int8DynamicLinear.AMX_ROWS, 300):
+        x = torch.randn(m, k, generator=g)
+        exact = x.bfloat16().double() @ q.double().T
+        got = (kernel(x) - b).double() / kernel._scales.double()
+        torch.testing.assert_close(got, exact, rtol=2**-7, atol=1e-2)
 
 
 def test_float32_without_the_extension_uses_onednn(monkeypatch) -> None:

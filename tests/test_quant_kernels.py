@@ -89,6 +89,32 @@ def test_panels_match_the_int8_activation_reference(ext, qtype: str, isa: str) -
         assert (got - exact).norm() / exact.norm() < 0.02
 
 
+@pytest.mark.skipif("avx512vnni_amx" not in ISAS, reason="no AMX (amx_bf16) on this CPU")
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_amx_path_is_a_bf16_gemm_over_the_exact_weights(ext, qtype: str) -> None:  # type: ignore[no-untyped-def]
+    """avx512vnni_amx: decode-sized batches as avx512vnni, from amx_rows() rows the weights
+    expanded exactly and rounded to bf16, times x rounded to bf16 (oneDNN's GEMM: float32
+    sums, the output rounded to bf16): within a bf16 rounding of the product in double."""
+    g = torch.Generator().manual_seed(5)
+    code, amx, vnni = quant.QTYPES[qtype], quant.ISAS["avx512vnni_amx"], quant.ISAS["avx512vnni"]
+    rows = ext.amx_rows()
+    for n, k in ((67, 320), (16, 96), (5, 64)):
+        blocks = quant.quantize_reference(torch.randn(n, k, generator=g), qtype)
+        ref = quant.dequantize_reference(blocks, qtype, k)
+        panels = ext.repack_panels(blocks, code, k)
+        assert torch.equal(ext.panels_to_bf16(panels, code, n, k), ref.bfloat16())
+        bias = torch.randn(n, generator=g)
+        for m in (1, 16, rows - 1):  # the int8 panels, bit for bit
+            x = torch.randn(m, k, generator=g)
+            assert torch.equal(ext.quant_linear_panels(x, panels, code, n, amx, bias),
+                               ext.quant_linear_panels(x, panels, code, n, vnni, bias))
+        for m in (rows, 200):
+            x = torch.randn(m, k, generator=g) * 3
+            want = torch.nn.functional.linear(x.bfloat16().double(), ref.bfloat16().double())
+            got = ext.quant_linear_panels(x, panels, code, n, amx, bias).double()
+            torch.testing.assert_close(got - bias.double(), want, rtol=2**-7, atol=1e-2)
+
+
 def test_activation_quantization_is_llama_cpp_q8() -> None:
     x = torch.tensor([[0.0] * 32 + [1.0, -2.54] + [0.5] * 30])
     qx, dx, sx = quant.quantize_activations_reference(x)
@@ -112,9 +138,13 @@ def test_quant_linear_small_and_large_batches(qtype: str) -> None:
     assert torch.equal(kernel.dequantize(), ref)
     int8_activations = (quant.default_isa() in quant.INT8_ACTIVATION_ISAS
                         and quant.quant_extension() is not None)
+    amx_rows = quant.amx_rows() if quant.default_isa() == "avx512vnni_amx" else None
     for m in (1, 7, QuantLinear.SMALL_M + 1, 100):
         x = torch.randn(m, 128, generator=g)
-        if int8_activations:
+        if amx_rows is not None and m >= amx_rows:  # bf16 on the AMX tiles
+            want = (x.bfloat16().double() @ ref.bfloat16().double().T).float()
+            torch.testing.assert_close(kernel(x), want, rtol=2**-7, atol=1e-2)
+        elif int8_activations:
             want = quant.quant_linear_int8_reference(x, torch.cat(parts), qtype, 128).float()
             torch.testing.assert_close(kernel(x), want, rtol=1e-5, atol=1e-4)
         else:

@@ -6,6 +6,7 @@ Benchmarks record `cpu_summary()` beside every number, and the engine picks kern
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,8 @@ import torch
 # hardware; without them torch emulates bf16 GEMMs and they are several times slower.
 _INTERESTING = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16",
                 "amx_int8")
+# Set to keep prompt-sized GEMMs of the quantized formats off the AMX tiles (see amx_gemm).
+DISABLE_AMX_ENV = "PDSERVE_DISABLE_AMX"
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,11 @@ class CpuInfo:
     @property
     def native_bf16(self) -> bool:
         return bool({"avx512_bf16", "amx_bf16"} & self.flags)
+
+    @property
+    def amx_bf16(self) -> bool:
+        """AMX tiles with bf16 dot products (and the AVX-512 bf16 conversions beside them)."""
+        return {"amx_tile", "amx_bf16", "avx512_bf16"} <= self.flags
 
     @property
     def vnni(self) -> bool:
@@ -60,3 +68,13 @@ def cpu_info() -> CpuInfo:
 
 def cpu_summary() -> str:
     return cpu_info().summary()
+
+
+def amx_gemm(info: CpuInfo | None = None) -> bool:
+    """Whether the quantized formats (int8, q4_0, q4_1, q8_0) multiply prompt-sized batches as
+    bf16 GEMMs on the AMX tiles: the CPU has them, torch's oneDNN takes bf16 (oneDNN is what
+    puts a bf16 GEMM on the tiles), and `PDSERVE_DISABLE_AMX` is not set."""
+    info = info or cpu_info()
+    return (info.amx_bf16 and not os.environ.get(DISABLE_AMX_ENV)
+            and torch.backends.mkldnn.is_available()
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))

@@ -929,6 +929,25 @@ torch::Tensor panel_linear_i8(torch::Tensor x, torch::Tensor panels, torch::Tens
   });
 }
 
+// panel_linear_i8 on the AMX tiles, for prompt-sized batches where the CPU has them (the caller
+// checks): the int8 panels as bf16 W.T [k, n] (exact: |q| <= 127 fits bf16's 8 significant
+// bits), x rounded to bf16, oneDNN's GEMM (at::mm: float32 sums, the output rounded to bf16;
+// ATen has no bf16 -> float32 GEMM on CPU), then the scales and bias in float32. The bf16
+// weights live for the call only (a layer's are 0.6-3.5 MB here), so int8 keeps its memory.
+torch::Tensor panel_linear_i8_bf16(torch::Tensor x, torch::Tensor panels, torch::Tensor scales,
+                                   int64_t n, c10::optional<torch::Tensor> bias) {
+  check_x(x);
+  TORCH_CHECK(panels.scalar_type() == torch::kChar, "int8 panels must be int8");
+  check_panels(x, panels, n);
+  check_f32(scales, "scales");
+  TORCH_CHECK(scales.dim() == 1 && scales.numel() == n, "scales must be [n]");
+  const int64_t k = x.size(1), np = panels.size(0);
+  auto wt = panels.permute({1, 0, 2}).reshape({k, np * PW}).to(torch::kBFloat16);
+  auto y = at::mm(x.to(torch::kBFloat16), wt).narrow(1, 0, n).to(torch::kFloat32).mul_(scales);
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
 // int8 activation rows for engine.linear.Int8DynamicLinear: for x [m, k] returns
 // rows [2m + 1, k] = (x / amax * shrink, residual / lo_amax * shrink, anchor), amax [m],
 // lo_amax [m]. The residual is what the grid round(v * steps) / steps loses of the first row.
@@ -1022,17 +1041,20 @@ const c10::OperatorHandle& linear_dynamic_op() {
   return op;
 }
 
-// engine.linear.Int8DynamicLinear's call, op for op: batches over `small_m` rows go through
-// the int8 panels (panel_linear_i8); smaller ones through fbgemm as two int8 rows per
-// activation row (int8_rows, int8_merge).
+// engine.linear.Int8DynamicLinear's call, op for op: batches from `amx_rows` rows (0: never)
+// on the AMX tiles (panel_linear_i8_bf16), other batches over `small_m` rows through the int8
+// panels (panel_linear_i8); smaller ones through fbgemm as two int8 rows per activation row
+// (int8_rows, int8_merge).
 struct Int8Linear {
   c10::IValue packed;  // the prepacked weights (a LinearPackedParamsBase)
   torch::Tensor scales, anchor;
   double steps = 0, shrink = 0;
-  int64_t small_m = 0;
+  int64_t small_m = 0, amx_rows = 0;
 
   torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& qpanels, int64_t n,
                            const c10::optional<torch::Tensor>& bias) const {
+    if (amx_rows > 0 && x.size(0) >= amx_rows)
+      return panel_linear_i8_bf16(x, qpanels, scales, n, bias);
     if (x.size(0) > small_m) return panel_linear_i8(x, qpanels, scales, n, bias);
     TORCH_CHECK(x.stride(-1) == 1, "int8 activations need contiguous rows");
     std::vector<torch::Tensor> rows = int8_rows(x, anchor, steps, shrink);
@@ -1058,7 +1080,7 @@ struct StepLinear {
 
 // (w, n, bias, kernel, qtype, isa): what engine.linear's kernels' `step_spec` gives. The
 // kernel is None (w: fp32 panels), a QuantFn capsule, or for int8 a tuple (prepacked
-// weights, scales, anchor row, steps, shrink, small_m) with w the int8 panels.
+// weights, scales, anchor row, steps, shrink, small_m, amx_rows) with w the int8 panels.
 using LinearSpec = std::tuple<torch::Tensor, int64_t, c10::optional<torch::Tensor>,
                               py::object, int64_t, int64_t>;
 
@@ -1068,8 +1090,8 @@ StepLinear step_linear(const LinearSpec& spec) {
   std::tie(lin.w, lin.n, lin.bias, cap, lin.qtype, lin.isa) = spec;
   if (py::isinstance<py::tuple>(cap)) {
     auto t = cap.cast<py::tuple>();
-    TORCH_CHECK(t.size() == 6, "an int8 kernel is (packed, scales, anchor, steps, shrink, "
-                "small_m)");
+    TORCH_CHECK(t.size() == 7, "an int8 kernel is (packed, scales, anchor, steps, shrink, "
+                "small_m, amx_rows)");
     TORCH_CHECK(lin.w.scalar_type() == torch::kChar && lin.w.dim() == 3 &&
                     lin.w.size(2) == PW && lin.n > (lin.w.size(0) - 1) * PW &&
                     lin.n <= lin.w.size(0) * PW, "int8 weights must be pack_panels' int8 panels");
@@ -1080,6 +1102,7 @@ StepLinear step_linear(const LinearSpec& spec) {
     q.steps = t[3].cast<double>();
     q.shrink = t[4].cast<double>();
     q.small_m = t[5].cast<int64_t>();
+    q.amx_rows = t[6].cast<int64_t>();
     check_f32(q.scales, "int8 scales");
     TORCH_CHECK(q.scales.dim() == 1 && q.scales.numel() == lin.n, "int8 scales must be [n]");
     check_f32(q.anchor, "int8 anchor row");
@@ -1236,6 +1259,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, release());
   m.def("panel_linear", &panel_linear, release());
   m.def("panel_linear_i8", &panel_linear_i8, release());
+  m.def("panel_linear_i8_bf16", &panel_linear_i8_bf16, release());
   m.def("int8_rows", &int8_rows, release());
   m.def("int8_merge", &int8_merge, release());
   m.def("rms_norm", &rms_norm, release());

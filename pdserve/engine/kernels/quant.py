@@ -22,7 +22,7 @@ from types import ModuleType
 import structlog
 import torch
 
-from pdserve.engine.cpu import CpuInfo, cpu_info
+from pdserve.engine.cpu import CpuInfo, amx_gemm, cpu_info
 from pdserve.engine.kernels import BUILD_WAIT_S, _build_root, _exclusive
 
 log = structlog.get_logger(__name__)
@@ -36,10 +36,12 @@ QTYPES = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
 GGML_IDS = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 # Narrowest first. avx2_int8 and avx512vnni round activations to int8 (panels); the rest keep
-# them float32.
-ISAS = {"generic": 0, "avx2": 1, "avx2_int8": 4, "avx512": 2, "avx512vnni": 3}
-# Each int8-activation path and the float-activation path of the same ISA.
-FLOAT_PATH_OF = {"avx2_int8": "avx2", "avx512vnni": "avx512"}
+# them float32. avx512vnni_amx is avx512vnni for decode-sized batches and, from `amx_rows()`
+# rows on (prompt chunks), bf16 weights and activations through oneDNN's GEMM on the AMX tiles.
+ISAS = {"generic": 0, "avx2": 1, "avx2_int8": 4, "avx512": 2, "avx512vnni": 3,
+        "avx512vnni_amx": 5}
+# Each panel path and the float-activation path of the same ISA.
+FLOAT_PATH_OF = {"avx2_int8": "avx2", "avx512vnni": "avx512", "avx512vnni_amx": "avx512"}
 INT8_ACTIVATION_ISAS = tuple(FLOAT_PATH_OF)
 
 
@@ -49,10 +51,18 @@ def isa_for(info: CpuInfo) -> str:
     quant_ops.cpp); the others multiply float32 activations by the exactly dequantized
     weights."""
     if {"avx512f", "avx512bw", "avx2", "fma", "f16c"} <= info.flags:
-        return "avx512vnni" if {"avx512vl", "avx512_vnni"} <= info.flags else "avx512"
+        if not {"avx512vl", "avx512_vnni"} <= info.flags:
+            return "avx512"
+        return "avx512vnni_amx" if amx_gemm(info) else "avx512vnni"
     if {"avx2", "fma", "f16c"} <= info.flags:
         return "avx2_int8"
     return "generic"
+
+
+def amx_rows() -> int | None:
+    """Rows from which ``avx512vnni_amx`` multiplies on the AMX tiles (None: no extension)."""
+    ext = quant_extension()
+    return None if ext is None or not hasattr(ext, "amx_rows") else int(ext.amx_rows())
 
 
 def available_isas(info: CpuInfo) -> list[str]:
