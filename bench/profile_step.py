@@ -25,6 +25,7 @@ reach).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -35,12 +36,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
 from bench import build_at, commit_id
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.cpu import cpu_summary
+from pdserve.engine.cpu import DISABLE_AMX_ENV, cpu_summary
 from pdserve.engine.kernels import FusedCpuKernels
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_store import resolve_model
@@ -124,7 +126,8 @@ def parts_ms(engine: LLMEngine, batch: int, context: int) -> dict[str, float]:
     layers = model.model.layers
     calls = [(k, xi if k is layer.mlp.down else x) for layer in layers
              for k in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up,
-                       layer.mlp.down)]
+                       layer.mlp.down) if k is not None]
+    assert model.head is not None, "a packed model"
     calls.append((model.head, x))
     gemm = best_ms(lambda: [k(a) for k, a in calls])
     nb = -(-(context + 1) // layout.block_size)
@@ -197,7 +200,7 @@ def in_step_ms(engine: LLMEngine, rng: random.Random, batch: int, context: int,
     model, clock = engine.runner.model, _Clock()
     kernels = model.kernels
     model.decode_stack_on = False  # the Python loop, whose calls the clocks see
-    linears = [(owner, name) for layer in model.model.layers
+    linears: list[tuple[object, str]] = [(owner, name) for layer in model.model.layers
                for owner, name in ((layer.self_attn, "qkv"), (layer.self_attn, "o"),
                                    (layer.mlp, "gate_up"), (layer.mlp, "down"))]
     linears.append((model, "head"))
@@ -237,14 +240,27 @@ def _prefill(engine: LLMEngine, rng: random.Random, n: int) -> None:
         engine.step()
 
 
+# A --prefill-ab entry "DTYPE:VARIANT" builds that dtype's engine with this environment.
+_VARIANT_ENV = {"noamx": {DISABLE_AMX_ENV: "1"}}
+
+
+def _load_variant(model_dir: Path, name: str, threads: int | None) -> LLMEngine:
+    dtype, _, variant = name.partition(":")
+    if variant and variant not in _VARIANT_ENV:
+        raise SystemExit(f"{name}: the variants are {sorted(_VARIANT_ENV)}")
+    with mock.patch.dict(os.environ, _VARIANT_ENV.get(variant, {})):  # read while loading
+        return LLMEngine.from_dir(model_dir, EngineConfig(
+            dtype=dtype, kv_cache_bytes=256 << 20, enable_prefix_caching=False,
+            num_threads=threads, step_target_ms=0.0))
+
+
 def prefill_ab(model_dir: Path, dtypes: list[str], tokens: int, rounds: int,
                threads: int | None) -> dict[str, list[float]]:
     """One `tokens`-token prompt per dtype per round, the dtypes taking turns on the same
     prompt each round (every engine built first), so a slow spell of the machine lands on all
-    of them: prompt tokens / s per dtype and round."""
-    engines = {d: LLMEngine.from_dir(model_dir, EngineConfig(
-        dtype=d, kv_cache_bytes=256 << 20, enable_prefix_caching=False, num_threads=threads,
-        step_target_ms=0.0)) for d in dtypes}
+    of them: prompt tokens / s per dtype and round. A dtype may name a variant, e.g.
+    ``int8:noamx`` (int8 with PDSERVE_DISABLE_AMX=1)."""
+    engines = {d: _load_variant(model_dir, d, threads) for d in dtypes}
     rng = random.Random(0)
     for e in engines.values():
         _prefill(e, rng, tokens)  # warm
@@ -275,28 +291,35 @@ def main() -> None:
                     "with the Python layer loop (where the C++ layer loop runs)")
     ap.add_argument("--prefill-ab", type=int, default=0, metavar="ROUNDS",
                     help="instead: only the --prefill-token prompt, the dtypes taking turns "
-                    "for ROUNDS rounds (an interleaved A/B of prefill)")
+                    "for ROUNDS rounds (an interleaved A/B of prefill); a dtype may be "
+                    "DTYPE:noamx (that dtype with PDSERVE_DISABLE_AMX=1)")
+    ap.add_argument("--prefill-lens", default=None, metavar="N,...",
+                    help="with --prefill-ab: each of these prompt lengths in turn")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.prefill_ab:
         dtypes = args.dtypes.split(",")
-        rates = prefill_ab(resolve_model(args.model), dtypes, args.prefill, args.prefill_ab,
-                           args.threads)
-        med = {d: statistics.median(r) for d, r in rates.items()}
-        print(f"CPU: {cpu_summary()}; torch threads {torch.get_num_threads()}; prompt "
-              f"{args.prefill} tokens, {args.prefill_ab} rounds, dtypes in turn")
-        for d in dtypes:
-            wins = sum(a > b for a, b in zip(rates[d], rates[dtypes[0]], strict=True))
-            print(f"{d:9s} p50 {med[d]:7.0f} tok/s  min {min(rates[d]):7.0f}  max "
-                  f"{max(rates[d]):7.0f}  / {dtypes[0]} {med[d] / med[dtypes[0]]:.3f}x  "
-                  f"(faster in {wins} of {args.prefill_ab} rounds)")
+        lengths = [int(t) for t in (args.prefill_lens or str(args.prefill)).split(",")]
+        print(f"CPU: {cpu_summary()}; torch threads {torch.get_num_threads()}; "
+              f"{args.prefill_ab} rounds, dtypes in turn")
+        runs = []
+        for tokens in lengths:
+            rates = prefill_ab(resolve_model(args.model), dtypes, tokens, args.prefill_ab,
+                               args.threads)
+            med = {d: statistics.median(r) for d, r in rates.items()}
+            print(f"prompt {tokens} tokens")
+            for d in dtypes:
+                wins = sum(a > b for a, b in zip(rates[d], rates[dtypes[0]], strict=True))
+                print(f"  {d:12s} p50 {med[d]:7.0f} tok/s  min {min(rates[d]):7.0f}  max "
+                      f"{max(rates[d]):7.0f}  / {dtypes[0]} {med[d] / med[dtypes[0]]:.3f}x  "
+                      f"(faster in {wins} of {args.prefill_ab} rounds)")
+            runs.append({"prefill_tokens": tokens, "tok_per_s": rates, "p50_tok_per_s": med})
         if args.out:
             Path(args.out).write_text(json.dumps({
                 "benchmark": "bench.profile_step --prefill-ab", "commit": commit_id(),
                 "argv": sys.argv[1:], "cpu": cpu_summary(), "threads": torch.get_num_threads(),
-                "load_avg": os.getloadavg(), "prefill_tokens": args.prefill,
-                "tok_per_s": rates, "p50_tok_per_s": med}, indent=1) + "\n")
+                "load_avg": os.getloadavg(), "runs": runs}, indent=1) + "\n")
         return
     bw = read_bandwidth_gbs()
     print(f"CPU: {cpu_summary()}; torch threads {torch.get_num_threads()}; "
@@ -355,7 +378,7 @@ def main() -> None:
                       f"{against:.1f} ms; above / this {step / against:.3f}) |")
         if args.prefill > 0:
             prefill[dtype] = args.prefill / best_ms(
-                lambda e=engine: _prefill(e, rng, args.prefill), 3) * 1e3
+                functools.partial(_prefill, engine, rng, args.prefill), 3) * 1e3
         del engine
     print("\nThe same parts timed inside real decode steps (each call wrapped in a clock), "
           "means per step, ms:\n")

@@ -308,7 +308,8 @@ def ensure_llama_server(args: argparse.Namespace) -> str:
             raise LoadgenError(f"llama-server not found at {args.llama_server}. Build it with "
                                "`python -m bench.llama_server` (minutes), pass "
                                "--build-llama-server, or leave llamacpp out of --systems.")
-        args.llama_server = llama_server.build(args.llama_server.parents[2])
+        args.llama_server = llama_server.build(
+            args.llama_server.parents[2], amx=args.llama_server.parents[1].name != "build-noamx")
     if args.gguf is None:
         from pdserve.engine.model_store import default_gguf
 
