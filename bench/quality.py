@@ -18,16 +18,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from bench import commit_id
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cpu import cpu_summary
+from pdserve.engine.cpu import DISABLE_AMX_ENV, cpu_summary
+from pdserve.engine.kernels import quant
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_store import resolve_model
 from pdserve.types import GenerateRequest, SamplingParams
@@ -153,7 +157,12 @@ def main() -> None:
         print(f"| {q.dtype} | {q.identical_sequences:.0%} | {q.mean_common_prefix:.1f} / "
               f"{q.tokens} | {q.teacher_forced_top1:.1%} | {q.perplexity:.3f} |")
     if args.out:
-        args.out.write_text(json.dumps([asdict(q) for q in results], indent=2))
+        # The switches that pick kernels, as this run had them (unset: the CPU's own choice).
+        env = {k: os.environ.get(k) for k in (DISABLE_AMX_ENV, quant.ISA_ENV)}
+        args.out.write_text(json.dumps({
+            "benchmark": "bench.quality", "commit": commit_id(), "argv": sys.argv[1:],
+            "cpu": cpu_summary(), "environment": env,
+            "results": [asdict(q) for q in results]}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
