@@ -903,17 +903,23 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n,
                     [&](int64_t p, float*) { return wp + p * k * PW; });
 }
 
+// x [m, k] float32, int8 panels of n rows (pack_panels) and their per-row scales [n].
+static void check_i8(const torch::Tensor& x, const torch::Tensor& panels,
+                     const torch::Tensor& scales, int64_t n) {
+  check_x(x);
+  TORCH_CHECK(panels.scalar_type() == torch::kChar, "int8 panels must be int8");
+  check_panels(x, panels, n);
+  check_f32(scales, "scales");
+  TORCH_CHECK(scales.dim() == 1 && scales.numel() == n, "scales must be [n]");
+}
+
 // y = x @ (q * scales[:, None]).T (+ b) for int8 panels q (pack_panels of per-output-channel
 // int8 weights): each panel is dequantized into the thread's buffer (L1/L2) as the GEMM comes
 // to it, never the whole matrix to memory. The same bits as panel_linear over pack_panels of
 // `q.float() * scales[:, None]` (the product is the same single rounding).
 torch::Tensor panel_linear_i8(torch::Tensor x, torch::Tensor panels, torch::Tensor scales,
                               int64_t n, c10::optional<torch::Tensor> bias) {
-  check_x(x);
-  TORCH_CHECK(panels.scalar_type() == torch::kChar, "int8 panels must be int8");
-  check_panels(x, panels, n);
-  check_f32(scales, "scales");
-  TORCH_CHECK(scales.dim() == 1 && scales.numel() == n, "scales must be [n]");
+  check_i8(x, panels, scales, n);
   const int64_t k = x.size(1), np = panels.size(0);
   auto sc = scales.contiguous();
   const int8_t* qp = panels.data_ptr<int8_t>();
@@ -936,11 +942,7 @@ torch::Tensor panel_linear_i8(torch::Tensor x, torch::Tensor panels, torch::Tens
 // weights live for the call only (a layer's are 0.6-3.5 MB here), so int8 keeps its memory.
 torch::Tensor panel_linear_i8_bf16(torch::Tensor x, torch::Tensor panels, torch::Tensor scales,
                                    int64_t n, c10::optional<torch::Tensor> bias) {
-  check_x(x);
-  TORCH_CHECK(panels.scalar_type() == torch::kChar, "int8 panels must be int8");
-  check_panels(x, panels, n);
-  check_f32(scales, "scales");
-  TORCH_CHECK(scales.dim() == 1 && scales.numel() == n, "scales must be [n]");
+  check_i8(x, panels, scales, n);
   const int64_t k = x.size(1), np = panels.size(0);
   auto wt = panels.permute({1, 0, 2}).reshape({k, np * PW}).to(torch::kBFloat16);
   auto y = at::mm(x.to(torch::kBFloat16), wt).narrow(1, 0, n).to(torch::kFloat32).mul_(scales);
