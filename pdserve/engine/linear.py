@@ -169,8 +169,8 @@ class Int8DynamicLinear(LinearKernel):
     SMALL_M = 32
     # On a CPU with AMX (engine.cpu.amx_gemm), batches from this many rows take the int8 panels
     # as bf16 through oneDNN's GEMM on the tiles instead (cpu_ops.cpp panel_linear_i8_bf16).
-    # Where the two crossed on a Sapphire Rapids: a whole prompt's prefill 0.89x at 64
-    # tokens, 1.39x at 128, 2.3x at 512.
+    # Where the two crossed on a Sapphire Rapids: a whole prompt's prefill 0.89x at 64 tokens
+    # with 64 as the threshold; 1.51x at 128, 2.24x at 512 (prefill_amx_52ccd54_spr.json).
     AMX_ROWS = 96
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):

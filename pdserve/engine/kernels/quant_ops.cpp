@@ -481,7 +481,8 @@ torch::Tensor panels_to_blocks(const torch::Tensor& panels, int64_t qtype, int64
 // rounding differs from the int8 path's (8 significant bits against 7 per block); agreement is
 // measured in bench/quality.py.
 // From here the tiles won on a Sapphire Rapids (a whole prompt's prefill, q4_1: 1.07x at 128
-// tokens, 1.19x at 200, 1.49x at 512; at 64, 0.8x: expanding the weights costs ~0.3 ms a layer).
+// tokens, 1.25x at 200, 1.55x at 512, docs/bench/prefill_amx_52ccd54_spr.json; with 64 as the
+// threshold, 0.8x at 64: expanding the weights costs ~0.3 ms a layer).
 constexpr int64_t kAmxRows = 128;
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
