@@ -115,6 +115,36 @@ async def test_forged_worker_records_are_never_listed(signed: WorkerRegistry,
         assert signed._rejected.total >= 6
 
 
+async def test_a_listed_record_is_decoded_once_and_still_ages_out(redis_server: str,
+                                                                   namespace: str) -> None:
+    """The directory reads the same record bytes several times per heartbeat: a listing
+    reuses what it verified (the same object back), but a record that stays unchanged in
+    Redis is still refused once it is older than `max_age_s` (a replay cannot ride the
+    cache), and a changed record is verified again."""
+    now = [time.time()]
+    signer = RecordSigner(SECRET.derive("control-records"), namespace, max_age_s=60,
+                          clock=lambda: now[0])
+    async with WorkerRegistry.from_url(redis_server, namespace=namespace,
+                                       signer=signer) as reg:
+        await reg.register(_worker("d0"), ttl_s=30)
+        first = await reg.list_workers()
+        again = await reg.list_workers()
+        assert [w.worker_id for w in first] == ["d0"] and again[0] is first[0]
+        assert len(reg._decoded) == 1
+        refused = reg._rejected.total
+        now[0] += 61  # nobody re-signed it: the same bytes, now too old
+        assert await reg.list_workers() == []
+        assert reg._rejected.total == refused + 1 and not reg._decoded
+        # Re-signed (as a heartbeat does): new bytes, verified again and listed.
+        await reg.redis.set(reg.worker_key("d0"), reg._encode_worker(first[0]), px=10_000)
+        assert [w.worker_id for w in await reg.list_workers()] == ["d0"]
+        # Tampered bytes are not in the cache, so they are verified (and refused).
+        raw = json.loads(await reg.redis.get(reg.worker_key("d0")))
+        raw["grpc_address"] = "10.9.9.9:1"
+        await reg.redis.set(reg.worker_key("d0"), json.dumps(raw), px=10_000)
+        assert await reg.list_workers() == []
+
+
 def _url(reg: WorkerRegistry) -> str:
     kw = reg.redis.connection_pool.connection_kwargs
     return f"redis://{kw['host']}:{kw['port']}/0"

@@ -265,10 +265,12 @@ class WorkerRegistry(ControlStore):
             self._list_lua(keys=[self._workers_key], args=[self._prefix + "worker:"])
         )
         workers = []
+        listed: dict[str | bytes, tuple[WorkerInfo, float | None]] = {}
         for raw in raws:
-            info = self._decode_worker(raw)
+            info = self._decode_worker(raw, listed)
             if info is not None and (role is None or info.role == role):
                 workers.append(info)
+        self._decoded = listed
         return sorted(workers, key=lambda w: w.worker_id)
 
     async def get_worker(self, worker_id: str) -> WorkerInfo | None:

@@ -88,6 +88,28 @@ class RecordSigner:
     def verify_json(self, kind: str, raw: str | bytes, *, timestamp: bool = False
                     ) -> dict[str, Any]:
         """The record's fields (without ``sig``/``signed_at``); raises SignatureError."""
+        if timestamp:
+            return self.verify_timestamped(kind, raw)[0]
+        return self._verified(kind, raw)[0]
+
+    def verify_timestamped(self, kind: str, raw: str | bytes) -> tuple[dict[str, Any], float]:
+        """A timestamped record's fields (without ``sig``/``signed_at``) and when it was
+        signed; raises SignatureError, also if it is older than `max_age_s` (`check_age`)."""
+        data, signed_at = self._verified(kind, raw)
+        if isinstance(signed_at, bool) or not isinstance(signed_at, int | float):
+            raise SignatureError("record has no signing time")
+        self.check_age(signed_at)
+        return data, float(signed_at)
+
+    def check_age(self, signed_at: float) -> None:
+        """SignatureError if a record signed at `signed_at` is older than `max_age_s` now
+        (a replay): a reader that keeps a verified record re-checks this on each use."""
+        age = self._clock() - signed_at
+        if age > self.max_age_s:
+            raise SignatureError(f"record signed {age:.0f}s ago, older than "
+                                 f"{self.max_age_s:g}s (a replay?)")
+
+    def _verified(self, kind: str, raw: str | bytes) -> tuple[dict[str, Any], object]:
         try:
             data = json.loads(raw)
         except ValueError as exc:
@@ -99,15 +121,7 @@ class RecordSigner:
             raise SignatureError("unsigned record")
         if not hmac.compare_digest(sig, self._tag(kind, _canonical(data))):
             raise SignatureError("bad signature")
-        signed_at = data.pop(SIGNED_AT_FIELD, None)
-        if timestamp:
-            if isinstance(signed_at, bool) or not isinstance(signed_at, int | float):
-                raise SignatureError("record has no signing time")
-            age = self._clock() - signed_at
-            if age > self.max_age_s:
-                raise SignatureError(f"record signed {age:.0f}s ago, older than "
-                                     f"{self.max_age_s:g}s (a replay?)")
-        return data
+        return data, data.pop(SIGNED_AT_FIELD, None)
 
     # ------------------------------------------------------------------ stream entries
 

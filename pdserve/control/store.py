@@ -77,6 +77,11 @@ class ControlStore(AsyncResource):
         # Whoever writes junk into Redis cannot flood the log (readers poll every fraction
         # of a second): one line per kind per 30 s, with a count.
         self._rejected = RateLimitedLog(log, "control_record_refused")
+        # Worker records as last listed, by their exact bytes, with when they were signed:
+        # the directory reads every record several times per heartbeat, and verifying and
+        # parsing the same bytes again was most of a poll's CPU. Only a signed record's age
+        # is checked again. Replaced by each listing, so it holds one listing's records.
+        self._decoded: dict[str | bytes, tuple[WorkerInfo, float | None]] = {}
 
     @classmethod
     def from_url(cls, url: str, *, namespace: str = "default", op_timeout_s: float = 2.0,
@@ -146,16 +151,30 @@ class ControlStore(AsyncResource):
             return info.to_json()
         return self.signer.sign_json("worker", json.loads(info.to_json()), timestamp=True)
 
-    def _decode_worker(self, raw: str | bytes) -> WorkerInfo | None:
+    def _decode_worker(self, raw: str | bytes,
+                       listed: dict[str | bytes, tuple[WorkerInfo, float | None]] | None = None
+                       ) -> WorkerInfo | None:
         """A record from Redis, or None (logged, rate-limited) if it is malformed or, with a
-        signer, unsigned, mis-signed or stale: such a record is never used."""
+        signer, unsigned, mis-signed or stale: such a record is never used. `listed`: the
+        new listing's cache (`_decoded`), which the record joins."""
         try:
-            if self.signer is not None:
-                raw = json.dumps(self.signer.verify_json("worker", raw, timestamp=True))
-            return WorkerInfo.from_json(raw)
+            if (hit := self._decoded.get(raw)) is not None:
+                info, signed_at = hit
+                if self.signer is not None:
+                    if signed_at is None:
+                        raise SignatureError("record has no signing time")
+                    self.signer.check_age(signed_at)
+            elif self.signer is not None:
+                data, signed_at = self.signer.verify_timestamped("worker", raw)
+                info = WorkerInfo.from_dict(data)
+            else:
+                info, signed_at = WorkerInfo.from_json(raw), None
         except (SignatureError, WorkerInfoError) as err:
             self._rejected("worker", kind="worker", error=str(err))
             return None
+        if listed is not None:
+            listed[raw] = (info, signed_at)
+        return info
 
     def _encode_descriptor(self, desc: KVDescriptor) -> str:
         raw = desc.to_json()

@@ -92,6 +92,14 @@ class WorkerInfo:
     def from_json(cls, raw: str | bytes) -> WorkerInfo:
         try:
             data = json.loads(raw)
+        except ValueError as exc:
+            raise WorkerInfoError(f"malformed worker record: {exc}") from exc
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: object) -> WorkerInfo:
+        """A record's decoded JSON; WorkerInfoError if it is not a worker record."""
+        try:
             if not isinstance(data, dict):
                 raise WorkerInfoError("worker record must be a JSON object")
             known = {k: data[k] for k in _FIELDS if k in data}  # newer writers may add fields
