@@ -29,11 +29,17 @@ class KVIndexFollower:
     def __init__(self, streams: KVEventStreams, index: KVIndex,
                  worker_ids: Callable[[], Iterable[str]], *,
                  metrics_registry: CollectorRegistry | None = None, block_ms: int = 500,
-                 count: int = 64, resync_retry_s: float = 2.0, yield_every: int = 64):
+                 count: int = 64, resync_retry_s: float = 2.0, yield_every: int = 64,
+                 min_interval_s: float = 0.01):
         self.streams = streams
         self.index = index
         self._worker_ids = worker_ids
         self.block_ms = block_ms
+        # Workers publish a batch per ~20 ms each: read again at once and a busy cluster's
+        # batches come one XREAD (of every followed stream) each. Reads start at most every
+        # `min_interval_s`, so one read takes what arrived meanwhile; the index lags by at
+        # most that much more.
+        self.min_interval_s = min_interval_s
         self.count = count
         self.resync_retry_s = resync_retry_s
         # The follower shares the router's event loop: folding a backlog (a router starting
@@ -127,8 +133,11 @@ class KVIndexFollower:
 
     async def _run(self) -> None:
         while True:
+            started = time.monotonic()
             try:
                 await self.poll()
             except ControlPlaneError as exc:
                 log.warning("kv_events_read_failed", error=str(exc))
                 await asyncio.sleep(1.0)
+            if (wait := started + self.min_interval_s - time.monotonic()) > 0:
+                await asyncio.sleep(wait)
