@@ -252,6 +252,10 @@ class WorkerChannels:
                  tls: TLSConfig | None = None) -> None:
         self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # Clients by (address, worker id), kept with their channel: a client's stubs make a
+        # callable per RPC method, too much to build again for every request.
+        self._decode: dict[tuple[str, str], DecodeClient] = {}
+        self._prefill: dict[tuple[str, str], PrefillClient] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._metadata: Metadata = tuple(metadata)
         self._interceptors = tuple(interceptors)
@@ -264,17 +268,26 @@ class WorkerChannels:
         return ch
 
     def decode(self, w: WorkerInfo) -> DecodeClient:
-        return DecodeClient(self._channel(w.grpc_address), worker_id=w.worker_id,
-                            metadata=self._metadata)
+        key = (w.grpc_address, w.worker_id)
+        if (client := self._decode.get(key)) is None:
+            client = self._decode[key] = DecodeClient(
+                self._channel(w.grpc_address), worker_id=w.worker_id, metadata=self._metadata)
+        return client
 
     def prefill(self, w: WorkerInfo) -> PrefillClient:
-        return PrefillClient(self._channel(w.grpc_address), worker_id=w.worker_id,
-                             metadata=self._metadata)
+        key = (w.grpc_address, w.worker_id)
+        if (client := self._prefill.get(key)) is None:
+            client = self._prefill[key] = PrefillClient(
+                self._channel(w.grpc_address), worker_id=w.worker_id, metadata=self._metadata)
+        return client
 
     def drop(self, address: str, grace_s: float) -> None:
         """Stop handing out the channel; streams still on it (a draining worker finishing
         its requests) get ``grace_s`` before the channel closes."""
         ch = self._channels.pop(address, None)
+        for clients in (self._decode, self._prefill):
+            for key in [k for k in clients if k[0] == address]:
+                del clients[key]
         if ch is not None:
             task = asyncio.get_running_loop().create_task(ch.close(grace=grace_s))
             self._closing.add(task)

@@ -79,6 +79,10 @@ class Router(AsyncResource):
         # the lost set moved: (directory generation, expired, liveness generation) -> lists.
         self._live_key: tuple[int, bool, int] | None = None
         self._live: tuple[list[WorkerInfo], list[WorkerInfo]] = ([], [])
+        # Admission's view of the cluster (prefill backlog, prefill capacity), from the
+        # loads the directory holds: recomputed when it polled, not per request.
+        self._capacity_key: tuple[int, bool] | None = None
+        self._capacity: tuple[float, float] = (0.0, 0.0)
         # request id -> the id it runs under on its decode worker, where they differ
         self._worker_ids: dict[str, str] = {}
         self._watch: asyncio.Task[None] | None = None
@@ -199,10 +203,7 @@ class Router(AsyncResource):
 
     def admit(self, req: GenerateRequest) -> Ticket:
         """Admission control (`router.admission`): a ticket, or OverloadedError (counted)."""
-        prefills = self.workers("prefill")
-        backlog = sum(w.load.queued_tokens for w in prefills)
-        capacity = prefill_capacity((w.load for w in [*prefills, *self.workers("decode")]),
-                                    self.config.cost or CostModel())
+        backlog, capacity = self._admission_view()
         try:
             return self.admission.decide(req.latency_class, len(req.prompt_token_ids),
                                          time.monotonic(), backlog, capacity)
@@ -212,6 +213,20 @@ class Router(AsyncResource):
                      latency_class=req.latency_class.value, in_flight=self.admission.in_flight,
                      retry_after_s=exc.retry_after_s)
             raise
+
+    def _admission_view(self) -> tuple[float, float]:
+        """(prompt tokens queued on prefill workers, the cluster's prefill tokens/s) from the
+        workers' last loads. They move only when the directory polls, so this is computed
+        once per poll, not per request (O(workers) in Python)."""
+        key = (self.directory.generation, self.directory.expired)
+        if key != self._capacity_key:
+            workers = [w for w in self.directory.snapshot().values()
+                       if w.role in ("prefill", "decode")]
+            backlog = sum(w.load.queued_tokens for w in workers if w.role == "prefill")
+            self._capacity = (backlog, prefill_capacity(
+                (w.load for w in workers), self.config.cost or CostModel()))
+            self._capacity_key = key
+        return self._capacity
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
         """Stream a request's tokens. Closing the iterator cancels it on every worker.

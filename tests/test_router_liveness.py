@@ -104,3 +104,23 @@ async def test_a_worker_still_gone_when_its_probe_fails_is_lost(
             assert liveness.is_lost("p0")
             liveness.joined("p0")  # back later: usable again
             assert not liveness.is_lost("p0")
+
+
+async def test_worker_clients_are_kept_with_their_channel() -> None:
+    """A request's worker client is built once per (address, worker) and kept with its
+    channel (its stubs are a callable per RPC): the same object until the channel is
+    dropped, a new one on a new channel after."""
+    channels = WorkerChannels()
+    w = WorkerInfo(worker_id="d0", role="decode", grpc_address="127.0.0.1:1",
+                   model_id="tiny-model", epoch=1, started_at=time.time())
+    other = WorkerInfo(worker_id="d1", role="decode", grpc_address="127.0.0.1:1",
+                       model_id="tiny-model", epoch=1, started_at=time.time())
+    try:
+        first = channels.decode(w)
+        assert channels.decode(w) is first and channels.prefill(w) is channels.prefill(w)
+        assert channels.decode(other) is not first and channels.decode(other).worker_id == "d1"
+        channels.drop(w.grpc_address, grace_s=0)
+        again = channels.decode(w)
+        assert again is not first and again._stub is not first._stub
+    finally:
+        await channels.close()
