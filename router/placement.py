@@ -106,24 +106,17 @@ class _Cached:
     """One candidate list's columns, rebuilt only when the list holds other objects or the
     index learned another worker's block size. A heartbeat replaces one worker's record:
     only its row is rewritten (64 heartbeats a second at 64 workers would otherwise rebuild
-    every column several times a second). A caller that passes the very tuple it passed
-    before (the router keeps its live workers as tuples between directory polls) skips
-    even the identity key: at 256 workers building and comparing it was a sixth of a
-    placement."""
+    every column several times a second)."""
 
     def __init__(self) -> None:
         self._key: tuple[int, ...] = ()
-        self._workers: tuple[WorkerInfo, ...] | None = None  # the last tuple passed
         self._cols: _Columns | None = None
         self._index: KVIndex | None = None
         self._version = -1
 
     def get(self, workers: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
-        cols = self._cols
-        if workers is self._workers and cols is not None and index is self._index \
-                and index.geometry_version == self._version:
-            return cols  # a tuple is immutable: the same objects as when it was cached
         key = tuple(map(id, workers))
+        cols = self._cols
         if cols is not None and key == self._key and index is self._index \
                 and index.geometry_version == self._version:
             return cols
@@ -136,7 +129,6 @@ class _Cached:
             cols = _build(workers, index)
         self._cols, self._key, self._index, self._version = (
             cols, key, index, index.geometry_version)
-        self._workers = workers if isinstance(workers, tuple) else None
         return cols
 
 

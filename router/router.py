@@ -78,7 +78,7 @@ class Router(AsyncResource):
         # The live (not lost) decode and prefill workers, rebuilt only when the directory or
         # the lost set moved: (directory generation, expired, liveness generation) -> lists.
         self._live_key: tuple[int, bool, int] | None = None
-        self._live: tuple[tuple[WorkerInfo, ...], tuple[WorkerInfo, ...]] = ((), ())
+        self._live: tuple[list[WorkerInfo], list[WorkerInfo]] = ([], [])
         # Admission's view of the cluster (prefill backlog, prefill capacity), from the
         # loads the directory holds: recomputed when it polled, not per request.
         self._capacity_key: tuple[int, bool] | None = None
@@ -164,15 +164,15 @@ class Router(AsyncResource):
 
     # ------------------------------------------------------------------ placement
 
-    def _live_workers(self) -> tuple[tuple[WorkerInfo, ...], tuple[WorkerInfo, ...]]:
+    def _live_workers(self) -> tuple[list[WorkerInfo], list[WorkerInfo]]:
         """The directory's decode and prefill workers not declared lost; filtered again
         only when either changed, not per request (O(workers) in Python)."""
         key = (self.directory.generation, self.directory.expired, self.liveness.generation)
         if key != self._live_key:
             live = [w for w in self.directory.snapshot().values()
                     if not self.liveness.is_lost(w.worker_id)]
-            self._live = (tuple(w for w in live if w.role == "decode"),
-                          tuple(w for w in live if w.role == "prefill"))
+            self._live = ([w for w in live if w.role == "decode"],
+                          [w for w in live if w.role == "prefill"])
             self._live_key = key
         return self._live
 
@@ -181,7 +181,7 @@ class Router(AsyncResource):
         cpu = time.thread_time()  # its own thread's: not the gRPC threads sharing its core
         decoders, prefills = self._live_workers()
         if exclude:
-            decoders = tuple(w for w in decoders if w.worker_id not in exclude)
+            decoders = [w for w in decoders if w.worker_id not in exclude]
         if not decoders:
             raise CapacityError("no decode worker is available", code=ErrorCode.NO_DECODE_WORKER)
         # A migrated request's output counts too: it is prefilled with it.
