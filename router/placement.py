@@ -106,19 +106,26 @@ class _Cached:
     """One candidate list's columns, rebuilt only when the list holds other objects or the
     index learned another worker's block size. A heartbeat replaces one worker's record:
     only its row is rewritten (64 heartbeats a second at 64 workers would otherwise rebuild
-    every column several times a second)."""
+    every column several times a second). A caller that names its list (`listing`) is
+    answered by that name alone while it holds: no pass over the workers per request."""
 
     def __init__(self) -> None:
         self._key: tuple[int, ...] = ()
         self._cols: _Columns | None = None
         self._index: KVIndex | None = None
         self._version = -1
+        self._listing: object = None
 
-    def get(self, workers: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
-        key = tuple(map(id, workers))
+    def get(self, workers: Sequence[WorkerInfo], index: KVIndex,
+            listing: object = None) -> _Columns:
         cols = self._cols
+        if listing is not None and listing == self._listing and cols is not None \
+                and index is self._index and index.geometry_version == self._version:
+            return cols
+        key = tuple(map(id, workers))
         if cols is not None and key == self._key and index is self._index \
                 and index.geometry_version == self._version:
+            self._listing = listing
             return cols
         if (cols is not None and len(key) == len(self._key) and index is self._index
                 and index.geometry_version == self._version):
@@ -127,8 +134,8 @@ class _Cached:
                 cols = _update_rows(cols, workers, changed)
         if cols is None or cols is self._cols:
             cols = _build(workers, index)
-        self._cols, self._key, self._index, self._version = (
-            cols, key, index, index.geometry_version)
+        self._cols, self._key, self._index, self._version, self._listing = (
+            cols, key, index, index.geometry_version, listing)
         return cols
 
 
@@ -143,11 +150,13 @@ class DecodeTable:
         self._prefill = _Cached()
         self._shares: tuple[object, object, npt.NDArray[np.bool_] | None] = (None, None, None)
 
-    def columns(self, decoders: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
-        return self._decode.get(decoders, index)
+    def columns(self, decoders: Sequence[WorkerInfo], index: KVIndex,
+                listing: object = None) -> _Columns:
+        return self._decode.get(decoders, index, listing)
 
-    def prefill_columns(self, prefills: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
-        return self._prefill.get(prefills, index)
+    def prefill_columns(self, prefills: Sequence[WorkerInfo], index: KVIndex,
+                        listing: object = None) -> _Columns:
+        return self._prefill.get(prefills, index, listing)
 
     def shares(self, dcols: _Columns, pcols: _Columns) -> npt.NDArray[np.bool_] | None:
         """[prefill position, decode position] -> whether they compete for CPUs
@@ -418,7 +427,7 @@ def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerIn
           prefills: Sequence[WorkerInfo], index: KVIndex, placed: Mapping[str, int],
           policy: RouterPolicy, *, cost: CostModel | None = None, target_s: float = 30.0,
           inflight_tokens: Mapping[str, float] = _NONE, tiebreak: int = 0,
-          table: DecodeTable | None = None) -> Placement:
+          table: DecodeTable | None = None, listing: object = None) -> Placement:
     """`decoders` must not be empty. `placed`: requests this router placed per decode worker
     and not finished; heartbeats lag a burst by up to a second, so those count as running
     too, or a burst would all go to the worker that looked idlest at the last heartbeat.
@@ -427,12 +436,15 @@ def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerIn
     `best_by_cost`); `inflight_tokens`: prompt tokens this router sent each worker to
     prefill that are not done yet; `tiebreak`: where equal scores start (the router advances
     it per request); `table`: the caller's DecodeTable, kept across calls (without one, the
-    columns are built for this call). The decision's `uncached_tokens` are the prompt tokens
-    the worker that prefills must compute (what the router's ledger charges it)."""
+    columns are built for this call); `listing`: the caller's name for this `decoders` and
+    `prefills` (equal names only for the very same lists of the same records, e.g. the
+    router's directory generation; None: the table compares the workers themselves). The
+    decision's `uncached_tokens` are the prompt tokens the worker that prefills must compute
+    (what the router's ledger charges it)."""
     table = table or DecodeTable()
-    cols = table.columns(decoders, index)
+    cols = table.columns(decoders, index, listing)
     if policy.placement == "cost":
-        pcols = table.prefill_columns(prefills, index)
+        pcols = table.prefill_columns(prefills, index, listing)
         cached, pcached = _cached(index, ids, cols, pcols)
         c = best_by_cost(len(ids), cols, cached, pcols, pcached, placed, inflight_tokens,
                          target_s, cost or CostModel(), tiebreak, table.shares(cols, pcols))

@@ -180,8 +180,10 @@ class Router(AsyncResource):
                     ) -> tuple[WorkerInfo, WorkerInfo | None, Decision]:
         cpu = time.thread_time()  # its own thread's: not the gRPC threads sharing its core
         decoders, prefills = self._live_workers()
+        listing = self._live_key  # names these very lists (`_live_workers`)
         if exclude:
             decoders = [w for w in decoders if w.worker_id not in exclude]
+            listing = None
         if not decoders:
             raise CapacityError("no decode worker is available", code=ErrorCode.NO_DECODE_WORKER)
         # A migrated request's output counts too: it is prefilled with it.
@@ -190,7 +192,8 @@ class Router(AsyncResource):
                             cost=self.config.cost,
                             target_s=self.config.ttft_target_s(req.latency_class),
                             inflight_tokens=self.ledger.inflight_tokens,
-                            tiebreak=next(self._tiebreak), table=self._decode_table)
+                            tiebreak=next(self._tiebreak), table=self._decode_table,
+                            listing=listing)
         self.ledger.place(req.request_id, p.decode.worker_id)  # before any await
         # Its prompt is pending work where it is prefilled until its first token.
         where = p.prefill if p.decision.route is Route.REMOTE else p.decode

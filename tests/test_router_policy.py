@@ -133,6 +133,34 @@ def test_heartbeats_rewrite_only_their_rows_and_equal_a_rebuild() -> None:
         assert got.workers == tuple(workers) and np.array_equal(before.running, kept)
 
 
+def test_a_named_listing_is_answered_by_its_name_and_a_new_name_sees_the_change() -> None:
+    """The router names its lists of workers by its directory's generation: while the name
+    holds, the columns are handed back without a pass over the workers; a new name (or
+    none, as for a retry's list without the failed worker) brings the change in, rows
+    rewritten as without names."""
+    rng = np.random.default_rng(7)
+    index, table = KVIndex(), DecodeTable()
+    workers = [WorkerInfo(worker_id=f"d{i}", role="decode", grpc_address="127.0.0.1:1",
+                          model_id="m", epoch=1, started_at=0.0, load=_load(rng))
+               for i in range(12)]
+    first = table.columns(workers, index, listing=(1, False, 0))
+    assert table.columns(list(workers), index, listing=(1, False, 0)) is first
+    for generation in range(2, 60):
+        if generation % 10 == 0:
+            workers = workers[1:]  # a worker left: a full rebuild
+        else:
+            i = int(rng.integers(len(workers)))
+            workers[i] = dataclasses.replace(workers[i], load=_load(rng))  # its heartbeat
+        named = generation % 3 != 0  # every third list is a retry's, unnamed
+        listing = (generation, False, 0) if named else None
+        got = table.columns(workers, index, listing=listing)
+        want = placement._build(workers, index)
+        for name in (*placement._FLOAT_COLUMNS, "ids", "pos", "min_rate"):
+            assert np.array_equal(getattr(got, name), getattr(want, name)), (generation, name)
+        if named:
+            assert table.columns(workers, index, listing=listing) is got
+
+
 def test_the_c_scoring_is_built_and_checks_its_input() -> None:
     """setup.py builds router/_score.c (the router's hot path; optional only where no
     compiler exists); wrong buffers are refused, not read past their end."""
@@ -191,3 +219,34 @@ def test_stage_timings_add_up_to_ttft_on_every_route() -> None:
     shown = t.to_json()
     assert set(shown) == {"route_ms", "local_prefill_ms", "ttft_ms", "total_ms"}
     assert min(shown.values()) >= 0 and total(t) == pytest.approx(shown["ttft_ms"])
+
+
+def test_cached_tokens_per_position_follow_each_workers_geometry() -> None:
+    """What placement reads from the index per candidate (`_cached`, gathered by index slot):
+    each worker's held prefix in its own block size and model, nothing for a worker the index
+    has not synced or does not follow, over more than 64 slots, and in any list order."""
+    from pdserve.engine.block_manager import block_hashes
+    from pdserve.kv_events import KVEventBatch, KVOp
+
+    rng = np.random.default_rng(11)
+    ids = [int(t) for t in rng.integers(0, 1000, size=16 * 20)]
+    index = KVIndex()
+    want: dict[str, int] = {}
+    workers = []
+    for i in range(80):
+        bs, model = (16, "m") if i % 3 else (8, "n")
+        depth = int(rng.integers(0, 15))
+        wid = f"d{i}"
+        if i % 7 != 3:  # every seventh is not followed: it holds nothing
+            ops = tuple((KVOp.STORED, h) for h in block_hashes(ids, bs, model.encode())[:depth])
+            index.apply(wid, KVEventBatch(1, 0, bs, ops, snapshot=True))
+            want[wid] = depth * bs
+        workers.append(WorkerInfo(worker_id=wid, role="decode", grpc_address="127.0.0.1:1",
+                                  model_id=model, epoch=1, started_at=0.0))
+    index.remove_worker("d40")  # left: its slot is free, and it holds nothing
+    want.pop("d40", None)
+    rng.shuffle(workers)
+    (cached,) = placement._cached(index, ids, DecodeTable().columns(workers, index))
+    assert cached.tolist() == [float(want.get(w.worker_id, 0)) for w in workers]
+    assert placement.cached_tokens(index, ids, workers) == [want.get(w.worker_id, 0)
+                                                            for w in workers]
