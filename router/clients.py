@@ -34,6 +34,7 @@ from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, pre
 
 Metadata = tuple[tuple[str, str], ...]
 T = TypeVar("T")
+C = TypeVar("C", bound="_Client")  # WorkerChannels hands out one kind per role
 
 
 class _Client:
@@ -268,17 +269,16 @@ class WorkerChannels:
         return ch
 
     def decode(self, w: WorkerInfo) -> DecodeClient:
-        key = (w.grpc_address, w.worker_id)
-        if (client := self._decode.get(key)) is None:
-            client = self._decode[key] = DecodeClient(
-                self._channel(w.grpc_address), worker_id=w.worker_id, metadata=self._metadata)
-        return client
+        return self._client(self._decode, DecodeClient, w)
 
     def prefill(self, w: WorkerInfo) -> PrefillClient:
+        return self._client(self._prefill, PrefillClient, w)
+
+    def _client(self, clients: dict[tuple[str, str], C], make: type[C], w: WorkerInfo) -> C:
         key = (w.grpc_address, w.worker_id)
-        if (client := self._prefill.get(key)) is None:
-            client = self._prefill[key] = PrefillClient(
-                self._channel(w.grpc_address), worker_id=w.worker_id, metadata=self._metadata)
+        if (client := clients.get(key)) is None:
+            client = clients[key] = make(self._channel(w.grpc_address), worker_id=w.worker_id,
+                                         metadata=self._metadata)
         return client
 
     def drop(self, address: str, grace_s: float) -> None:
