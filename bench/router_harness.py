@@ -615,8 +615,11 @@ async def verify_index(cluster: Cluster, workdir: Path) -> dict[str, Any]:
         await asyncio.sleep(0.5)
     index = KVIndex()
     secret = ClusterSecret(cluster.secret.encode())
+    # Its first reads take every stream from the start: at 256 workers on a slow machine one
+    # such XREAD takes longer than a router's 2 s bound, read after read.
     async with WorkerRegistry.from_url(cluster.redis_url, namespace=cluster.namespace,
-                                       signer=signer_for(secret, cluster.namespace)) as reg:
+                                       signer=signer_for(secret, cluster.namespace),
+                                       op_timeout_s=30.0) as reg:
         follower = KVIndexFollower(KVEventStreams(reg), index, lambda: list(digest))
         deadline = time.monotonic() + 60
         while True:
