@@ -32,6 +32,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -781,6 +782,92 @@ done:
     return out;
 }
 
+/* spread(pairs, positions, out, scale): the walk's answer (match()'s (depth, mask) pairs)
+ * written where a caller keeps its candidates: out[positions[slot]] = depth * scale for every
+ * slot bit of each mask whose slot has a position (>= 0; slots past the end of `positions`
+ * have none). One call per prompt instead of a Python step per worker: the router's
+ * placement (router.placement._cached). */
+typedef struct {
+    const Py_ssize_t *pos;
+    Py_ssize_t npos;
+    double *out;
+    Py_ssize_t nout;
+} Spread;
+
+static int spread_slot(const Spread *sp, Py_ssize_t slot, double value) {
+    if (slot >= sp->npos || sp->pos[slot] < 0) return 0;
+    if (sp->pos[slot] >= sp->nout) {
+        PyErr_SetString(PyExc_IndexError, "a position is past the end of out");
+        return -1;
+    }
+    sp->out[sp->pos[slot]] = value;
+    return 0;
+}
+
+static int spread_big(const Spread *sp, PyObject *mask, double value) {
+    PyObject *bits = PyObject_CallMethod(mask, "bit_length", NULL);
+    if (bits == NULL) return -1;
+    Py_ssize_t nbits = PyLong_AsSsize_t(bits);
+    Py_DECREF(bits);
+    if (nbits < 0) return -1;
+    PyObject *bytes = PyObject_CallMethod(mask, "to_bytes", "ns", (nbits + 7) / 8, "little");
+    if (bytes == NULL) return -1;
+    const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(bytes);
+    int rc = 0;
+    for (Py_ssize_t i = 0; rc == 0 && i < PyBytes_GET_SIZE(bytes) && 8 * i < sp->npos; i++)
+        for (unsigned v = b[i]; rc == 0 && v; v &= v - 1)
+            rc = spread_slot(sp, 8 * i + __builtin_ctz(v), value);
+    Py_DECREF(bytes);
+    return rc;
+}
+
+static PyObject *spread(PyObject *self, PyObject *args) {
+    PyObject *pairs;
+    Py_buffer pos, out;
+    double scale;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!y*w*d", &PyList_Type, &pairs, &pos, &out, &scale))
+        return NULL;
+    PyObject *result = NULL;
+    if (pos.itemsize != (Py_ssize_t)sizeof(Py_ssize_t) || pos.len % pos.itemsize != 0
+            || out.itemsize != (Py_ssize_t)sizeof(double) || out.len % out.itemsize != 0) {
+        PyErr_SetString(PyExc_TypeError,
+                        "positions must be a buffer of intp (ssize_t), out one of float64");
+        goto done;
+    }
+    Spread sp = {(const Py_ssize_t *)pos.buf, pos.len / pos.itemsize, (double *)out.buf,
+                 out.len / out.itemsize};
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(pairs); k++) {
+        PyObject *pair = PyList_GET_ITEM(pairs, k);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_SetString(PyExc_TypeError, "pairs must be (depth, mask) tuples");
+            goto done;
+        }
+        long depth = PyLong_AsLong(PyTuple_GET_ITEM(pair, 0));
+        if (depth == -1 && PyErr_Occurred()) goto done;
+        PyObject *mask = PyTuple_GET_ITEM(pair, 1);
+        int overflow = 0;
+        long long small = PyLong_AsLongLongAndOverflow(mask, &overflow);
+        if (small == -1 && PyErr_Occurred()) goto done;
+        if (depth < 0 || overflow < 0 || (overflow == 0 && small < 0)) {
+            PyErr_SetString(PyExc_ValueError, "depths and masks are non-negative");
+            goto done;
+        }
+        double value = (double)depth * scale;
+        if (overflow == 0) {
+            for (unsigned long long v = (unsigned long long)small; v; v &= v - 1)
+                if (spread_slot(&sp, __builtin_ctzll(v), value) < 0) goto done;
+        } else if (spread_big(&sp, mask, value) < 0) {  /* 2**63 and up: an int object */
+            goto done;
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&pos);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"chain", (PyCFunction)(void (*)(void))chain, METH_VARARGS | METH_KEYWORDS,
      "chain(tokens, block_size, extra, stop=None) -> list[bytes]: chained BLAKE2b-128 "
@@ -788,6 +875,9 @@ static PyMethodDef methods[] = {
     {"match", (PyCFunction)(void (*)(void))match, METH_VARARGS | METH_KEYWORDS,
      "match(tokens, block_size, extra, holders) -> list[tuple[int, int]]: (depth, mask) "
      "pairs of a prefix walk over `holders` (see the module source)."},
+    {"spread", (PyCFunction)spread, METH_VARARGS,
+     "spread(pairs, positions, out, scale) -> None: out[positions[slot]] = depth * scale "
+     "for every slot bit of match()'s (depth, mask) pairs (see the module source)."},
     {NULL, NULL, 0, NULL},
 };
 

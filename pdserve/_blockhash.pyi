@@ -1,4 +1,5 @@
 from collections.abc import Container, Iterator, Sequence
+from typing import Any
 
 class BlockTable:
     """16-byte digest -> non-negative int mask (router.kv_index's holders)."""
@@ -16,3 +17,4 @@ def chain(tokens: Sequence[int], block_size: int, extra: bytes,
           stop: Container[bytes] | None = None) -> list[bytes]: ...
 def match(tokens: Sequence[int], block_size: int, extra: bytes,
           holders: dict[bytes, int] | BlockTable) -> list[tuple[int, int]]: ...
+def spread(pairs: list[tuple[int, int]], positions: Any, out: Any, scale: float, /) -> None: ...

@@ -30,6 +30,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
+import numpy as np
+import numpy.typing as npt
+
 from pdserve.engine.block_manager import block_hashes
 from pdserve.kv_events import KVEventBatch, KVOp
 
@@ -41,6 +44,9 @@ if TYPE_CHECKING:
 Holders: TypeAlias = "dict[bytes, int] | BlockTable"
 
 _native_match: Callable[[Sequence[int], int, bytes, Holders], list[tuple[int, int]]] | None
+Positions: TypeAlias = "npt.NDArray[np.intp]"
+Floats: TypeAlias = "npt.NDArray[np.float64]"
+_native_spread: Callable[[list[tuple[int, int]], Positions, Floats, float], None] | None
 _new_holders: Callable[[], Holders]
 try:
     # The digests in one flat array (one cache line a lookup, on huge pages where the kernel
@@ -48,9 +54,28 @@ try:
     # walk over a 1M-block index is mostly waiting on those (pdserve/_blockhash.c).
     from pdserve._blockhash import BlockTable as _new_holders
     from pdserve._blockhash import match as _native_match
+    from pdserve._blockhash import spread as _native_spread
 except ImportError:  # not compiled here: hash in Python, then walk (the same answer)
-    _native_match = None
+    _native_match = _native_spread = None
     _new_holders = dict
+
+
+def spread(pairs: list[tuple[int, int]], positions: Positions, out: Floats,
+           scale: float) -> None:
+    """out[positions[slot]] = depth * scale for every slot bit of `KVIndex.walk`'s pairs
+    whose slot has a position (>= 0; a slot past the end of `positions` has none): the walk
+    written where a caller keeps its candidates, in one C call where it was built."""
+    if _native_spread is not None:
+        _native_spread(pairs, positions, out, scale)
+        return
+    n = len(positions)
+    for depth, gone in pairs:
+        while gone:
+            low = gone & -gone
+            slot = low.bit_length() - 1
+            if slot < n and (i := int(positions[slot])) >= 0:
+                out[i] = depth * scale
+            gone ^= low
 
 
 class Applied(enum.Enum):
@@ -93,6 +118,13 @@ class KVIndex:
         """worker id -> how many leading blocks of `hashes` it holds (workers holding none
         are absent). One walk: the set of workers still matching shrinks block by block."""
         out: dict[str, int] = {}
+        for depth, gone in self._pairs(hashes):
+            self._record(out, depth, gone)
+        return out
+
+    def _pairs(self, hashes: Sequence[bytes]) -> list[tuple[int, int]]:
+        """`walk`'s (depth, slot mask) pairs of these hashes, in Python."""
+        out: list[tuple[int, int]] = []
         if not hashes:
             return out
         holders = self._holders
@@ -102,21 +134,35 @@ class KVIndex:
         while active:
             depth += 1
             still = active & holders.get(hashes[depth], 0) if depth < n else 0
-            self._record(out, depth, active & ~still)
+            if gone := active & ~still:
+                out.append((depth, gone))
             active = still
         return out
 
+    def walk(self, token_ids: Sequence[int], block_size: int,
+             extra: bytes = b"") -> list[tuple[int, int]]:
+        """The prompt's prefix walk as (depth, mask) pairs: the workers whose slot bits are
+        set in a mask hold exactly its first `depth` blocks (`slot`; `spread` writes them
+        where a caller wants them). Hashes only as far as some worker still holds every
+        block (in C where pdserve/_blockhash.c was built: the walk and the hashing in one
+        call)."""
+        if _native_match is None:
+            return self._pairs(block_hashes(token_ids, block_size, extra, stop=self._holders))
+        return _native_match(token_ids, block_size, extra, self._holders)
+
     def match_prompt(self, token_ids: Sequence[int], block_size: int,
                      extra: bytes = b"") -> dict[str, int]:
-        """`match` of the prompt's chained block hashes, hashing only as far as some worker
-        still holds every block (in C where pdserve/_blockhash.c was built: the walk and the
-        hashing in one call)."""
-        if _native_match is None:
-            return self.match(block_hashes(token_ids, block_size, extra, stop=self._holders))
+        """`match` of the prompt's chained block hashes (`walk`)."""
         out: dict[str, int] = {}
-        for depth, gone in _native_match(token_ids, block_size, extra, self._holders):
+        for depth, gone in self.walk(token_ids, block_size, extra):
             self._record(out, depth, gone)
         return out
+
+    def slot(self, worker_id: str) -> int | None:
+        """The worker's bit in `walk`'s masks (None: not followed). A worker in `geometry()`
+        keeps its slot until `geometry_version` changes."""
+        w = self._workers.get(worker_id)
+        return None if w is None else w.slot
 
     def _record(self, out: dict[str, int], depth: int, gone: int) -> None:
         """out[w] = depth for every worker whose slot bit is set in `gone`."""

@@ -34,7 +34,7 @@ from pdserve.control.load import WorkerLoad
 from pdserve.control.workers import WorkerInfo
 from pdserve.types import LatencyClass
 from router.cost import CostModel
-from router.kv_index import KVIndex
+from router.kv_index import KVIndex, spread
 from router.policy import Decision, Route, RouterPolicy, decide_route
 
 _NONE: Mapping[str, float] = {}
@@ -70,8 +70,9 @@ class _Columns:
     prompt_waiting: Floats  # prompt tokens the engine has still to prefill
     queued_tokens: Floats  # prompt tokens queued before the engine (prefill workers)
     transfer: Floats  # KV transfer seconds per token (prefill workers)
-    # Per block geometry (block size, model id) the index knows: the positions in it.
-    groups: tuple[tuple[int, bytes, frozenset[int]], ...]
+    # Per block geometry (block size, model id) the index knows: index slot -> position of
+    # that worker here (-1: none; `KVIndex.slot`, held while the index's geometry is).
+    groups: tuple[tuple[int, bytes, npt.NDArray[np.intp]], ...]
     min_rate: float  # the slowest measured prefill rate (inf: none measured)
     # Per position: (host id, CPUs) as published, for `DecodeTable.shares`.
     hosts: tuple[tuple[str, tuple[int, ...]], ...]
@@ -187,18 +188,26 @@ def _build(decoders: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
     (running, waiting, memory, rate, step, prompt_waiting, queued_tokens,
      transfer) = (np.ascontiguousarray(rows[:, k]) for k in range(len(_FLOAT_COLUMNS)))
     geometry = index.geometry()
-    members: dict[tuple[int, bytes], set[int]] = {}
+    members: dict[tuple[int, bytes], dict[int, int]] = {}  # slot -> position
     for i, w in enumerate(decoders):
-        bs = geometry.get(w.worker_id)
-        if bs is not None:
-            members.setdefault((bs, w.model_id.encode()), set()).add(i)
+        bs, slot = geometry.get(w.worker_id), index.slot(w.worker_id)
+        if bs is not None and slot is not None:
+            members.setdefault((bs, w.model_id.encode()), {})[slot] = i
     return _Columns(
         workers=tuple(decoders), ids=ids, pos={w: i for i, w in enumerate(ids)},
         running=running, waiting=waiting, memory=memory, rate=rate, step=step,
         prompt_waiting=prompt_waiting, queued_tokens=queued_tokens, transfer=transfer,
         min_rate=float(rate[rate != 0].min()) if rate.any() else np.inf,
-        groups=tuple((bs, extra, frozenset(m)) for (bs, extra), m in members.items()),
+        groups=tuple((bs, extra, _positions(m)) for (bs, extra), m in members.items()),
         hosts=tuple((w.host_id, w.cpus) for w in decoders))
+
+
+def _positions(members: Mapping[int, int]) -> npt.NDArray[np.intp]:
+    """index slot -> position (-1: not one of these candidates)."""
+    positions = np.full(max(members) + 1, -1, dtype=np.intp)
+    for slot, i in members.items():
+        positions[slot] = i
+    return positions
 
 
 def _row(load: WorkerLoad) -> tuple[float, ...]:
@@ -237,20 +246,18 @@ def _update_rows(cols: _Columns, workers: Sequence[WorkerInfo], changed: list[in
 
 def _cached(index: KVIndex, ids: Sequence[int], *colsets: _Columns) -> list[Floats]:
     """Prompt tokens each candidate of each list holds: one walk per block geometry, shared
-    by the lists (decode and prefill workers sit in one index); a worker the index has not
-    synced holds nothing."""
-    walks: dict[tuple[int, bytes], dict[str, int]] = {}
+    by the lists (decode and prefill workers sit in one index), written into the list's
+    positions by slot in one call (`kv_index.spread`: no Python step per worker); a worker
+    the index has not synced holds nothing."""
+    walks: dict[tuple[int, bytes], list[tuple[int, int]]] = {}
     out = []
     for cols in colsets:
         cached = np.zeros(len(cols.ids))
-        for bs, extra, members in cols.groups:
-            found = walks.get((bs, extra))
-            if found is None:
-                found = walks[(bs, extra)] = index.match_prompt(ids, bs, extra)
-            for worker_id, depth in found.items():
-                i = cols.pos.get(worker_id)
-                if i is not None and i in members:
-                    cached[i] = depth * bs
+        for bs, extra, positions in cols.groups:
+            pairs = walks.get((bs, extra))
+            if pairs is None:
+                pairs = walks[(bs, extra)] = index.walk(ids, bs, extra)
+            spread(pairs, positions, cached, bs)
         out.append(cached)
     return out
 

@@ -11,6 +11,7 @@ import random
 import uuid
 from array import array
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -224,6 +225,65 @@ def test_index_equals_the_block_managers_after_random_traffic(
             kv_index._native_match = native
         for n, w in workers.items():
             assert got.get(n, 0) * BS == w.bm.num_cached_tokens(p), (n, p)
+        _assert_spread(idx, p, got)
+
+
+def _assert_spread(idx: KVIndex, prompt: list[int], got: dict[str, int]) -> None:
+    """`spread` of the walk writes each followed worker's held tokens at its position, in C
+    and where the C was not built (walk and spread both in Python)."""
+    names = [n for n in idx._ids if n is not None]
+    random.Random(len(prompt)).shuffle(names)
+    positions = np.full(len(idx._ids), -1, dtype=np.intp)
+    for i, n in enumerate(names):
+        positions[idx.slot(n)] = i  # type: ignore[index]
+    want = [float(got.get(n, 0) * BS) for n in names]
+    for native in (True, False):
+        saved = kv_index._native_match, kv_index._native_spread
+        if not native:
+            kv_index._native_match = kv_index._native_spread = None
+        try:
+            out = np.zeros(len(names))
+            kv_index.spread(idx.walk(prompt, BS, EXTRA), positions, out, BS)
+            assert out.tolist() == want, native
+        finally:
+            kv_index._native_match, kv_index._native_spread = saved
+
+
+def test_slots_past_64_and_128_are_spread_like_the_first() -> None:
+    """Masks of 64 bits and more (a 65th worker) are int objects in the walk; their slots get
+    their held tokens like the first 64's; a free slot in the middle gets nothing."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(1000) for _ in range(BS * 12)]
+    hashes = block_hashes(prompt, BS, EXTRA)
+    idx = KVIndex()
+    held = {}
+    for i in range(150):
+        held[f"w{i}"] = depth = rng.choice([0, 1, 5, 12, i % 13])
+        ops = tuple((KVOp.STORED, h) for h in hashes[:depth])
+        assert idx.apply(f"w{i}", KVEventBatch(1, 0, BS, ops, snapshot=True)) is Applied.OK
+    idx.remove_worker("w70")
+    got = idx.match_prompt(prompt, BS, EXTRA)
+    assert got == {n: d for n, d in held.items() if d and n != "w70"}
+    _assert_spread(idx, prompt, got)
+
+
+def test_the_c_spread_checks_its_input() -> None:
+    from pdserve._blockhash import spread
+
+    pos, out = np.array([1, -1, 0], dtype=np.intp), np.zeros(2)
+    spread([(3, 0b101), (1, 0b010)], pos, out, 16.0)
+    assert out.tolist() == [48.0, 48.0]  # slot 1 has no position; past the end: none
+    spread([(2, 1 << 70)], pos, out, 16.0)  # an int object past every position
+    with pytest.raises(IndexError):
+        spread([(1, 1)], np.array([5], dtype=np.intp), out, 1.0)
+    with pytest.raises(ValueError):
+        spread([(1, -1)], pos, out, 1.0)
+    with pytest.raises(TypeError):
+        spread([(1, 1)], pos, np.zeros(2, dtype=np.float32), 1.0)
+    with pytest.raises(TypeError):
+        spread([(1, 1)], np.array([0], dtype=np.int32), out, 1.0)
+    with pytest.raises(TypeError):
+        spread([(1,)], pos, out, 1.0)
 
 
 # ---------------------------------------------------------------------- hashing in C

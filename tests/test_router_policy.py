@@ -246,7 +246,15 @@ def test_cached_tokens_per_position_follow_each_workers_geometry() -> None:
     index.remove_worker("d40")  # left: its slot is free, and it holds nothing
     want.pop("d40", None)
     rng.shuffle(workers)
-    (cached,) = placement._cached(index, ids, DecodeTable().columns(workers, index))
-    assert cached.tolist() == [float(want.get(w.worker_id, 0)) for w in workers]
-    assert placement.cached_tokens(index, ids, workers) == [want.get(w.worker_id, 0)
-                                                            for w in workers]
+    from router import kv_index
+    saved = kv_index._native_match, kv_index._native_spread
+    for native in (True, False):  # and where the C was not built
+        if not native:
+            kv_index._native_match = kv_index._native_spread = None
+        try:
+            (cached,) = placement._cached(index, ids, DecodeTable().columns(workers, index))
+            assert cached.tolist() == [float(want.get(w.worker_id, 0)) for w in workers]
+            assert placement.cached_tokens(index, ids, workers) == [
+                want.get(w.worker_id, 0) for w in workers]
+        finally:
+            kv_index._native_match, kv_index._native_spread = saved
