@@ -113,20 +113,9 @@ def loaded_model(model_dir: Path):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def hf_reference(model_dir: Path, prompt_ids: list[list[int]]) -> list[list[int]]:
     """Greedy outputs of transformers generate (fp32) on the same weights."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from tests.helpers.hf import hf_greedy
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                              local_files_only=True)
-    outs = []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            x = torch.tensor([ids])
-            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW_TOKENS,
-                            do_sample=False)
-            outs.append(y[0, len(ids):].tolist())
-    del hf
-    return outs
+    return hf_greedy(model_dir, prompt_ids, MAX_NEW_TOKENS)
 
 
 @pytest.fixture

@@ -12,13 +12,13 @@ import asyncio
 import random
 import re
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from pdserve.cluster import LocalCluster
 from tests.helpers.cluster_util import cluster_fixture, generate, wait_blocks_free
+from tests.helpers.hf import hf_greedy
 
 DECODE = 4
 CONVERSATIONS = 8
@@ -36,23 +36,6 @@ def _conversations(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, 40000) for _ in range(rng.randrange(96, 161))]
             for _ in range(CONVERSATIONS)]
-
-
-def _reference(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy outputs of transformers generate (fp32) on the same weights."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                              local_files_only=True)
-    outs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS,
-                            do_sample=False)
-            outs.append(y[0, len(ids):].tolist())
-    return outs
 
 
 def _index_blocks(cluster: LocalCluster) -> float:
@@ -97,7 +80,7 @@ async def test_turns_return_to_the_worker_holding_their_history(cluster, model_d
         assert r2.decode_worker == r1.decode_worker, (r1.decode_worker, r2.decode_worker)
         assert r2.route == "local"  # 24-40 uncached tokens, under the remote threshold
         assert r2.cached_tokens >= len(ids) // BLOCK * BLOCK, (len(ids), r2.cached_tokens)
-    want = await asyncio.to_thread(_reference, model_dir, first + second)
+    want = await asyncio.to_thread(hf_greedy, model_dir, first + second, MAX_TOKENS)
     assert [r.tokens for r in turn1 + turn2] == want
 
 
