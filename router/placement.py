@@ -60,7 +60,6 @@ class _Columns:
 
     workers: tuple[WorkerInfo, ...]  # held: the cache key is their ids
     ids: tuple[str, ...]
-    pos: dict[str, int]
     running: Floats
     waiting: Floats
     memory: Floats  # 0.5 * free / total blocks (0 without a pool): best_decode's memory term
@@ -194,7 +193,7 @@ def _build(decoders: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
         if bs is not None and slot is not None:
             members.setdefault((bs, w.model_id.encode()), {})[slot] = i
     return _Columns(
-        workers=tuple(decoders), ids=ids, pos={w: i for i, w in enumerate(ids)},
+        workers=tuple(decoders), ids=ids,
         running=running, waiting=waiting, memory=memory, rate=rate, step=step,
         prompt_waiting=prompt_waiting, queued_tokens=queued_tokens, transfer=transfer,
         min_rate=float(rate[rate != 0].min()) if rate.any() else np.inf,
