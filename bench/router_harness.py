@@ -100,6 +100,8 @@ from pdserve.cluster import (
     wait_port,
 )
 from pdserve.deathsig import guarded
+from pdserve.errors import PdserveError
+from pdserve.types import GenerateRequest, LatencyClass, SamplingParams
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,6 +124,9 @@ class Config:
     idle_s: float = 5.0
     light_rate: float = 25.0
     light_s: float = 15.0
+    # After each light phase, as long again at its rate straight to the workers (`DirectClient`):
+    # the baseline of the router's added latency (`router_added_ms`).
+    direct: bool = True
     concurrency: int = 48
     saturate_s: float = 25.0
     seed: int = 1
@@ -402,38 +407,28 @@ class Sample:
     cached_tokens: int = 0
 
 
-class Client:
-    def __init__(self, target: str, api_key: str):
-        self.channel = grpc.aio.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20)])
-        self.stub = router_pb2_grpc.RouterStub(self.channel)
-        self.md = (("authorization", f"Bearer {api_key}"),)
+class _Caller:
+    """One request at a time as `run_phase` sends them: a Sample with its tokens checked
+    against the emulated engine's, the conversation it continues grown by them."""
+
+    label_prefix = "h"
+
+    def __init__(self) -> None:
         self.counter = 0
         self.bad_tokens = 0
+
+    async def _stream(self, label: str, prompt: list[int], max_tokens: int, klass: str,
+                      s: Sample, got: list[int]) -> None:
+        raise NotImplementedError
 
     async def one(self, prompt: list[int], max_tokens: int, klass: str,
                   conv: Conversation | None) -> Sample:
         self.counter += 1
-        label = f"h{self.counter:08d}"
-        req = router_pb2.GenerateRequest(
-            request_id=label, token_ids=router_pb2.TokenIds(ids=prompt),
-            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-            latency_class=_LATENCY[klass], return_timings=True)
+        label = f"{self.label_prefix}{self.counter:08d}"
         s = Sample(label, len(prompt), time.monotonic())
         got: list[int] = []
         try:
-            async for resp in self.stub.Generate(req, metadata=self.md, timeout=120):
-                if not s.t_first and resp.token_ids:
-                    s.t_first = time.monotonic()
-                got.extend(resp.token_ids)
-                if resp.finish_reason:
-                    s.cached_tokens = resp.usage.cached_tokens
-                    if resp.HasField("timings"):
-                        s.route_ms = resp.timings.route_ms
-                        s.ttft_router_ms = resp.timings.first_token_ms
-                    if resp.error:
-                        s.error = resp.error
+            await self._stream(label, prompt, max_tokens, klass, s, got)
             s.t_done = time.monotonic()
             want = [emulated_token(len(prompt), prompt[-1], i) for i in range(max_tokens)]
             s.tokens = len(got)
@@ -443,6 +438,8 @@ class Client:
                 s.error = s.error or f"tokens differ: {len(got)} of {max_tokens}"
         except grpc.aio.AioRpcError as exc:
             s.error = f"{exc.code().name}: {exc.details()}"
+        except PdserveError as exc:
+            s.error = f"{exc.code}: {exc}"
         finally:
             if conv is not None:
                 if s.ok:
@@ -450,11 +447,80 @@ class Client:
                 conv.busy = False
         return s
 
+
+class Client(_Caller):
+    """Through the router, as its users call it (the pdserve.v1.Router API)."""
+
+    def __init__(self, target: str, api_key: str):
+        super().__init__()
+        self.channel = grpc.aio.insecure_channel(target, options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20)])
+        self.stub = router_pb2_grpc.RouterStub(self.channel)
+        self.md = (("authorization", f"Bearer {api_key}"),)
+
+    async def _stream(self, label: str, prompt: list[int], max_tokens: int, klass: str,
+                      s: Sample, got: list[int]) -> None:
+        req = router_pb2.GenerateRequest(
+            request_id=label, token_ids=router_pb2.TokenIds(ids=prompt),
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            latency_class=_LATENCY[klass], return_timings=True)
+        async for resp in self.stub.Generate(req, metadata=self.md, timeout=120):
+            if not s.t_first and resp.token_ids:
+                s.t_first = time.monotonic()
+            got.extend(resp.token_ids)
+            if resp.finish_reason:
+                s.cached_tokens = resp.usage.cached_tokens
+                if resp.HasField("timings"):
+                    s.route_ms = resp.timings.route_ms
+                    s.ttft_router_ms = resp.timings.first_token_ms
+                if resp.error:
+                    s.error = resp.error
+
     async def close(self) -> None:
         await self.channel.close()
 
 
-async def run_phase(client: Client, load: Workload, *, seconds: float,
+class DirectClient(_Caller):
+    """Straight to a decode worker (a random one), with the router's own client code
+    (router.clients.WorkerChannels / DecodeClient) and credentials: what a request's two
+    gRPC hops and the worker's own handling outside its engine cost with no router between,
+    the baseline the router's added latency is measured against."""
+
+    label_prefix = "d"
+
+    def __init__(self, workers: Sequence[tuple[str, str]], secret: str, seed: int):
+        from pdserve.rpc.auth import ClusterSecret
+        from pdserve.rpc.transport import channel
+        from router.clients import DecodeClient
+
+        super().__init__()
+        md = ClusterSecret(secret.encode()).grpc_metadata()
+        self.channels = [channel(address) for _, address in workers]
+        self.workers = [DecodeClient(ch, worker_id=w, metadata=md)
+                        for ch, (w, _) in zip(self.channels, workers, strict=True)]
+        self.rng = random.Random(seed)
+
+    async def _stream(self, label: str, prompt: list[int], max_tokens: int, klass: str,
+                      s: Sample, got: list[int]) -> None:
+        req = GenerateRequest(label, tuple(prompt),
+                              SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                              LatencyClass(klass))
+        worker = self.rng.choice(self.workers)
+        async for ev in worker.generate(req, first_token_timeout_s=120, token_timeout_s=120):
+            if ev.token_id is not None:
+                if not s.t_first:
+                    s.t_first = time.monotonic()
+                got.append(ev.token_id)
+            if ev.finished:
+                s.cached_tokens = ev.num_cached_tokens
+                s.error = ev.error or ""
+
+    async def close(self) -> None:
+        await asyncio.gather(*(ch.close() for ch in self.channels))
+
+
+async def run_phase(client: _Caller, load: Workload, *, seconds: float,
                     rate: float | None = None, concurrency: int = 1,
                     max_in_flight: int = 2000) -> tuple[list[Sample], float]:
     """Open loop (Poisson at `rate`) or `concurrency` closed loops for `seconds`; returns
@@ -509,15 +575,48 @@ def dist(values: Sequence[float]) -> dict[str, float | None]:
             "max": r(max(values)) if values else None}
 
 
-def summarize(samples: list[Sample], records: dict[str, list[Any]], wall_s: float,
-              router_cpu_s: float, router_core_busy: float,
-              metrics0: dict[str, float], metrics1: dict[str, float]) -> dict[str, Any]:
-    ok = [s for s in samples if s.ok]
+def _errors(samples: list[Sample]) -> dict[str, int]:
     errors: dict[str, int] = {}
     for s in samples:
         if not s.ok:
             key = s.error.split(":")[0][:60]
             errors[key] = errors.get(key, 0) + 1
+    return errors
+
+
+def summarize_direct(samples: list[Sample], records: dict[str, list[Any]],
+                     wall_s: float) -> dict[str, Any]:
+    """A direct phase: client TTFT minus the worker's own time, with no router between
+    (`hop_overhead_ms`): the part of `added_latency_ms` that is not the router's."""
+    ok = [s for s in samples if s.ok]
+    over, worker_ms, ttft = [], [], []
+    for s in ok:
+        ttft.append((s.t_first - s.t_send) * 1e3)
+        if (rec := records.get(s.label)) is not None:
+            worker_ms.append((rec[3] - rec[2]) * 1e3)
+            over.append(ttft[-1] - worker_ms[-1])
+    return {"requests": len(samples), "ok": len(ok), "errors": _errors(samples),
+            "wall_s": round(wall_s, 2), "requests_per_s": round(len(ok) / wall_s, 1),
+            "hop_overhead_ms": dist(over), "client_ttft_ms": dist(ttft),
+            "worker_time_ms": dist(worker_ms), "matched_worker_records": len(over)}
+
+
+def router_added(light: dict[str, Any], direct: dict[str, Any]) -> dict[str, float | None]:
+    """What the router adds to TTFT: the light phase's added latency minus the direct
+    phase's hop overhead, quantile by quantile (the same arrivals, the same workers and
+    client code, one after the other; not paired request by request)."""
+    out: dict[str, float | None] = {}
+    for q in ("p50", "p90", "p99"):
+        a, b = light["added_latency_ms"].get(q), direct["hop_overhead_ms"].get(q)
+        out[q] = None if a is None or b is None else round(a - b, 4)
+    return out
+
+
+def summarize(samples: list[Sample], records: dict[str, list[Any]], wall_s: float,
+              router_cpu_s: float, router_core_busy: float,
+              metrics0: dict[str, float], metrics1: dict[str, float]) -> dict[str, Any]:
+    ok = [s for s in samples if s.ok]
+    errors = _errors(samples)
     added, inbound, outbound, worker_ms, ttft, router_side = [], [], [], [], [], []
     prompt = cached = oracle = 0
     for s in ok:
@@ -682,6 +781,8 @@ async def run_workers(cfg: Config, n: int, workdir: Path, cpus: set[int]) -> dic
         idle_rate = (proc_cpu_s(pid) - c0) / (time.monotonic() - t0)
         out["router_idle_cpu_utilization"] = round(idle_rate, 4)
         client = Client(cluster.target, cluster.api_key)
+        direct = DirectClient(list(zip(cluster.info["workers"], cluster.info["addresses"],
+                                       strict=True)), cluster.secret, cfg.seed)
         rcpu = cluster.router_cpus[0]
         assert cluster.emu is not None
         emu_pid = cluster.emu.pid
@@ -695,10 +796,27 @@ async def run_workers(cfg: Config, n: int, workdir: Path, cpus: set[int]) -> dic
                 await run_phase(client, load, seconds=cfg.warmup_s,
                                 concurrency=max(1, cfg.concurrency // 2))
                 await asyncio.to_thread(cluster.command, f"dump {workdir}/discard.json")
-                for phase, kw in (("light", {"rate": cfg.light_rate,
-                                             "seconds": cfg.light_s}),
-                                  ("saturate", {"concurrency": cfg.concurrency,
-                                                "seconds": cfg.saturate_s})):
+                light_kw = {"rate": cfg.light_rate, "seconds": cfg.light_s}
+                phases = [("light", light_kw), ("direct", light_kw),
+                          ("saturate", {"concurrency": cfg.concurrency,
+                                        "seconds": cfg.saturate_s})]
+                for phase, kw in phases if cfg.direct else phases[::2]:
+                    if phase == "direct":
+                        samples, wall = await run_phase(direct, load, **kw)  # type: ignore[arg-type]
+                        path = workdir / f"records-{n}-{kind}-direct.json"
+                        await asyncio.to_thread(cluster.command, f"dump {path}")
+                        records = {r[0].rpartition(":")[2]: r
+                                   for r in json.loads(path.read_text())}
+                        res = summarize_direct(samples, records, wall)
+                        light = out["phases"][f"{kind}/light"]
+                        light["router_added_ms"] = router_added(light, res)
+                        out["phases"][f"{kind}/direct"] = res
+                        print(json.dumps({"workers": n, "phase": f"{kind}/direct",
+                                          "ok": res["ok"], "errors": res["errors"],
+                                          "hop_overhead_ms": res["hop_overhead_ms"],
+                                          "router_added_ms": light["router_added_ms"]}),
+                              flush=True)
+                        continue
                     m0 = await asyncio.to_thread(router_metrics, cluster.http)
                     c0, b0 = proc_cpu_s(pid), cpu_busy(rcpu)
                     e0, h0 = proc_cpu_s(emu_pid), proc_cpu_s(os.getpid())
@@ -741,7 +859,8 @@ async def run_workers(cfg: Config, n: int, workdir: Path, cpus: set[int]) -> dic
                                       "errors": res["errors"]}), flush=True)
         finally:
             await client.close()
-        out["bad_token_requests"] = client.bad_tokens
+            await direct.close()
+        out["bad_token_requests"] = client.bad_tokens + direct.bad_tokens
         if cfg.verify_index:
             out["index_check"] = await verify_index(cluster, workdir)
         out["router_rss_end_bytes"] = proc_rss(pid)
@@ -783,6 +902,7 @@ def verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:
             dec = ph.get("decisions_per_s_from_route_ms") or 0
             dec_cpu = ph.get("decisions_per_cpu_s") or 0
             added = light.get("added_latency_ms", {})
+            mine = light.get("router_added_ms", {})  # over the direct baseline
             out.append({
                 "workers": r["workers"], "workload": name.split("/")[0],
                 "decision_only_per_s": dec,
@@ -797,6 +917,10 @@ def verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:
                 "added_ms_p50_light": added.get("p50"), "added_ms_p99_light": added.get("p99"),
                 "added_meets_latency": (added.get("p50") or 9) <= TARGET_P50_MS
                 and (added.get("p99") or 9) <= TARGET_P99_MS,
+                "router_added_ms_p50_light": mine.get("p50"),
+                "router_added_ms_p99_light": mine.get("p99"),
+                "router_added_meets_latency": (mine.get("p50") or 9) <= TARGET_P50_MS
+                and (mine.get("p99") or 9) <= TARGET_P99_MS,
             })
     return out
 
@@ -815,6 +939,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=None)
     p.add_argument("--router-log-level", default=None)
     p.add_argument("--no-verify", action="store_true")
+    p.add_argument("--no-direct", action="store_true",
+                   help="skip the direct phase (the router's added-latency baseline)")
     p.add_argument("--autogroup-nice", type=int, default=None,
                    help="on a machine other sessions share (Linux autogroups: each session "
                    "gets an equal CPU share whatever its processes' nice), set this "
@@ -834,6 +960,8 @@ def main(argv: list[str] | None = None) -> int:
         over["workloads"] = tuple(args.workloads)
     if args.no_verify:
         over["verify_index"] = False
+    if args.no_direct:
+        over["direct"] = False
     if args.autogroup_nice is not None:
         Path("/proc/self/autogroup").write_text(str(args.autogroup_nice))
         over["autogroup_nice"] = args.autogroup_nice

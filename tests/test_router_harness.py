@@ -60,6 +60,12 @@ def test_harness_quick(tmp_path: Path) -> None:
     for name, phase in res["phases"].items():
         assert phase["errors"] == {}, name
         assert phase["ok"] == phase["requests"] > 0, name
+        if name.endswith("/direct"):  # straight to the workers: the latency baseline
+            assert phase["matched_worker_records"] == phase["ok"], name
+            assert phase["hop_overhead_ms"]["n"] == phase["ok"], name
+            light = res["phases"][name.replace("direct", "light")]
+            assert set(light["router_added_ms"]) == {"p50", "p90", "p99"}, name
+            continue
         # every request was seen by a worker, with the router's own timings
         assert phase["matched_worker_records"] == phase["ok"], name
         assert phase["route_ms"]["n"] == phase["ok"], name
@@ -69,6 +75,7 @@ def test_harness_quick(tmp_path: Path) -> None:
         assert phase["oracle_hit_rate"] >= phase["prefix_hit_rate"], name
         total += phase["ok"]
     assert total >= 24
+    assert any(name.endswith("/direct") for name in res["phases"])
     check = res["index_check"]
     assert check["router_equals_workers"], check
     assert check["follower_index_equals_caches"], check
