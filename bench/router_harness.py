@@ -34,8 +34,10 @@ workers warmed their caches with):
   (log-uniform), 1-32 output tokens, classes 20% interactive / 60% standard / 20% batch.
 
 Phases per worker count and workload: a warm-up (not counted), then ``light`` (Poisson
-arrivals at --light-rate for --light-s: latency with little queueing) and ``saturate``
-(--concurrency closed loops for --saturate-s: the most the whole setup serves).
+arrivals at --light-rate for --light-s: latency with little queueing), ``direct`` (the same
+arrivals, as long, sent by the load generator straight to a random worker with the router's
+own client code, `router.clients.DecodeClient`, and credentials; --no-direct skips it) and
+``saturate`` (--concurrency closed loops for --saturate-s: the most the whole setup serves).
 
 Per phase: requests/s served; the router process's CPU time (/proc/PID/stat) per request,
 and so the full-path requests/s the router would do with its one core 100% busy; the
@@ -48,7 +50,10 @@ the core while a placement runs; and the same from CPU time: `Router.place`'s th
 (pdserve_router_decisions_total) = `decisions_per_cpu_s`, what one core can place; added
 latency = client-observed TTFT minus the worker's own time (from its Generate reaching the
 worker to its first token leaving the engine, same CLOCK_MONOTONIC), split into the inbound
-(client -> router -> worker) and outbound (worker -> router -> client) legs; the prefix-hit
+(client -> router -> worker) and outbound (worker -> router -> client) legs; what of it is
+the router's (`router_added_ms`): that minus the direct phase's (`hop_overhead_ms`: the
+client's hop to a worker and back, and the worker's gRPC and credential check outside its
+engine, which a request pays with no router too), quantile by quantile; the prefix-hit
 rate (prompt tokens the chosen worker's cache held when the request arrived) against the
 oracle (the most any worker's cache held at that moment, `CacheOracle`); KV events the
 router folded (its pdserve_router_kv_events_ops_total) per second. Every token of every
@@ -103,6 +108,7 @@ from pdserve.deathsig import guarded
 from pdserve.errors import PdserveError
 from pdserve.types import GenerateRequest, LatencyClass, SamplingParams
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from router.clients import DecodeClient
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_DECISIONS_PER_S = 10_000.0
@@ -336,6 +342,8 @@ class Conversation:
     system: int
     history: array
     busy: bool = False
+    home: int = -1  # a warm conversation: the worker (index) whose cache it started in
+    worker: str = ""  # the worker that served its last turn
 
 
 class Workload:
@@ -346,7 +354,7 @@ class Workload:
         self.kind = kind
         self.rng = random.Random(seed)
         self.systems: list[array] = corpus.systems
-        self.convs = [Conversation(-1, h) for _, h in corpus.conversations]
+        self.convs = [Conversation(-1, h, home=w) for w, h in corpus.conversations]
 
     def _tokens(self, n: int) -> array:
         r = self.rng.randrange
@@ -405,6 +413,7 @@ class Sample:
     route_ms: float | None = None
     ttft_router_ms: float | None = None
     cached_tokens: int = 0
+    worker: str = ""
 
 
 class _Caller:
@@ -418,7 +427,7 @@ class _Caller:
         self.bad_tokens = 0
 
     async def _stream(self, label: str, prompt: list[int], max_tokens: int, klass: str,
-                      s: Sample, got: list[int]) -> None:
+                      s: Sample, got: list[int], conv: Conversation | None) -> None:
         raise NotImplementedError
 
     async def one(self, prompt: list[int], max_tokens: int, klass: str,
@@ -428,7 +437,7 @@ class _Caller:
         s = Sample(label, len(prompt), time.monotonic())
         got: list[int] = []
         try:
-            await self._stream(label, prompt, max_tokens, klass, s, got)
+            await self._stream(label, prompt, max_tokens, klass, s, got, conv)
             s.t_done = time.monotonic()
             want = [emulated_token(len(prompt), prompt[-1], i) for i in range(max_tokens)]
             s.tokens = len(got)
@@ -444,6 +453,7 @@ class _Caller:
             if conv is not None:
                 if s.ok:
                     conv.history = array("i", prompt) + array("i", got)
+                    conv.worker = s.worker
                 conv.busy = False
         return s
 
@@ -460,7 +470,7 @@ class Client(_Caller):
         self.md = (("authorization", f"Bearer {api_key}"),)
 
     async def _stream(self, label: str, prompt: list[int], max_tokens: int, klass: str,
-                      s: Sample, got: list[int]) -> None:
+                      s: Sample, got: list[int], conv: Conversation | None) -> None:
         req = router_pb2.GenerateRequest(
             request_id=label, token_ids=router_pb2.TokenIds(ids=prompt),
             sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
@@ -471,6 +481,7 @@ class Client(_Caller):
             got.extend(resp.token_ids)
             if resp.finish_reason:
                 s.cached_tokens = resp.usage.cached_tokens
+                s.worker = resp.decode_worker
                 if resp.HasField("timings"):
                     s.route_ms = resp.timings.route_ms
                     s.ttft_router_ms = resp.timings.first_token_ms
@@ -482,31 +493,50 @@ class Client(_Caller):
 
 
 class DirectClient(_Caller):
-    """Straight to a decode worker (a random one), with the router's own client code
-    (router.clients.WorkerChannels / DecodeClient) and credentials: what a request's two
-    gRPC hops and the worker's own handling outside its engine cost with no router between,
-    the baseline the router's added latency is measured against."""
+    """Straight to a decode worker, with the router's own client code
+    (router.clients.DecodeClient) and credentials: what a request's two gRPC hops and the
+    worker's own handling outside its engine cost with no router between, the baseline the
+    router's added latency is measured against. Its worker is the one the request's cache
+    is likely on, as the router would choose (so the workers do the same work as under the
+    router): a conversation's last worker (or the one whose cache it started in), else the
+    last worker a conversation on the same system prompt went to, else a random one."""
 
     label_prefix = "d"
 
     def __init__(self, workers: Sequence[tuple[str, str]], secret: str, seed: int):
         from pdserve.rpc.auth import ClusterSecret
         from pdserve.rpc.transport import channel
-        from router.clients import DecodeClient
 
         super().__init__()
         md = ClusterSecret(secret.encode()).grpc_metadata()
         self.channels = [channel(address) for _, address in workers]
         self.workers = [DecodeClient(ch, worker_id=w, metadata=md)
                         for ch, (w, _) in zip(self.channels, workers, strict=True)]
+        self.by_id = {w.worker_id: w for w in self.workers}
+        self.by_system: dict[int, DecodeClient] = {}
         self.rng = random.Random(seed)
 
+    def _pick(self, conv: Conversation | None) -> DecodeClient:
+        if conv is None:
+            return self.rng.choice(self.workers)
+        w = self.by_id.get(conv.worker)
+        if w is None and 0 <= conv.home < len(self.workers):
+            w = self.workers[conv.home]
+        if w is None:
+            w = self.by_system.get(conv.system)
+        if w is None:
+            w = self.rng.choice(self.workers)
+        if conv.system >= 0:
+            self.by_system[conv.system] = w
+        return w
+
     async def _stream(self, label: str, prompt: list[int], max_tokens: int, klass: str,
-                      s: Sample, got: list[int]) -> None:
+                      s: Sample, got: list[int], conv: Conversation | None) -> None:
         req = GenerateRequest(label, tuple(prompt),
                               SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                               LatencyClass(klass))
-        worker = self.rng.choice(self.workers)
+        worker = self._pick(conv)
+        s.worker = worker.worker_id
         async for ev in worker.generate(req, first_token_timeout_s=120, token_timeout_s=120):
             if ev.token_id is not None:
                 if not s.t_first:
