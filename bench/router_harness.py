@@ -35,8 +35,9 @@ workers warmed their caches with):
 
 Phases per worker count and workload: a warm-up (not counted), then ``light`` (Poisson
 arrivals at --light-rate for --light-s: latency with little queueing), ``direct`` (the same
-arrivals, as long, sent by the load generator straight to a random worker with the router's
-own client code, `router.clients.DecodeClient`, and credentials; --no-direct skips it) and
+arrivals, as long, sent by the load generator straight to the worker the request's cache is
+likely on, with the router's own client code, `router.clients.DecodeClient`, and
+credentials: `DirectClient`; --no-direct skips it) and
 ``saturate`` (--concurrency closed loops for --saturate-s: the most the whole setup serves).
 
 Per phase: requests/s served; the router process's CPU time (/proc/PID/stat) per request,
