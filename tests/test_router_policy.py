@@ -128,7 +128,7 @@ def test_heartbeats_rewrite_only_their_rows_and_equal_a_rebuild() -> None:
                 workers[i] = dataclasses.replace(workers[i], load=_load(rng))
         got = table.columns(workers, index)
         want = placement._build(workers, index)
-        for name in (*placement._FLOAT_COLUMNS, "ids", "pos", "groups", "min_rate"):
+        for name in (*placement._FLOAT_COLUMNS, "ids", "groups", "min_rate"):
             assert np.array_equal(getattr(got, name), getattr(want, name)), (step, name)
         assert got.workers == tuple(workers) and np.array_equal(before.running, kept)
 
@@ -155,7 +155,7 @@ def test_a_named_listing_is_answered_by_its_name_and_a_new_name_sees_the_change(
         listing = (generation, False, 0) if named else None
         got = table.columns(workers, index, listing=listing)
         want = placement._build(workers, index)
-        for name in (*placement._FLOAT_COLUMNS, "ids", "pos", "min_rate"):
+        for name in (*placement._FLOAT_COLUMNS, "ids", "min_rate"):
             assert np.array_equal(getattr(got, name), getattr(want, name)), (generation, name)
         if named:
             assert table.columns(workers, index, listing=listing) is got
