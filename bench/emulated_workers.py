@@ -39,7 +39,7 @@ import os
 import sys
 import time
 from array import array
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,7 +143,7 @@ class RecordingDecodeWorker(DecodeWorker):
         self.records = records
         self.oracle = oracle
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         t_recv = time.monotonic()
         eng: EmulatedEngine = self.engine  # type: ignore[assignment]
         hashes = block_hashes(req.token_ids, BLOCK_SIZE, eng.block_manager.hash_extra)

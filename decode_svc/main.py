@@ -86,7 +86,7 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
                     auth=auth.cluster_interceptor(config.cluster_secret),
                     max_message_bytes=config.grpc_max_message_bytes(aengine.max_model_len),
                     max_concurrent_rpcs=config.grpc_max_concurrent_rpcs())
-                servicer.add_to_server(worker, server)
+                decode_servicer = servicer.add_to_server(worker, server)
                 async with serving("decode_worker", server, SERVICE, config.host, config.port,
                                    config.server_credentials()) as service:
                     address = service.advertised(config.advertise_host or config.host)
@@ -110,6 +110,10 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
 
                     # Prefix-cache events for the routers' index, opening with a snapshot
                     # before we are listed, so a router never routes on a cache it cannot see.
+                    async def drain(budget_s: float) -> None:
+                        await worker.drained(budget_s)
+                        decode_servicer.end_sessions()  # idle router sessions end now
+
                     kv_events = KVEventPublisher(
                         KVEventStreams(registry), aengine, lambda: aengine.kv_event_count,
                         worker_id=config.worker_id, epoch=epoch,
@@ -120,7 +124,7 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
                             stop, ready, register=register, deregister=registry.deregister,
                             # Routers drop us within one directory poll (a heartbeat); what
                             # they routed here before, and every running stream, is served.
-                            drain=Drain(config.drain_timeout_s, worker.drained,
+                            drain=Drain(config.drain_timeout_s, drain,
                                         linger_s=config.heartbeat_s, min_grace_s=5.0),
                             ready_fields=dict(worker_id=config.worker_id, grpc=address,
                                               ucx=receiver.address, metrics_port=mport,

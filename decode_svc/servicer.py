@@ -2,18 +2,24 @@
 
 Requests are validated like the router's (`convert.request_from_proto`: request id, sampling,
 prompt plus max_tokens within this engine's context); client mistakes are INVALID_ARGUMENT.
+`Session` carries many Generate requests on one call (decode.proto): each runs as Generate
+would, its failure reported in a message instead of the call's status.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
+import structlog
 
 from decode_svc.worker import DecodeWorker
+from pdserve.errors import CapacityError, ErrorCode, InvalidRequestError
 from pdserve.kv_layout import KVDestination
 from pdserve.rpc import convert
+from pdserve.rpc.errors import reported
 from pdserve.runtime import logs_request_id
 from pdserve.types import GenerateRequest, check_request_id
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -22,6 +28,28 @@ from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker):
         self.worker = worker
+        self._sessions: set[_Session] = set()
+        self._ending = False
+
+    def end_sessions(self) -> None:
+        """Draining: every Session call ends (OK) once no request is left on it; a request
+        started on one from now on is refused (UNAVAILABLE: the router places it elsewhere)."""
+        self._ending = True
+        for session in list(self._sessions):
+            session.end()
+
+    async def Session(self, requests: AsyncIterator[decode_pb2.SessionRequest],
+                      context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[decode_pb2.SessionResponse]:
+        session = _Session(self)
+        self._sessions.add(session)
+        try:
+            if self._ending:
+                session.end()
+            async for msg in session.run(requests):
+                yield msg
+        finally:
+            self._sessions.discard(session)
 
     def _request(self, msg: decode_pb2.DecodeGenerateRequest | decode_pb2.AllocateRequest
                  | decode_pb2.AllocateAndGenerateRequest) -> GenerateRequest:
@@ -89,6 +117,97 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                                              self.worker.engine.layout)
 
 
-def add_to_server(worker: DecodeWorker, server: grpc.aio.Server) -> None:
+class _Session:
+    """One Session call: each request it starts runs in a task of its own, whose chunks (or
+    error) go onto one queue that the call writes from. The call ending, however it ends,
+    cancels the requests still running: their blocks are freed as a cancelled Generate's."""
+
+    def __init__(self, servicer: DecodeServicer) -> None:
+        self._servicer = servicer
+        self._out: asyncio.Queue[decode_pb2.SessionResponse | None] = asyncio.Queue()
+        self._running: dict[int, asyncio.Task[None]] = {}
+        self._reading = True
+        self._ending = False
+        self._failed: Exception | None = None  # the caller broke the protocol
+
+    def end(self) -> None:
+        self._ending = True
+        self._maybe_done()
+
+    def _maybe_done(self) -> None:
+        if (self._ending or not self._reading) and not self._running:
+            self._out.put_nowait(None)
+
+    async def run(self, requests: AsyncIterator[decode_pb2.SessionRequest]
+                  ) -> AsyncIterator[decode_pb2.SessionResponse]:
+        reader = asyncio.get_running_loop().create_task(self._read(requests))
+        try:
+            while (msg := await self._out.get()) is not None:
+                yield msg
+            if self._failed is not None:
+                raise self._failed
+        finally:
+            reader.cancel()
+            for task in list(self._running.values()):
+                task.cancel()
+
+    async def _read(self, requests: AsyncIterator[decode_pb2.SessionRequest]) -> None:
+        try:
+            async for msg in requests:
+                kind = msg.WhichOneof("kind")
+                if kind == "generate":
+                    self._start(msg.stream, msg.generate)
+                elif kind == "cancel" and (task := self._running.get(msg.stream)) is not None:
+                    task.cancel()
+        except InvalidRequestError as exc:
+            self._failed = exc
+            self._ending = True
+            for task in list(self._running.values()):
+                task.cancel()
+        finally:
+            self._reading = False
+            self._maybe_done()
+
+    def _start(self, stream: int, msg: decode_pb2.DecodeGenerateRequest) -> None:
+        if stream in self._running:
+            raise InvalidRequestError(f"session stream {stream} is already running",
+                                      code=ErrorCode.INVALID_MESSAGE)
+        if self._ending:
+            self._reply_error(stream, CapacityError(
+                f"decode worker {self._servicer.worker.worker_id} is draining",
+                code=ErrorCode.WORKER_UNAVAILABLE), None)
+            return
+        task = asyncio.get_running_loop().create_task(self._generate(stream, msg))
+        self._running[stream] = task
+
+        def done(_: asyncio.Task[None]) -> None:
+            del self._running[stream]
+            self._maybe_done()
+        task.add_done_callback(done)
+
+    async def _generate(self, stream: int, msg: decode_pb2.DecodeGenerateRequest) -> None:
+        request_id = None
+        try:
+            req = self._servicer._request(msg)
+            request_id = req.request_id
+            with structlog.contextvars.bound_contextvars(request_id=request_id):
+                async with contextlib.aclosing(self._servicer.worker.generate(req)) as events:
+                    async for ev in events:
+                        self._out.put_nowait(decode_pb2.SessionResponse(
+                            stream=stream, token=convert.token_event_to_chunk(ev)))
+        except Exception as exc:  # reported as a Generate call's status would be
+            self._reply_error(stream, exc, request_id)
+
+    def _reply_error(self, stream: int, exc: Exception, request_id: str | None) -> None:
+        status, message, code, param = reported(exc, "/pdserve.v1.DecodeWorker/Session",
+                                                request_id)
+        error = decode_pb2.SessionError(status=status.value[0], message=message, code=code,
+                                        param=param or "")
+        self._out.put_nowait(decode_pb2.SessionResponse(stream=stream, error=error))
+
+
+def add_to_server(worker: DecodeWorker, server: grpc.aio.Server) -> DecodeServicer:
     """Serve ``worker`` as the pdserve.v1.DecodeWorker API on ``server``."""
-    decode_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker), server)
+    servicer = DecodeServicer(worker)
+    decode_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+    return servicer

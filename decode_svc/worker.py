@@ -113,7 +113,7 @@ class DecodeWorker:
 
     # ------------------------------------------------------------------ local prefill
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         self._admit()
         self.active_streams += 1
         outcome, last = "cancelled", None

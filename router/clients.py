@@ -8,13 +8,20 @@ project's exceptions (`pdserve.errors`: CapacityError when a worker is busy or g
 KVTransferError, TimeoutError past a deadline, ...). Nothing outside this module and the
 servicers sees a `_pb2` message or a `grpc.aio.AioRpcError`.
 
+A decode client sends its local requests (`generate`) as messages on one long-lived
+`DecodeWorker.Session` call (`_Session`) instead of a call each: no HTTP/2 stream, headers or
+server call is set up per request. A worker that does not serve Session (an older version)
+gets a Generate call per request, as does every request with `sessions=False`.
+
 `WorkerChannels` keeps one channel per worker address and hands out clients on it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+import contextlib
+import itertools
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar, cast
 
 import grpc
@@ -25,7 +32,7 @@ from pdserve.control.workers import WorkerInfo
 from pdserve.errors import CapacityError, ErrorCode, WorkerTimeoutError
 from pdserve.kv_layout import KVDestination
 from pdserve.rpc import convert
-from pdserve.rpc.errors import error_from_rpc
+from pdserve.rpc.errors import error_from_rpc, error_from_status
 from pdserve.rpc.metadata import request_id_metadata
 from pdserve.rpc.tls import TLSConfig
 from pdserve.rpc.transport import channel
@@ -63,12 +70,15 @@ class _Client:
 
 
 class DecodeClient(_Client):
-    """One decode worker (`pdserve.v1.DecodeWorker`)."""
+    """One decode worker (`pdserve.v1.DecodeWorker`). With `sessions` (the default) local
+    requests travel on one Session call, opened at the first and again after it ends."""
 
     def __init__(self, channel: grpc.aio.Channel, *, worker_id: str = "",
-                 metadata: Iterable[tuple[str, str]] = ()):
+                 metadata: Iterable[tuple[str, str]] = (), sessions: bool = True):
         super().__init__(channel, worker_id=worker_id, metadata=metadata)
         self._stub = decode_pb2_grpc.DecodeWorkerStub(channel)
+        self._sessions = sessions
+        self._session: _Session | None = None
 
     async def cached_prefix(self, token_ids: tuple[int, ...] | list[int], *,
                             timeout_s: float) -> int:
@@ -79,11 +89,40 @@ class DecodeClient(_Client):
         return int(resp.num_cached_tokens)
 
     def generate(self, req: GenerateRequest, *, first_token_timeout_s: float,
-                 token_timeout_s: float) -> AsyncIterator[TokenEvent]:
-        """Prefill locally and decode; closing the iterator cancels the call."""
+                 token_timeout_s: float) -> AsyncGenerator[TokenEvent, None]:
+        """Prefill locally and decode; closing the iterator cancels the request."""
+        if self._sessions:
+            return self._session_events(req, first_token_timeout_s, token_timeout_s)
+        return self._call_events(req, first_token_timeout_s, token_timeout_s)
+
+    def _call_events(self, req: GenerateRequest, first_token_timeout_s: float,
+                     token_timeout_s: float) -> AsyncGenerator[TokenEvent, None]:
         call = self._stub.Generate(decode_pb2.DecodeGenerateRequest(
             input=convert.input_to_proto(req)), metadata=self._md(req.request_id))
         return _events(call, first_token_timeout_s, token_timeout_s)
+
+    async def _session_events(self, req: GenerateRequest, first_token_timeout_s: float,
+                              token_timeout_s: float) -> AsyncGenerator[TokenEvent, None]:
+        session = self._session
+        if session is None or session.ended is not None:
+            session = self._session = _Session(self._stub, self._md())
+        try:
+            async with contextlib.aclosing(session.events(
+                    req, first_token_timeout_s, token_timeout_s)) as events:
+                async for ev in events:
+                    yield ev
+            return
+        except _SessionUnsupported:
+            self._sessions = False  # an older worker: a call per request from now on
+        async with contextlib.aclosing(self._call_events(
+                req, first_token_timeout_s, token_timeout_s)) as events:
+            async for ev in events:
+                yield ev
+
+    def close(self) -> None:
+        """Cancel the Session call, if one is open (its requests fail WORKER_UNAVAILABLE)."""
+        if self._session is not None:
+            self._session.close()
 
     def generate_remote(self, req: GenerateRequest, *, lease_s: float,
                         allocate_timeout_s: float, transfer_timeout_s: float,
@@ -169,7 +208,7 @@ def _remote_chunk(msg: object) -> decode_pb2.TokenChunk:
 async def _events(call: grpc.aio.UnaryStreamCall, first_timeout_s: float,
                   token_timeout_s: float,
                   chunk_of: Callable[[object], decode_pb2.TokenChunk] = _chunk
-                  ) -> AsyncIterator[TokenEvent]:
+                  ) -> AsyncGenerator[TokenEvent, None]:
     """TokenEvents of a decode stream, up to the final one; every wait bounded; the call is
     cancelled however the consumer leaves."""
     try:
@@ -198,6 +237,100 @@ async def _read(call: grpc.aio.UnaryStreamCall, timeout_s: float) -> object:
         raise CapacityError("decode stream ended without a final token",
                             code=ErrorCode.WORKER_UNAVAILABLE)
     return msg
+
+
+class _SessionUnsupported(Exception):
+    """The worker answered Session UNIMPLEMENTED: no request reached it."""
+
+
+_STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
+
+
+class _Session:
+    """The router's side of one DecodeWorker.Session call. Every request is a message on it
+    (`events`); one reader task hands each reply to its request's queue, and one writer task
+    sends what requests queue, so starting or cancelling a request never waits. The call's
+    end, for whatever reason, ends every request on it (CapacityError: the router places
+    them again, as it does when a Generate call fails)."""
+
+    def __init__(self, stub: decode_pb2_grpc.DecodeWorkerStub, metadata: Metadata) -> None:
+        self._call = stub.Session(metadata=metadata)
+        self._waiting: dict[int, asyncio.Queue[decode_pb2.SessionResponse | None]] = {}
+        self._ids = itertools.count(1)
+        self._out: asyncio.Queue[decode_pb2.SessionRequest] = asyncio.Queue()
+        self.ended: str | None = None  # why the call ended, once it has
+        self._unsupported = False
+        loop = asyncio.get_running_loop()
+        self._writer = loop.create_task(self._write())
+        self._reader = loop.create_task(self._read())
+
+    async def _write(self) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
+            while True:  # a failed write ends the call: the reader reports it
+                await self._call.write(await self._out.get())
+
+    async def _read(self) -> None:
+        why = "the decode worker ended the session"
+        try:
+            while (msg := await self._call.read()) is not grpc.aio.EOF:
+                reply = cast(decode_pb2.SessionResponse, msg)
+                if (waiting := self._waiting.get(reply.stream)) is not None:
+                    waiting.put_nowait(reply)
+        except grpc.aio.AioRpcError as exc:
+            self._unsupported = exc.code() == grpc.StatusCode.UNIMPLEMENTED
+            why = f"the session with the decode worker failed: {error_from_rpc(exc)}"
+        finally:
+            self.ended = why
+            self._writer.cancel()
+            for waiting in self._waiting.values():
+                waiting.put_nowait(None)
+
+    def close(self) -> None:
+        self._call.cancel()
+
+    async def events(self, req: GenerateRequest, first_timeout_s: float,
+                     token_timeout_s: float) -> AsyncGenerator[TokenEvent, None]:
+        """`req`'s events on this call, up to the final one; every wait bounded; leaving
+        before the final one cancels the request on the worker."""
+        stream = next(self._ids)
+        waiting = self._waiting[stream] = asyncio.Queue()
+        over = False
+        try:
+            if self.ended is not None:
+                waiting.put_nowait(None)
+            else:
+                self._out.put_nowait(decode_pb2.SessionRequest(
+                    stream=stream, generate=decode_pb2.DecodeGenerateRequest(
+                        input=convert.input_to_proto(req))))
+            timeout = first_timeout_s
+            while True:
+                try:
+                    async with asyncio.timeout(timeout):
+                        reply = await waiting.get()
+                except TimeoutError as exc:
+                    raise WorkerTimeoutError(
+                        f"decode worker sent nothing for {timeout:.0f}s") from exc
+                if reply is None:
+                    over = True
+                    if self._unsupported:
+                        raise _SessionUnsupported
+                    raise CapacityError(f"{self.ended} before the final token",
+                                        code=ErrorCode.WORKER_UNAVAILABLE)
+                if reply.WhichOneof("kind") == "error":
+                    over = True
+                    e = reply.error
+                    status = _STATUS_BY_NUMBER.get(e.status, grpc.StatusCode.UNKNOWN)
+                    raise error_from_status(status, e.message, e.code or None, e.param or None)
+                ev = convert.token_event_from_chunk(reply.token)
+                over = ev.finished
+                yield ev
+                if over:
+                    return
+                timeout = token_timeout_s
+        finally:
+            del self._waiting[stream]
+            if not over and self.ended is None:
+                self._out.put_nowait(decode_pb2.SessionRequest(stream=stream, cancel=True))
 
 
 class RemoteStream:
@@ -250,8 +383,9 @@ class WorkerChannels:
 
     def __init__(self, metadata: Iterable[tuple[str, str]] = (), *,
                  interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
-                 tls: TLSConfig | None = None) -> None:
+                 tls: TLSConfig | None = None, sessions: bool = True) -> None:
         self._tls = tls
+        self._sessions = sessions  # decode clients' local requests on a Session call
         self._channels: dict[str, grpc.aio.Channel] = {}
         # Clients by (address, worker id), kept with their channel: a client's stubs make a
         # callable per RPC method, too much to build again for every request.
@@ -269,7 +403,12 @@ class WorkerChannels:
         return ch
 
     def decode(self, w: WorkerInfo) -> DecodeClient:
-        return self._client(self._decode, DecodeClient, w)
+        key = (w.grpc_address, w.worker_id)
+        if (client := self._decode.get(key)) is None:
+            client = self._decode[key] = DecodeClient(
+                self._channel(w.grpc_address), worker_id=w.worker_id, metadata=self._metadata,
+                sessions=self._sessions)
+        return client
 
     def prefill(self, w: WorkerInfo) -> PrefillClient:
         return self._client(self._prefill, PrefillClient, w)

@@ -169,6 +169,7 @@ def test_stubs_define_the_services() -> None:
     assert methods(router_pb2, "Router") == {"Generate", "Abort"}
     assert methods(decode_pb2, "DecodeWorker") == {
         "Generate",
+        "Session",  # many Generate requests on one call (the router's way)
         "AllocateAndGenerate",
         "AllocateRemote",  # deprecated: served one more release, not used by the router
         "GenerateRemote",  # deprecated with AllocateRemote

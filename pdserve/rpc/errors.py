@@ -152,16 +152,26 @@ def _check_decoded(request: Any) -> None:
                                   code=ErrorCode.INVALID_MESSAGE)
 
 
-async def _abort(
-    context: grpc.aio.ServicerContext, exc: Exception, method: str, request_id: str | None
-) -> None:
-    status, code, _ = status_for(exc)
+def reported(exc: Exception, method: str, request_id: str | None
+             ) -> tuple[grpc.StatusCode, str, str, str | None]:
+    """(status, message, code, param) a handler's failure is reported as, logged here: a
+    PdserveError (or TimeoutError) keeps its message, clipped; anything else is an internal
+    error, logged with its traceback. A multiplexed call (DecodeWorker.Session) reports each
+    request's failure with these in a message instead of the call's status."""
+    status, code, param = status_for(exc)
     if isinstance(exc, PdserveError | TimeoutError | NotImplementedError):
         message = _clip(str(exc) or code)
         log.info("%s failed: %s (%s, request_id=%s)", method, message, code, request_id)
     else:
         message = _clip(f"internal error: {type(exc).__name__}: {exc}")
         log.exception("%s failed unexpectedly (request_id=%s)", method, request_id)
+    return status, message, code, param
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext, exc: Exception, method: str, request_id: str | None
+) -> None:
+    status, message, _, _ = reported(exc, method, request_id)
     await context.abort(status, message, trailing_metadata=_error_metadata(exc, request_id))
 
 
@@ -234,8 +244,13 @@ def error_from_rpc(exc: grpc.RpcError) -> PdserveError | TimeoutError:
     trailers: Iterable[tuple[str, Any]] = (
         exc.trailing_metadata()  # type: ignore[assignment]
         if callable(getattr(exc, "trailing_metadata", None)) else ())
-    code = metadata_value(trailers, ERROR_CODE_KEY)
-    param = metadata_value(trailers, ERROR_PARAM_KEY)
+    return error_from_status(status, message, metadata_value(trailers, ERROR_CODE_KEY),
+                             metadata_value(trailers, ERROR_PARAM_KEY))
+
+
+def error_from_status(status: grpc.StatusCode, message: str, code: str | None,
+                      param: str | None = None) -> PdserveError | TimeoutError:
+    """`error_from_rpc` for a failure received as its parts (`reported`'s, in a message)."""
     if code is None and status == grpc.StatusCode.UNAVAILABLE:
         code = ErrorCode.WORKER_UNAVAILABLE
     return rebuild(_KIND_BY_STATUS.get(status, ErrorKind.INTERNAL), code, message, param)
