@@ -138,6 +138,9 @@ class Config:
     saturate_s: float = 25.0
     seed: int = 1
     router_log_level: str = "info"
+    # The router's local requests on one Session call per worker (its default); False runs
+    # it with --no-worker-sessions, a Generate call per request.
+    worker_sessions: bool = True
     verify_index: bool = True
     model: str = "default"
     autogroup_nice: int | None = None
@@ -269,7 +272,8 @@ class Cluster:
         argv = [sys.executable, "-m", "pdserve.cli", "router", "--port", str(self.grpc_port),
                 "--http-port", str(self.http_port), "--namespace", self.namespace,
                 "--host", "127.0.0.1", "--model", str(self.model_dir), "--no-admission",
-                "--log-level", self.cfg.router_log_level]
+                "--log-level", self.cfg.router_log_level,
+                *([] if self.cfg.worker_sessions else ["--no-worker-sessions"])]
         # A session of its own: with --autogroup-nice it gets the same priority as the
         # harness's processes, but its own CPU share on its core. The log is the child's: our
         # copy of its descriptor is closed once it is started.
@@ -511,7 +515,9 @@ class DirectClient(_Caller):
         super().__init__()
         md = ClusterSecret(secret.encode()).grpc_metadata()
         self.channels = [channel(address) for _, address in workers]
-        self.workers = [DecodeClient(ch, worker_id=w, metadata=md)
+        # A Generate call per request, as any client of a worker makes (the router's API is
+        # a call per request too): the router's Session calls are part of what it adds.
+        self.workers = [DecodeClient(ch, worker_id=w, metadata=md, sessions=False)
                         for ch, (w, _) in zip(self.channels, workers, strict=True)]
         self.by_id = {w.worker_id: w for w in self.workers}
         self.by_system: dict[int, DecodeClient] = {}
@@ -972,6 +978,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-verify", action="store_true")
     p.add_argument("--no-direct", action="store_true",
                    help="skip the direct phase (the router's added-latency baseline)")
+    p.add_argument("--no-worker-sessions", action="store_true",
+                   help="run the router with --no-worker-sessions (a Generate call per "
+                   "request to a decode worker)")
     p.add_argument("--autogroup-nice", type=int, default=None,
                    help="on a machine other sessions share (Linux autogroups: each session "
                    "gets an equal CPU share whatever its processes' nice), set this "
@@ -993,6 +1002,8 @@ def main(argv: list[str] | None = None) -> int:
         over["verify_index"] = False
     if args.no_direct:
         over["direct"] = False
+    if args.no_worker_sessions:
+        over["worker_sessions"] = False
     if args.autogroup_nice is not None:
         Path("/proc/self/autogroup").write_text(str(args.autogroup_nice))
         over["autogroup_nice"] = args.autogroup_nice

@@ -270,7 +270,7 @@ class _Session:
                 await self._call.write(await self._out.get())
 
     async def _read(self) -> None:
-        why = "the decode worker ended the session"
+        why = "the decode worker ended the session (it is draining)"
         try:
             while (msg := await self._call.read()) is not grpc.aio.EOF:
                 reply = cast(decode_pb2.SessionResponse, msg)

@@ -274,6 +274,12 @@ class RouterProcessConfig:
     max_request_bytes: int = setting(
         1 << 20, "largest HTTP request body (else 413) and gRPC request message (else "
         "RESOURCE_EXHAUSTED)", ge=1, group=SERVER)
+    # Local requests to a decode worker ride one long-lived Session call per worker (no
+    # call set up per request: router.clients); off, each is a Generate call of its own.
+    worker_sessions: bool = setting(
+        True, "send each decode worker's local requests as Generate calls of their own, "
+        "not as messages on one Session call", flag="--no-worker-sessions", negate=True,
+        group=SERVER)
     router: RouterConfig = field(default_factory=RouterConfig, metadata=nested())
     drain_timeout_s: float = setting(
         30.0, "seconds a stopping router lets in-flight requests finish", ge=0, group=SERVER)

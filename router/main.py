@@ -44,7 +44,8 @@ async def run_router(config: RouterProcessConfig, stop: asyncio.Event,
     secret = config.cluster_secret
     auth.warn_unauthenticated(secret, "router")
     tls = config.tls
-    channels = WorkerChannels(() if secret is None else secret.grpc_metadata(), tls=tls)
+    channels = WorkerChannels(() if secret is None else secret.grpc_metadata(), tls=tls,
+                              sessions=config.worker_sessions)
     # Only workers whose records are signed under the cluster secret, serving these weights,
     # are ever listed: they alone get prompts, requests and the cluster token.
     signer = signer_for(secret, config.namespace)

@@ -30,7 +30,7 @@ from pdserve.rpc import transport as gu
 from pdserve.rpc.auth import CLUSTER_TOKEN_KEY, ClusterSecret
 from pdserve.rpc.errors import ERROR_CODE_KEY
 from pdserve.rpc.metadata import metadata_value
-from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.helpers.cluster_util import cluster_fixture
 
 pytestmark = pytest.mark.timeout(900)
@@ -91,6 +91,15 @@ async def test_workers_refuse_calls_without_the_cluster_credential(
                                                   transfer_id="t"))
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await prefill_pb2_grpc.PrefillWorkerStub(ch).Prefill(req, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # So is a decode worker's Session call, whatever requests it carries.
+    async with gu.insecure_channel(_addr(cluster, "decode-0")) as ch:
+        start = decode_pb2.SessionRequest(stream=1, generate=decode_pb2.DecodeGenerateRequest(
+            input=req.input))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in decode_pb2_grpc.DecodeWorkerStub(ch).Session(iter([start]),
+                                                                         timeout=30):
+                pass
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
