@@ -134,6 +134,9 @@ class Config:
     # After each light phase, as long again at its rate straight to the workers (`DirectClient`):
     # the baseline of the router's added latency (`router_added_ms`).
     direct: bool = True
+    # Then this many requests each way, one at a time, routed and direct in turn (`run_paired`):
+    # the router's added latency with no queueing and no drift between the two samples.
+    paired: int = 300
     concurrency: int = 48
     saturate_s: float = 25.0
     seed: int = 1
@@ -147,7 +150,7 @@ class Config:
 
 
 QUICK = Config(workers=(4,), index_blocks=20_000, warmup_s=1.0, idle_s=1.0, light_rate=20.0,
-               light_s=2.0, concurrency=8, saturate_s=2.0)
+               light_s=2.0, paired=20, concurrency=8, saturate_s=2.0)
 
 
 # ---------------------------------------------------------------------- processes
@@ -591,6 +594,19 @@ async def run_phase(client: _Caller, load: Workload, *, seconds: float,
     return samples, time.monotonic() - t0
 
 
+async def run_paired(routed: _Caller, direct: _Caller, load: Workload, n: int
+                     ) -> tuple[list[Sample], list[Sample]]:
+    """`n` requests through the router and `n` straight to the workers, one at a time and
+    in turn: each routed request's neighbours in time are direct ones, so a drift of the
+    machine (the emulator's load, the index, a collection) reaches both samples alike."""
+    a: list[Sample] = []
+    b: list[Sample] = []
+    for _ in range(n):
+        a.append(await routed.one(*load.next()))
+        b.append(await direct.one(*load.next()))
+    return a, b
+
+
 # ---------------------------------------------------------------------- statistics
 
 
@@ -647,6 +663,23 @@ def router_added(light: dict[str, Any], direct: dict[str, Any]) -> dict[str, flo
         a, b = light["added_latency_ms"].get(q), direct["hop_overhead_ms"].get(q)
         out[q] = None if a is None or b is None else round(a - b, 4)
     return out
+
+
+def summarize_paired(routed: list[Sample], direct: list[Sample],
+                     records: dict[str, list[Any]]) -> dict[str, Any]:
+    """A paired phase: the routed requests' added latency, the direct ones' hop overhead
+    (each client TTFT minus its worker's own time) and their difference by quantile."""
+    def over(samples: list[Sample]) -> list[float]:
+        return [(s.t_first - s.t_send) * 1e3 - (rec[3] - rec[2]) * 1e3
+                for s in samples if s.ok and (rec := records.get(s.label)) is not None]
+    added, hop = dist(over(routed)), dist(over(direct))
+    return {"requests": len(routed) + len(direct),
+            "ok": sum(s.ok for s in routed) + sum(s.ok for s in direct),
+            "errors": _errors(routed + direct), "added_latency_ms": added,
+            "hop_overhead_ms": hop,
+            "router_added_ms": {q: None if added[q] is None or hop[q] is None
+                                else round(added[q] - hop[q], 4)  # type: ignore[operator]
+                                for q in ("p50", "p90", "p99")}}
 
 
 def summarize(samples: list[Sample], records: dict[str, list[Any]], wall_s: float,
@@ -853,6 +886,20 @@ async def run_workers(cfg: Config, n: int, workdir: Path, cpus: set[int]) -> dic
                                           "hop_overhead_ms": res["hop_overhead_ms"],
                                           "router_added_ms": light["router_added_ms"]}),
                               flush=True)
+                        if cfg.paired:
+                            routed_s, direct_s = await run_paired(client, direct, load,
+                                                                  cfg.paired)
+                            path = workdir / f"records-{n}-{kind}-paired.json"
+                            await asyncio.to_thread(cluster.command, f"dump {path}")
+                            records = {r[0].rpartition(":")[2]: r
+                                       for r in json.loads(path.read_text())}
+                            res = summarize_paired(routed_s, direct_s, records)
+                            out["phases"][f"{kind}/paired"] = res
+                            print(json.dumps({"workers": n, "phase": f"{kind}/paired",
+                                              **{k: res[k] for k in (
+                                                  "ok", "errors", "added_latency_ms",
+                                                  "hop_overhead_ms", "router_added_ms")}}),
+                                  flush=True)
                         continue
                     m0 = await asyncio.to_thread(router_metrics, cluster.http)
                     c0, b0 = proc_cpu_s(pid), cpu_busy(rcpu)
@@ -940,6 +987,8 @@ def verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:
             dec_cpu = ph.get("decisions_per_cpu_s") or 0
             added = light.get("added_latency_ms", {})
             mine = light.get("router_added_ms", {})  # over the direct baseline
+            paired = r["phases"].get(name.replace("saturate", "paired"), {}).get(
+                "router_added_ms", {})  # one at a time, routed and direct in turn
             out.append({
                 "workers": r["workers"], "workload": name.split("/")[0],
                 "decision_only_per_s": dec,
@@ -958,6 +1007,10 @@ def verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:
                 "router_added_ms_p99_light": mine.get("p99"),
                 "router_added_meets_latency": (mine.get("p50") or 9) <= TARGET_P50_MS
                 and (mine.get("p99") or 9) <= TARGET_P99_MS,
+                "router_added_ms_p50_paired": paired.get("p50"),
+                "router_added_ms_p99_paired": paired.get("p99"),
+                "router_added_paired_meets_latency": (paired.get("p50") or 9) <= TARGET_P50_MS
+                and (paired.get("p99") or 9) <= TARGET_P99_MS,
             })
     return out
 
@@ -978,6 +1031,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-verify", action="store_true")
     p.add_argument("--no-direct", action="store_true",
                    help="skip the direct phase (the router's added-latency baseline)")
+    p.add_argument("--paired", type=int, default=None,
+                   help="requests each way in the paired phase (0: none; needs the direct "
+                   "phase)")
     p.add_argument("--no-worker-sessions", action="store_true",
                    help="run the router with --no-worker-sessions (a Generate call per "
                    "request to a decode worker)")
@@ -991,7 +1047,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cfg = QUICK if args.quick else Config()
     over = {k: getattr(args, k) for k in ("index_blocks", "time_scale", "light_rate",
-                                          "light_s", "saturate_s", "concurrency",
+                                          "light_s", "saturate_s", "concurrency", "paired",
                                           "router_log_level")
             if getattr(args, k) is not None}
     if args.workers:

@@ -77,9 +77,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         max_tokens = fit_max_tokens(len(ids), requested, self.router.max_model_len,
                                     default=sampling.max_tokens,
                                     param=which or "input")
-        return GenerateRequest(tenant.request_id(label), tuple(ids),
-                               dataclasses.replace(sampling, max_tokens=max_tokens),
-                               latency_class)
+        if max_tokens != sampling.max_tokens:  # else no second validation of the same
+            sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
+        return GenerateRequest(tenant.request_id(label), tuple(ids), sampling, latency_class)
 
     async def Generate(self, request: router_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext

@@ -97,11 +97,14 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     )
 
 
+_DEFAULT_SAMPLING = SamplingParams()  # frozen: one instance serves every unset field
+
+
 def sampling_from_proto(msg: common_pb2.SamplingParams | None) -> SamplingParams:
     """Unset fields take the domain defaults; raises InvalidRequestError on invalid values."""
     if msg is None:
-        return SamplingParams()
-    defaults = SamplingParams()
+        return _DEFAULT_SAMPLING
+    defaults = _DEFAULT_SAMPLING
     return SamplingParams(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else defaults.max_tokens,
         temperature=msg.temperature,
