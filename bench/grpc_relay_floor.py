@@ -1,7 +1,7 @@
 """The floor under the router's added latency: a bare grpc.aio relay, nothing else.
 
     python -m bench.grpc_relay_floor [--requests 400] [--tokens 8] [--prompt 1500] \\
-        [--loops asyncio uvloop] [--out docs/bench/grpc_relay_floor.json]
+        [--loops asyncio uvloop] [--modes call mux] [--out docs/bench/grpc_relay_floor.json]
 
 The router's added latency (bench.router_harness: client TTFT minus the worker's own time)
 is two gRPC hops in Python: the client's stream into the router, the router's stream into a
@@ -13,12 +13,14 @@ with no router in them, laid out as the harness lays the router out:
 - a **relay** (the router's place), in its own process pinned to CPU 0 with ``taskset``: a
   grpc.aio server whose method opens the same call on the server over one kept channel and
   yields what it reads, message by message, and nothing else (no parsing: bytes in, bytes
-  out);
+  out); with `--modes mux` also a relay that sends every request as a message on one long-lived
+  stream-stream call to the server and hands each reply to its request by a number on it
+  (the router's way to a decode worker: DecodeWorker.Session), no call set up per request;
 - the **client** (the load generator's place), in this process, pinned with the server to the
   other CPU(s): one request at a time, a `--prompt`-token request (int32 ids, as the router's
   proto carries them), TTFT measured at the client.
 
-Per loop implementation (the relay's asyncio loop: the standard one, and uvloop where it is
+Per relay (loop implementation x mode; the relay's asyncio loop: the standard one, and uvloop where it is
 installed; it is not a dependency of pdserve), interleaved in rounds: TTFT p50/p99 direct
 (client -> server) and relayed (client -> relay -> server), their difference (what one relay
 hop adds), and the relay's CPU time per request (/proc). The router's own added latency over
@@ -48,21 +50,72 @@ from pdserve.cluster import free_port, wait_port
 from pdserve.deathsig import guarded
 
 METHOD = "/floor.Relay/Generate"
+SESSION = "/floor.Relay/Session"
 _IDENT = (lambda b: b, lambda b: b)  # bytes in, bytes out: no (de)serialization
 
 
-def _handler(fn: Any) -> grpc.GenericRpcHandler:
-    return grpc.method_handlers_generic_handler("floor.Relay", {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            fn, request_deserializer=_IDENT[0], response_serializer=_IDENT[1])})
+def _handler(fn: Any, session: Any = None) -> grpc.GenericRpcHandler:
+    methods = {"Generate": grpc.unary_stream_rpc_method_handler(
+        fn, request_deserializer=_IDENT[0], response_serializer=_IDENT[1])}
+    if session is not None:
+        methods["Session"] = grpc.stream_stream_rpc_method_handler(
+            session, request_deserializer=_IDENT[0], response_serializer=_IDENT[1])
+    return grpc.method_handlers_generic_handler("floor.Relay", methods)
 
 
-async def _serve(port: int, upstream: int | None, tokens: int) -> None:
+class _Mux:
+    """The relay's side of one multiplexed stream to the server: every request is a message
+    on it (a 4-byte stream id, then the request), every reply one too (id, a last-message
+    byte, the payload); no call is set up per request."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._call = channel.stream_stream(SESSION, request_serializer=_IDENT[0],
+                                           response_deserializer=_IDENT[1])()
+        self._queues: dict[int, asyncio.Queue[bytes | None]] = {}
+        self._ids = 0
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        async for msg in self._call:
+            q = self._queues.get(int.from_bytes(msg[:4], "little"))
+            if q is not None:
+                q.put_nowait(msg[5:])
+                if msg[4]:
+                    q.put_nowait(None)
+
+    async def generate(self, request: bytes) -> Any:
+        self._ids += 1
+        sid = self._ids
+        q = self._queues[sid] = asyncio.Queue()
+        try:
+            await self._call.write(sid.to_bytes(4, "little") + request)
+            while (msg := await q.get()) is not None:
+                yield msg
+        finally:
+            del self._queues[sid]
+
+
+async def _serve(port: int, upstream: int | None, tokens: int, mux: bool = False) -> None:
     server = grpc.aio.server()
+    session = None
     if upstream is None:
         async def generate(request: bytes, context: Any) -> Any:
             for i in range(tokens):
                 yield i.to_bytes(4, "little") * 4
+
+        async def session(requests: Any, context: Any) -> Any:
+            async for request in requests:
+                for i in range(tokens):
+                    yield request[:4] + bytes([i == tokens - 1]) + i.to_bytes(4, "little") * 4
+    elif mux:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{upstream}")
+        state: dict[str, _Mux] = {}
+
+        async def generate(request: bytes, context: Any) -> Any:
+            if "mux" not in state:
+                state["mux"] = _Mux(channel)
+            async for msg in state["mux"].generate(request):
+                yield msg
     else:
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{upstream}")
         call_upstream = channel.unary_stream(METHOD, request_serializer=_IDENT[0],
@@ -71,7 +124,7 @@ async def _serve(port: int, upstream: int | None, tokens: int) -> None:
         async def generate(request: bytes, context: Any) -> Any:
             async for msg in call_upstream(request, timeout=30):
                 yield msg
-    server.add_generic_rpc_handlers((_handler(generate),))
+    server.add_generic_rpc_handlers((_handler(generate, session),))
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
@@ -83,13 +136,14 @@ def serve_main(argv: list[str]) -> None:
     p.add_argument("--upstream", type=int, default=None)
     p.add_argument("--tokens", type=int, default=8)
     p.add_argument("--loop", default="asyncio")
+    p.add_argument("--mux", action="store_true")
     a = p.parse_args(argv)
     factory = None
     if a.loop == "uvloop":
         import uvloop
         factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(_serve(a.port, a.upstream, a.tokens))
+        runner.run(_serve(a.port, a.upstream, a.tokens, a.mux))
 
 
 def _cpu_s(pid: int) -> float:
@@ -136,6 +190,9 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=1500)
     p.add_argument("--loops", nargs="+", default=["asyncio", *(
         ["uvloop"] if importlib.util.find_spec("uvloop") else [])])
+    p.add_argument("--modes", nargs="+", choices=("call", "mux"), default=["call"],
+                   help="the relay's way to the server: a call per request, or every request "
+                        "a message on one multiplexed stream")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
     ncpu = os.cpu_count() or 2
@@ -147,9 +204,11 @@ def main() -> None:
     relays = {}
     try:
         for loop in a.loops:
-            port = free_port()
-            procs.append(_start(port, "0", "--upstream", str(sport), "--loop", loop))
-            relays[loop] = (port, procs[-1].pid)
+            for mode in a.modes:
+                port = free_port()
+                procs.append(_start(port, "0", "--upstream", str(sport), "--loop", loop,
+                                    *(["--mux"] if mode == "mux" else [])))
+                relays[loop if mode == "call" else f"{loop}/{mode}"] = (port, procs[-1].pid)
         direct: list[float] = []
         relayed: dict[str, list[float]] = {k: [] for k in relays}
         cpu: dict[str, float] = dict.fromkeys(relays, 0.0)
