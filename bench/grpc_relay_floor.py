@@ -22,9 +22,9 @@ with no router in them, laid out as the harness lays the router out:
 
 Per relay (loop implementation x mode; the relay's asyncio loop: the standard one, and
 uvloop where it is installed; it is not a dependency of pdserve), interleaved in rounds:
-TTFT p50/p99 direct (client -> server) and relayed (client -> relay -> server), their difference (what one relay
-hop adds), and the relay's CPU time per request (/proc). The router's own added latency over
-this floor is what the router does beyond relaying.
+TTFT p50/p99 direct (client -> server) and relayed (client -> relay -> server), their
+difference (what one relay hop adds), and the relay's CPU time per request (/proc). The
+router's own added latency over this floor is what the router does beyond relaying.
 """
 
 from __future__ import annotations
