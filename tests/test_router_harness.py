@@ -66,6 +66,11 @@ def test_harness_quick(tmp_path: Path) -> None:
             light = res["phases"][name.replace("direct", "light")]
             assert set(light["router_added_ms"]) == {"p50", "p90", "p99"}, name
             continue
+        if name.endswith("/paired"):  # routed and direct in turn, every one matched
+            assert phase["ok"] == 2 * cfg.paired, name
+            assert phase["added_latency_ms"]["n"] == phase["hop_overhead_ms"]["n"] == cfg.paired
+            assert None not in phase["router_added_ms"].values(), name
+            continue
         # every request was seen by a worker, with the router's own timings
         assert phase["matched_worker_records"] == phase["ok"], name
         assert phase["route_ms"]["n"] == phase["ok"], name
@@ -76,6 +81,7 @@ def test_harness_quick(tmp_path: Path) -> None:
         total += phase["ok"]
     assert total >= 24
     assert any(name.endswith("/direct") for name in res["phases"])
+    assert any(name.endswith("/paired") for name in res["phases"])
     check = res["index_check"]
     assert check["router_equals_workers"], check
     assert check["follower_index_equals_caches"], check
