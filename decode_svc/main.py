@@ -108,12 +108,12 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
                                                           receiver.address, config.worker_id,
                                                           epoch)
 
-                    # Prefix-cache events for the routers' index, opening with a snapshot
-                    # before we are listed, so a router never routes on a cache it cannot see.
                     async def drain(budget_s: float) -> None:
                         await worker.drained(budget_s)
                         decode_servicer.end_sessions()  # idle router sessions end now
 
+                    # Prefix-cache events for the routers' index, opening with a snapshot
+                    # before we are listed, so a router never routes on a cache it cannot see.
                     kv_events = KVEventPublisher(
                         KVEventStreams(registry), aengine, lambda: aengine.kv_event_count,
                         worker_id=config.worker_id, epoch=epoch,

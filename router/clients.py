@@ -265,8 +265,10 @@ class _Session:
         self._reader = loop.create_task(self._read())
 
     async def _write(self) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
-            while True:  # a failed write ends the call: the reader reports it
+        # A write that fails, or finds the call over, ends the writer: the reader reports why.
+        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError,
+                                 asyncio.InvalidStateError):
+            while True:
                 await self._call.write(await self._out.get())
 
     async def _read(self) -> None:

@@ -286,13 +286,13 @@ class Router(AsyncResource):
             self.metrics.decisions.labels(decision.route.value, decision.reason).inc()
             # Logged once the first event is on its way (or the attempt ended without one):
             # rendering the line is not on the way to the client's first token.
-            decided: dict[str, object] | None = dict(
+            unlogged = [dict(
                 request_id=req.request_id, route=decision.route.value,
                 reason=decision.reason, uncached_tokens=decision.uncached_tokens,
                 prompt_tokens=len(req.prompt_token_ids), resumed_tokens=len(streamed),
                 decode=decode.worker_id, prefill=prefill.worker_id if prefill else None,
                 latency_class=req.latency_class.value,
-                predicted_ttft_s=decision.predicted_ttft_s)
+                predicted_ttft_s=decision.predicted_ttft_s)]
             try:
                 async with contextlib.aclosing(self._attempt(
                         sub, decode, prefill, decision, clock,
@@ -306,14 +306,12 @@ class Router(AsyncResource):
                         if ev.token_id is not None:
                             streamed.append(ev.token_id)
                         yield ev
-                        if decided is not None:
-                            log.info("route_decision", **decided)
-                            decided = None
+                        if unlogged:
+                            log.info("route_decision", **unlogged.pop())
                 return
             except _WORKER_FAILURES as exc:
-                if decided is not None:
-                    log.info("route_decision", **decided)
-                    decided = None
+                if unlogged:
+                    log.info("route_decision", **unlogged.pop())
                 code = code_of(exc)
                 if isinstance(exc, OverloadedError) or code == ErrorCode.FIRST_TOKEN_DEADLINE:
                     raise  # refused, or its deadline is spent: another placement cannot help
@@ -351,8 +349,8 @@ class Router(AsyncResource):
                             from_worker=decode.worker_id, resumed_tokens=len(streamed),
                             migration=migrations, error=describe(exc))
             finally:
-                if decided is not None:
-                    log.info("route_decision", **decided)
+                if unlogged:
+                    log.info("route_decision", **unlogged.pop())
                 self.ledger.release(req.request_id)
                 self._worker_ids.pop(req.request_id, None)
 
