@@ -184,7 +184,7 @@ async def test_a_worker_without_session_gets_a_call_per_request(
 
 async def test_draining_ends_sessions_after_their_requests(
         make_engine: Any, prompt_ids: list[list[int]]) -> None:
-    async with serve(make_engine) as served, client(served.address) as (c, counted):
+    async with serve(make_engine) as served, client(served.address) as (c, _):
         running = asyncio.ensure_future(tokens(c, request("running", prompt_ids[0], 40)))
         await until(lambda: served.worker.active_streams == 1)
         served.servicer.end_sessions()
