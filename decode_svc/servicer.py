@@ -38,9 +38,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         for session in list(self._sessions):
             session.end()
 
-    async def Session(self, requests: AsyncIterator[decode_pb2.SessionRequest],
+    async def Session(self, requests: AsyncIterator[decode_pb2.SessionRequests],
                       context: grpc.aio.ServicerContext
-                      ) -> AsyncIterator[decode_pb2.SessionResponse]:
+                      ) -> AsyncIterator[decode_pb2.SessionResponses]:
         session = _Session(self)
         self._sessions.add(session)
         try:
@@ -119,8 +119,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
 
 class _Session:
     """One Session call: each request it starts runs in a task of its own, whose chunks (or
-    error) go onto one queue that the call writes from. The call ending, however it ends,
-    cancels the requests still running: their blocks are freed as a cancelled Generate's."""
+    error) go onto one queue that the call writes from, everything queued in one message. The
+    call ending, however it ends, cancels the requests still running: their blocks are freed
+    as a cancelled Generate's."""
 
     def __init__(self, servicer: DecodeServicer) -> None:
         self._servicer = servicer
@@ -138,12 +139,23 @@ class _Session:
         if (self._ending or not self._reading) and not self._running:
             self._out.put_nowait(None)
 
-    async def run(self, requests: AsyncIterator[decode_pb2.SessionRequest]
-                  ) -> AsyncIterator[decode_pb2.SessionResponse]:
+    async def run(self, requests: AsyncIterator[decode_pb2.SessionRequests]
+                  ) -> AsyncIterator[decode_pb2.SessionResponses]:
         reader = asyncio.get_running_loop().create_task(self._read(requests))
+        out = self._out
         try:
-            while (msg := await self._out.get()) is not None:
-                yield msg
+            done = False
+            while not done:
+                batch = []
+                item = await out.get()
+                while item is not None:
+                    batch.append(item)
+                    if out.empty():
+                        break
+                    item = out.get_nowait()
+                done = item is None
+                if batch:
+                    yield decode_pb2.SessionResponses(responses=batch)
             if self._failed is not None:
                 raise self._failed
         finally:
@@ -151,14 +163,15 @@ class _Session:
             for task in list(self._running.values()):
                 task.cancel()
 
-    async def _read(self, requests: AsyncIterator[decode_pb2.SessionRequest]) -> None:
+    async def _read(self, requests: AsyncIterator[decode_pb2.SessionRequests]) -> None:
         try:
-            async for msg in requests:
-                kind = msg.WhichOneof("kind")
-                if kind == "generate":
-                    self._start(msg.stream, msg.generate)
-                elif kind == "cancel" and (task := self._running.get(msg.stream)) is not None:
-                    task.cancel()
+            async for batch in requests:
+                for msg in batch.requests:
+                    kind = msg.WhichOneof("kind")
+                    if kind == "generate":
+                        self._start(msg.stream, msg.generate)
+                    elif kind == "cancel" and (task := self._running.get(msg.stream)):
+                        task.cancel()
         except InvalidRequestError as exc:
             self._failed = exc
             self._ending = True

@@ -10,7 +10,7 @@ servicers sees a `_pb2` message or a `grpc.aio.AioRpcError`.
 
 A decode client sends its local requests (`generate`) as messages on one long-lived
 `DecodeWorker.Session` call (`_Session`) instead of a call each: no HTTP/2 stream, headers or
-server call is set up per request. A worker that does not serve Session (an older version)
+server call is set up per request, and what either side has queued travels as one message. A worker that does not serve Session (an older version)
 gets a Generate call per request, as does every request with `sessions=False`.
 
 `WorkerChannels` keeps one channel per worker address and hands out clients on it.
@@ -249,7 +249,8 @@ _STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
 class _Session:
     """The router's side of one DecodeWorker.Session call. Every request is a message on it
     (`events`); one reader task hands each reply to its request's queue, and one writer task
-    sends what requests queue, so starting or cancelling a request never waits. The call's
+    sends what requests queued (all of it in one message), so starting or cancelling a
+    request never waits. The call's
     end, for whatever reason, ends every request on it (CapacityError: the router places
     them again, as it does when a Generate call fails)."""
 
@@ -268,16 +269,20 @@ class _Session:
         # A write that fails, or finds the call over, ends the writer: the reader reports why.
         with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError,
                                  asyncio.InvalidStateError):
+            out = self._out
             while True:
-                await self._call.write(await self._out.get())
+                batch = [await out.get()]
+                while not out.empty():
+                    batch.append(out.get_nowait())
+                await self._call.write(decode_pb2.SessionRequests(requests=batch))
 
     async def _read(self) -> None:
         why = "the decode worker ended the session (it is draining)"
         try:
             while (msg := await self._call.read()) is not grpc.aio.EOF:
-                reply = cast(decode_pb2.SessionResponse, msg)
-                if (waiting := self._waiting.get(reply.stream)) is not None:
-                    waiting.put_nowait(reply)
+                for reply in cast(decode_pb2.SessionResponses, msg).responses:
+                    if (waiting := self._waiting.get(reply.stream)) is not None:
+                        waiting.put_nowait(reply)
         except grpc.aio.AioRpcError as exc:
             self._unsupported = exc.code() == grpc.StatusCode.UNIMPLEMENTED
             why = f"the session with the decode worker failed: {error_from_rpc(exc)}"

@@ -100,7 +100,7 @@ async def test_workers_refuse_calls_without_the_cluster_credential(
         call = decode_pb2_grpc.DecodeWorkerStub(ch).Session(timeout=30)
         # The write may already find the call refused (the client then fails it INTERNAL).
         with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
-            await call.write(start)
+            await call.write(decode_pb2.SessionRequests(requests=[start]))
         assert await call.code() == grpc.StatusCode.UNAUTHENTICATED
 
 

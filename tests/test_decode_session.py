@@ -207,3 +207,20 @@ async def test_a_session_that_breaks_fails_its_requests_as_worker_unavailable(
             await running
         assert lost.value.code == ErrorCode.WORKER_UNAVAILABLE
         await until(lambda: all_free(served.worker))  # the worker cancelled it too
+
+
+async def test_replies_queued_together_leave_in_one_message() -> None:
+    """The chunks of one engine step for many requests are one SessionResponses message."""
+    from pdserve.v1 import decode_pb2
+
+    session = decode_servicer._Session(None)  # type: ignore[arg-type]  # no request starts
+    for stream in (1, 2, 3):
+        session._out.put_nowait(decode_pb2.SessionResponse(stream=stream))
+    session._out.put_nowait(None)  # then the call ends
+
+    async def silent() -> AsyncIterator[decode_pb2.SessionRequests]:
+        await asyncio.Event().wait()
+        yield decode_pb2.SessionRequests()
+
+    batches = [b async for b in session.run(silent())]
+    assert [[r.stream for r in b.responses] for b in batches] == [[1, 2, 3]]
