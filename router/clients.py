@@ -10,8 +10,9 @@ servicers sees a `_pb2` message or a `grpc.aio.AioRpcError`.
 
 A decode client sends its local requests (`generate`) as messages on one long-lived
 `DecodeWorker.Session` call (`_Session`) instead of a call each: no HTTP/2 stream, headers or
-server call is set up per request, and what either side has queued travels as one message. A worker that does not serve Session (an older version)
-gets a Generate call per request, as does every request with `sessions=False`.
+server call is set up per request, and what either side has queued travels as one message.
+A worker that does not serve Session (an older version) gets a Generate call per request, as
+does every request with `sessions=False`.
 
 `WorkerChannels` keeps one channel per worker address and hands out clients on it.
 """
