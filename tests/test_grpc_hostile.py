@@ -514,6 +514,58 @@ RPCS = [
 ]
 
 
+def _session_like(rid: str) -> decode_pb2.SessionRequests:
+    start = decode_pb2.DecodeGenerateRequest(input=common_pb2.GenerateInput(
+        request_id=rid, prompt_token_ids=[1, 2, 3, 4], sampling=_sampling()))
+    return decode_pb2.SessionRequests(requests=[
+        decode_pb2.SessionRequest(stream=1, generate=start),
+        decode_pb2.SessionRequest(stream=2, cancel=True)])  # a number never started
+
+
+def test_fuzz_session(cluster: Cluster) -> None:
+    """DecodeWorker.Session carrying one generated SessionRequests message (mostly a valid
+    one with some fields made arbitrary) or bytes that are no message: the call ends OK or
+    INVALID_ARGUMENT, and every request on it that fails says INVALID_ARGUMENT or UNAVAILABLE,
+    as its Generate call would. Read up to the first reply, then cancelled, like the streams
+    of `test_fuzz`; the worker's pool is whole again afterwards."""
+    like = st.uuids().map(lambda u: _session_like(f"fuzz-{u.hex[:12]}"))
+    generated = messages(decode_pb2.SessionRequests, like)
+    seen: collections.Counter[str] = collections.Counter()
+
+    @settings(max_examples=30, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(request=st.one_of(generated, generated, raw_messages(decode_pb2.SessionRequests)))
+    def run(request: Message | bytes) -> None:
+        serialize = None if isinstance(request, bytes) else type(request).SerializeToString
+        session = ch.stream_stream("/pdserve.v1.DecodeWorker/Session",
+                                   request_serializer=serialize,
+                                   response_deserializer=decode_pb2.SessionResponses.FromString)
+        replies = session(iter([request]), timeout=15)
+        try:
+            first = next(replies, None)
+            replies.cancel()
+        except grpc.RpcError as exc:
+            seen[exc.code().name] += 1  # type: ignore[attr-defined]
+            assert exc.code() in _CLIENT, exc  # type: ignore[attr-defined]
+            return
+        for reply in first.responses if first is not None else ():
+            if reply.WhichOneof("kind") == "error":
+                status = next(c for c in Code if c.value[0] == reply.error.status)
+                seen[f"request {status.name}"] += 1
+                assert status in {Code.INVALID_ARGUMENT, Code.UNAVAILABLE}, reply
+            else:
+                seen["request token"] += 1
+
+    with grpc.insecure_channel(cluster.decode) as ch:
+        total = _free_blocks(decode_pb2_grpc.DecodeWorkerStub(ch))
+        run()
+        wait_for(lambda: _free_blocks(decode_pb2_grpc.DecodeWorkerStub(ch)) == total,
+                 "a fuzzed session kept KV blocks")
+    print("DecodeWorker/Session", dict(seen))  # pytest -s: how far the examples got
+    assert seen["request token"], f"no example got a request through: {dict(seen)}"
+    assert seen["INVALID_ARGUMENT"], f"no example was refused as a whole: {dict(seen)}"
+
+
 @pytest.mark.parametrize("rpc", RPCS, ids=[r.method for r in RPCS])
 def test_fuzz(cluster: Cluster, rpc: Rpc) -> None:
     """Generated messages (mostly a valid request with some fields made arbitrary), and

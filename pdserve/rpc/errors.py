@@ -106,14 +106,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(behavior(handler.stream_unary), method, request_id),
-                request_deserializer=handler.request_deserializer,
+                _wrap_unary(_checking(behavior(handler.stream_unary)), method, request_id),
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         assert handler.stream_stream is not None  # a handler is one of the four kinds
         return grpc.stream_stream_rpc_method_handler(
-            _wrap_stream(behavior(handler.stream_stream), method, request_id),
-            request_deserializer=handler.request_deserializer,
+            _wrap_stream(_checking(behavior(handler.stream_stream)), method, request_id),
+            request_deserializer=_lenient(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
 
@@ -144,6 +144,26 @@ def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], An
             return _Undecodable(exc)
 
     return parse
+
+
+async def _decoded(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A request stream whose every message parsed (else InvalidRequestError, there)."""
+    async for request in requests:
+        _check_decoded(request)
+        yield request
+
+
+def _checking(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    """A stream-request handler that reads only messages that parsed (`_decoded`)."""
+    if inspect.isasyncgenfunction(behavior):
+        async def stream(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+            async for message in behavior(_decoded(requests), context):
+                yield message
+        return stream
+
+    def call(requests: AsyncIterator[Any], context: Any) -> Any:
+        return behavior(_decoded(requests), context)
+    return call
 
 
 def _check_decoded(request: Any) -> None:
