@@ -810,6 +810,15 @@ async def verify_index(cluster: Cluster, workdir: Path) -> dict[str, Any]:
             "mismatched_workers": mismatched[:8]}
 
 
+async def _records(cluster: Cluster, workdir: Path, name: str
+                   ) -> tuple[dict[str, list[Any]], dict[str, Any]]:
+    """The workers' request records since the last dump, by the client's label, and the
+    emulator's reply to the dump."""
+    path = workdir / f"records-{name}.json"
+    reply = await asyncio.to_thread(cluster.command, f"dump {path}")
+    return {r[0].rpartition(":")[2]: r for r in json.loads(path.read_text())}, reply
+
+
 async def run_workers(cfg: Config, n: int, workdir: Path, cpus: set[int]) -> dict[str, Any]:
     cluster = Cluster(cfg, n, workdir, cpus)
     out: dict[str, Any] = {"workers": n}
@@ -873,10 +882,7 @@ async def run_workers(cfg: Config, n: int, workdir: Path, cpus: set[int]) -> dic
                 for phase, kw in phases if cfg.direct else phases[::2]:
                     if phase == "direct":
                         samples, wall = await run_phase(direct, load, **kw)  # type: ignore[arg-type]
-                        path = workdir / f"records-{n}-{kind}-direct.json"
-                        await asyncio.to_thread(cluster.command, f"dump {path}")
-                        records = {r[0].rpartition(":")[2]: r
-                                   for r in json.loads(path.read_text())}
+                        records, _ = await _records(cluster, workdir, f"{n}-{kind}-direct")
                         res = summarize_direct(samples, records, wall)
                         light = out["phases"][f"{kind}/light"]
                         light["router_added_ms"] = router_added(light, res)
@@ -889,10 +895,8 @@ async def run_workers(cfg: Config, n: int, workdir: Path, cpus: set[int]) -> dic
                         if cfg.paired:
                             routed_s, direct_s = await run_paired(client, direct, load,
                                                                   cfg.paired)
-                            path = workdir / f"records-{n}-{kind}-paired.json"
-                            await asyncio.to_thread(cluster.command, f"dump {path}")
-                            records = {r[0].rpartition(":")[2]: r
-                                       for r in json.loads(path.read_text())}
+                            records, _ = await _records(cluster, workdir,
+                                                        f"{n}-{kind}-paired")
                             res = summarize_paired(routed_s, direct_s, records)
                             out["phases"][f"{kind}/paired"] = res
                             print(json.dumps({"workers": n, "phase": f"{kind}/paired",
@@ -908,9 +912,7 @@ async def run_workers(cfg: Config, n: int, workdir: Path, cpus: set[int]) -> dic
                     c1, b1 = proc_cpu_s(pid), cpu_busy(rcpu)
                     e1, h1 = proc_cpu_s(emu_pid), proc_cpu_s(os.getpid())
                     m1 = await asyncio.to_thread(router_metrics, cluster.http)
-                    path = workdir / f"records-{n}-{kind}-{phase}.json"
-                    dumped = await asyncio.to_thread(cluster.command, f"dump {path}")
-                    records = {r[0].rpartition(":")[2]: r for r in json.loads(path.read_text())}
+                    records, dumped = await _records(cluster, workdir, f"{n}-{kind}-{phase}")
                     busy = (b1[0] - b0[0]) / max(b1[1] - b0[1], 1.0)
                     res = summarize(samples, records, wall, c1 - c0, busy, m0, m1)
                     net = (c1 - c0) - idle_rate * wall

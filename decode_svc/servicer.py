@@ -172,11 +172,9 @@ class _Session:
                         self._start(msg.stream, msg.generate)
                     elif kind == "cancel" and (task := self._running.get(msg.stream)):
                         task.cancel()
-        except InvalidRequestError as exc:
+        except InvalidRequestError as exc:  # the call ends now; `run` cancels what runs
             self._failed = exc
-            self._ending = True
-            for task in list(self._running.values()):
-                task.cancel()
+            self._out.put_nowait(None)
         finally:
             self._reading = False
             self._maybe_done()

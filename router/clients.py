@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar, cast
@@ -411,17 +412,14 @@ class WorkerChannels:
         return ch
 
     def decode(self, w: WorkerInfo) -> DecodeClient:
-        key = (w.grpc_address, w.worker_id)
-        if (client := self._decode.get(key)) is None:
-            client = self._decode[key] = DecodeClient(
-                self._channel(w.grpc_address), worker_id=w.worker_id, metadata=self._metadata,
-                sessions=self._sessions)
-        return client
+        return self._client(self._decode, functools.partial(DecodeClient,
+                                                            sessions=self._sessions), w)
 
     def prefill(self, w: WorkerInfo) -> PrefillClient:
         return self._client(self._prefill, PrefillClient, w)
 
-    def _client(self, clients: dict[tuple[str, str], C], make: type[C], w: WorkerInfo) -> C:
+    def _client(self, clients: dict[tuple[str, str], C], make: Callable[..., C],
+                w: WorkerInfo) -> C:
         key = (w.grpc_address, w.worker_id)
         if (client := clients.get(key)) is None:
             client = clients[key] = make(self._channel(w.grpc_address), worker_id=w.worker_id,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -30,6 +30,7 @@ from pdserve.errors import CapacityError, ErrorCode, KVTransferError
 from pdserve.handover import FirstToken
 from pdserve.kv_layout import KVDestination
 from pdserve.types import GenerateRequest, SamplingParams, TokenEvent
+from tests.helpers.engine_util import until as _until
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # real engine + UCX: seconds
 
@@ -57,15 +58,6 @@ async def _decode_worker(make_engine: Any, kv_cache_bytes: int, pending_fraction
 async def decode(make_engine: Any) -> AsyncIterator[DecodeWorker]:
     async with _decode_worker(make_engine, 64 << 20, 0.25) as worker:
         yield worker
-
-
-async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Poll: the engine thread publishes its stats after an abort, on its own schedule."""
-    for _ in range(int(timeout_s / 0.02)):
-        if condition():
-            return
-        await asyncio.sleep(0.02)
-    assert condition()
 
 
 def _all_free(worker: DecodeWorker) -> bool:

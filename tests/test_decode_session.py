@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from pdserve.runtime import start_server
 from pdserve.types import GenerateRequest, SamplingParams
 from pdserve.v1 import decode_pb2_grpc
 from router.clients import DecodeClient
+from tests.helpers.engine_util import until
 
 TIMEOUTS = {"first_token_timeout_s": 60.0, "token_timeout_s": 60.0}
 
@@ -109,14 +110,6 @@ def request(rid: str, prompt: list[int], max_tokens: int = 6) -> GenerateRequest
 
 async def tokens(c: DecodeClient, req: GenerateRequest) -> list[int]:
     return [ev.token_id async for ev in c.generate(req, **TIMEOUTS) if ev.token_id is not None]
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    for _ in range(int(timeout_s / 0.02)):
-        if condition():
-            return
-        await asyncio.sleep(0.02)
-    assert condition()
 
 
 def all_free(worker: DecodeWorker) -> bool:

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.types import GenerateRequest, SamplingParams, TokenEvent
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll: the engine thread publishes its stats after an abort, on its own schedule."""
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    assert condition()
 
 
 def greedy(max_tokens: int = 32, **kw: object) -> SamplingParams:
