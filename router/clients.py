@@ -12,7 +12,8 @@ A decode client sends its local requests (`generate`) as messages on one long-li
 `DecodeWorker.Session` call (`_Session`) instead of a call each: no HTTP/2 stream, headers or
 server call is set up per request, and what either side has queued travels as one message.
 A worker that does not serve Session (an older version) gets a Generate call per request, as
-does every request with `sessions=False`.
+does every request with `sessions=False`; it is offered a Session again every
+`SESSION_RETRY_S` (it may have been upgraded in place, same address and id).
 
 `WorkerChannels` keeps one channel per worker address and hands out clients on it.
 """
@@ -23,6 +24,7 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar, cast
 
@@ -42,6 +44,10 @@ from pdserve.types import GenerateRequest, PrefillReport, TokenEvent
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 Metadata = tuple[tuple[str, str], ...]
+# A decode worker that answered Session UNIMPLEMENTED is offered one again after this long.
+SESSION_RETRY_S = 300.0
+_SESSION_METHOD = "/{}/Session".format(
+    decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name)
 T = TypeVar("T")
 C = TypeVar("C", bound="_Client")  # WorkerChannels hands out one kind per role
 
@@ -78,8 +84,10 @@ class DecodeClient(_Client):
     def __init__(self, channel: grpc.aio.Channel, *, worker_id: str = "",
                  metadata: Iterable[tuple[str, str]] = (), sessions: bool = True):
         super().__init__(channel, worker_id=worker_id, metadata=metadata)
+        self._channel = channel
         self._stub = decode_pb2_grpc.DecodeWorkerStub(channel)
         self._sessions = sessions
+        self._session_retry_at: float | None = None  # set while the worker refuses Session
         self._session: _Session | None = None
 
     async def cached_prefix(self, token_ids: tuple[int, ...] | list[int], *,
@@ -93,7 +101,8 @@ class DecodeClient(_Client):
     def generate(self, req: GenerateRequest, *, first_token_timeout_s: float,
                  token_timeout_s: float) -> AsyncGenerator[TokenEvent, None]:
         """Prefill locally and decode; closing the iterator cancels the request."""
-        if self._sessions:
+        if self._sessions and (self._session_retry_at is None
+                               or time.monotonic() >= self._session_retry_at):
             return self._session_events(req, first_token_timeout_s, token_timeout_s)
         return self._call_events(req, first_token_timeout_s, token_timeout_s)
 
@@ -107,7 +116,8 @@ class DecodeClient(_Client):
                               token_timeout_s: float) -> AsyncGenerator[TokenEvent, None]:
         session = self._session
         if session is None or session.ended is not None:
-            session = self._session = _Session(self._stub, self._md())
+            session = self._session = _Session(self._channel, self._md())
+            self._session_retry_at = None
         try:
             async with contextlib.aclosing(session.events(
                     req, first_token_timeout_s, token_timeout_s)) as events:
@@ -115,7 +125,8 @@ class DecodeClient(_Client):
                     yield ev
             return
         except _SessionUnsupported:
-            self._sessions = False  # an older worker: a call per request from now on
+            # An older worker: a call per request until it is offered a Session again.
+            self._session_retry_at = time.monotonic() + SESSION_RETRY_S
         async with contextlib.aclosing(self._call_events(
                 req, first_token_timeout_s, token_timeout_s)) as events:
             async for ev in events:
@@ -256,11 +267,16 @@ class _Session:
     end, for whatever reason, ends every request on it (CapacityError: the router places
     them again, as it does when a Generate call fails)."""
 
-    def __init__(self, stub: decode_pb2_grpc.DecodeWorkerStub, metadata: Metadata) -> None:
-        self._call = stub.Session(metadata=metadata)
+    def __init__(self, channel: grpc.aio.Channel, metadata: Metadata) -> None:
+        # Requests go out already encoded (`_framed`): each is serialized once, in its own
+        # coroutine, and the writer joins what is queued into one SessionRequests message
+        # without copying a prompt into a message again.
+        self._call = channel.stream_stream(
+            _SESSION_METHOD, request_serializer=bytes,
+            response_deserializer=decode_pb2.SessionResponses.FromString)(metadata=metadata)
         self._waiting: dict[int, asyncio.Queue[decode_pb2.SessionResponse | None]] = {}
         self._ids = itertools.count(1)
-        self._out: asyncio.Queue[decode_pb2.SessionRequest] = asyncio.Queue()
+        self._out: asyncio.Queue[bytes] = asyncio.Queue()
         self.ended: str | None = None  # why the call ended, once it has
         self._unsupported = False
         loop = asyncio.get_running_loop()
@@ -276,7 +292,7 @@ class _Session:
                 batch = [await out.get()]
                 while not out.empty():
                     batch.append(out.get_nowait())
-                await self._call.write(decode_pb2.SessionRequests(requests=batch))
+                await self._call.write(b"".join(batch))
 
     async def _read(self) -> None:
         why = "the decode worker ended the session (it is draining)"
@@ -308,9 +324,9 @@ class _Session:
             if self.ended is not None:
                 waiting.put_nowait(None)
             else:
-                self._out.put_nowait(decode_pb2.SessionRequest(
-                    stream=stream, generate=decode_pb2.DecodeGenerateRequest(
-                        input=convert.input_to_proto(req))))
+                msg = decode_pb2.SessionRequest(stream=stream)
+                convert.fill_input(msg.generate.input, req)
+                self._out.put_nowait(_framed(msg))
             timeout = first_timeout_s
             while True:
                 try:
@@ -339,7 +355,21 @@ class _Session:
         finally:
             del self._waiting[stream]
             if not over and self.ended is None:
-                self._out.put_nowait(decode_pb2.SessionRequest(stream=stream, cancel=True))
+                self._out.put_nowait(_framed(decode_pb2.SessionRequest(stream=stream,
+                                                                       cancel=True)))
+
+
+def _framed(msg: decode_pb2.SessionRequest) -> bytes:
+    """`msg` encoded as one element of `SessionRequests.requests` (field 1, length-delimited):
+    SessionRequests is the concatenation of its elements so encoded."""
+    body = msg.SerializeToString()
+    head = bytearray(b"\x0a")  # field 1, wire type 2
+    n = len(body)
+    while n >= 0x80:  # the length as a base-128 varint
+        head.append(n & 0x7F | 0x80)
+        n >>= 7
+    head.append(n)
+    return bytes(head) + body
 
 
 class RemoteStream:

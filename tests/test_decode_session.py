@@ -29,6 +29,7 @@ from pdserve.rpc import transport
 from pdserve.runtime import start_server
 from pdserve.types import GenerateRequest, SamplingParams
 from pdserve.v1 import decode_pb2_grpc
+from router import clients as router_clients
 from router.clients import DecodeClient
 from tests.helpers.engine_util import until
 
@@ -75,14 +76,14 @@ class Served:
 
 @contextlib.asynccontextmanager
 async def serve(make_engine: Any, servicer_class: type[decode_servicer.DecodeServicer]
-                = decode_servicer.DecodeServicer) -> AsyncIterator[Served]:
+                = decode_servicer.DecodeServicer, port: int = 0) -> AsyncIterator[Served]:
     async with AsyncEngine(make_engine(kv_cache_bytes=64 << 20)) as engine, \
             KVReceiver(engine.kv_pool, engine.layout, make_descriptor_id("decode-s", 1)) as rx:
         worker = DecodeWorker(engine, rx, worker_id="decode-s")
         server = transport.new_server()
         servicer = servicer_class(worker)
         decode_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
-        address = await start_server(server, "127.0.0.1", 0)
+        address = await start_server(server, "127.0.0.1", port)
         try:
             yield Served(worker, servicer, server, address)
         finally:
@@ -173,6 +174,39 @@ async def test_a_worker_without_session_gets_a_call_per_request(
         second = await tokens(c, request("b", prompt_ids[0]))
         assert first == second and len(first) == 6
         assert counted.calls == {"Session": 1, "Generate": 2}  # asked once, then calls
+
+
+async def test_a_worker_upgraded_in_place_is_offered_a_session_again(
+        make_engine: Any, prompt_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An older worker is replaced by a newer one at the same address, under the same id:
+    once SESSION_RETRY_S has passed, the router's client offers a Session again."""
+    monkeypatch.setattr(router_clients, "SESSION_RETRY_S", 0.0)
+    async with serve(make_engine, NoSession) as old:
+        async with client(old.address) as (c, counted):
+            first = await tokens(c, request("a", prompt_ids[0]))
+            assert counted.calls == {"Session": 1, "Generate": 1}
+            await old.server.stop(0)
+            port = int(old.address.rsplit(":", 1)[1])
+            async with serve(make_engine, port=port) as new:
+                assert new.address == old.address
+                again = await tokens(c, request("b", prompt_ids[0]))
+                assert again == first
+                assert counted.calls == {"Session": 2, "Generate": 1}
+                await until(lambda: all_free(new.worker))
+
+
+def test_framed_requests_join_into_one_sessionrequests_message() -> None:
+    """The writer's message is its queued requests' encodings joined: byte for byte the
+    SessionRequests that holds them, lengths of one byte and of several."""
+    from pdserve.v1 import decode_pb2
+
+    big = decode_pb2.SessionRequest(stream=3)
+    big.generate.input.prompt_token_ids.extend(range(40_000))
+    msgs = [decode_pb2.SessionRequest(stream=1, cancel=True),
+            decode_pb2.SessionRequest(stream=2**40, cancel=True), big]
+    joined = b"".join(router_clients._framed(m) for m in msgs)
+    assert joined == decode_pb2.SessionRequests(requests=msgs).SerializeToString()
+    assert list(decode_pb2.SessionRequests.FromString(joined).requests) == msgs
 
 
 async def test_draining_ends_sessions_after_their_requests(
