@@ -95,6 +95,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 
 from bench.emulated_engine import VOCAB, emulated_token
 from bench.emulated_workers import MAX_MODEL_LEN, build_corpus
@@ -668,18 +669,41 @@ def router_added(light: dict[str, Any], direct: dict[str, Any]) -> dict[str, flo
 def summarize_paired(routed: list[Sample], direct: list[Sample],
                      records: dict[str, list[Any]]) -> dict[str, Any]:
     """A paired phase: the routed requests' added latency, the direct ones' hop overhead
-    (each client TTFT minus its worker's own time) and their difference by quantile."""
-    def over(samples: list[Sample]) -> list[float]:
-        return [(s.t_first - s.t_send) * 1e3 - (rec[3] - rec[2]) * 1e3
-                for s in samples if s.ok and (rec := records.get(s.label)) is not None]
-    added, hop = dist(over(routed)), dist(over(direct))
+    (each client TTFT minus its worker's own time), their difference by quantile, and that
+    difference's 95 % bootstrap interval (`paired_interval`)."""
+    def over(s: Sample) -> float | None:
+        if not s.ok or (rec := records.get(s.label)) is None:
+            return None
+        return (s.t_first - s.t_send) * 1e3 - (rec[3] - rec[2]) * 1e3
+    a = [over(s) for s in routed]
+    b = [over(s) for s in direct]
+    added = dist([x for x in a if x is not None])
+    hop = dist([x for x in b if x is not None])
+    pairs = [(x, y) for x, y in zip(a, b, strict=True) if x is not None and y is not None]
     return {"requests": len(routed) + len(direct),
             "ok": sum(s.ok for s in routed) + sum(s.ok for s in direct),
             "errors": _errors(routed + direct), "added_latency_ms": added,
             "hop_overhead_ms": hop,
             "router_added_ms": {q: None if added[q] is None or hop[q] is None
                                 else round(added[q] - hop[q], 4)  # type: ignore[operator]
-                                for q in ("p50", "p90", "p99")}}
+                                for q in ("p50", "p90", "p99")},
+            "router_added_ms_ci95": {q: paired_interval(pairs, x)
+                                     for q, x in (("p50", 0.5), ("p99", 0.99))}}
+
+
+def paired_interval(pairs: Sequence[tuple[float, float]], q: float, *,
+                    resamples: int = 2000, seed: int = 0) -> list[float] | None:
+    """95 % bootstrap interval of quantile `q` of the routed values minus that of the direct
+    ones: the pairs (a routed request and the direct one sent after it) are resampled with
+    replacement, as pairs, so what drifted between neighbours stays paired. How far apart
+    two runs' `router_added_ms` may be by chance alone; None under 20 pairs."""
+    if len(pairs) < 20:
+        return None
+    arr = np.asarray(pairs, dtype=np.float64)
+    pick = np.random.default_rng(seed).integers(0, len(arr), size=(resamples, len(arr)))
+    diff = np.quantile(arr[pick, 0], q, axis=1) - np.quantile(arr[pick, 1], q, axis=1)
+    lo, hi = np.quantile(diff, (0.025, 0.975))
+    return [round(float(lo), 4), round(float(hi), 4)]
 
 
 def summarize(samples: list[Sample], records: dict[str, list[Any]], wall_s: float,
@@ -989,8 +1013,9 @@ def verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:
             dec_cpu = ph.get("decisions_per_cpu_s") or 0
             added = light.get("added_latency_ms", {})
             mine = light.get("router_added_ms", {})  # over the direct baseline
-            paired = r["phases"].get(name.replace("saturate", "paired"), {}).get(
-                "router_added_ms", {})  # one at a time, routed and direct in turn
+            paired_phase = r["phases"].get(name.replace("saturate", "paired"), {})
+            paired = paired_phase.get("router_added_ms", {})  # one at a time, in turn
+            paired_ci = paired_phase.get("router_added_ms_ci95", {})
             out.append({
                 "workers": r["workers"], "workload": name.split("/")[0],
                 "decision_only_per_s": dec,
@@ -1011,6 +1036,8 @@ def verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:
                 and (mine.get("p99") or 9) <= TARGET_P99_MS,
                 "router_added_ms_p50_paired": paired.get("p50"),
                 "router_added_ms_p99_paired": paired.get("p99"),
+                "router_added_ms_p50_paired_ci95": paired_ci.get("p50"),
+                "router_added_ms_p99_paired_ci95": paired_ci.get("p99"),
                 "router_added_paired_meets_latency": (paired.get("p50") or 9) <= TARGET_P50_MS
                 and (paired.get("p99") or 9) <= TARGET_P99_MS,
             })

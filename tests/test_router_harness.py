@@ -7,6 +7,7 @@ emulated engine's prefix cache behaves as the real block manager's."""
 from __future__ import annotations
 
 import asyncio
+import random
 import shutil
 from pathlib import Path
 
@@ -70,6 +71,9 @@ def test_harness_quick(tmp_path: Path) -> None:
             assert phase["ok"] == 2 * cfg.paired, name
             assert phase["added_latency_ms"]["n"] == phase["hop_overhead_ms"]["n"] == cfg.paired
             assert None not in phase["router_added_ms"].values(), name
+            for q in ("p50", "p99"):  # and their 95 % bootstrap interval
+                lo, hi = phase["router_added_ms_ci95"][q]
+                assert lo <= hi, (name, q)
             continue
         # every request was seen by a worker, with the router's own timings
         assert phase["matched_worker_records"] == phase["ok"], name
@@ -85,3 +89,20 @@ def test_harness_quick(tmp_path: Path) -> None:
     check = res["index_check"]
     assert check["router_equals_workers"], check
     assert check["follower_index_equals_caches"], check
+
+
+def test_paired_interval() -> None:
+    """The bootstrap interval of a quantile difference: exact for a constant shift (pairs
+    are resampled as pairs), around the true shift and narrower with more pairs for noisy
+    samples, none with too few pairs."""
+    from bench.router_harness import paired_interval
+
+    shifted = [(1.0 + 0.01 * i, 0.5 + 0.01 * i) for i in range(200)]
+    assert paired_interval(shifted, 0.5) == paired_interval(shifted, 0.99) == [0.5, 0.5]
+    rng = random.Random(3)
+    noisy = [(2.0 + rng.expovariate(1.0), 1.0 + rng.expovariate(1.0)) for _ in range(4000)]
+    lo_few, hi_few = paired_interval(noisy[:200], 0.5)  # type: ignore[misc]
+    lo, hi = paired_interval(noisy, 0.5)  # type: ignore[misc]
+    assert lo < 1.0 < hi and lo_few < 1.0 < hi_few
+    assert hi - lo < (hi_few - lo_few) / 2
+    assert paired_interval(shifted[:19], 0.5) is None
