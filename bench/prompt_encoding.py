@@ -9,7 +9,9 @@ step is timed here on its own, back to back, in one process pinned to one CPU: t
 of `--repeats` calls after a warm-up. `session_request_nested` is how 580e226 built the
 message (a `GenerateInput` passed to the constructors, then the request copied into the
 writer's `SessionRequests`); `session_request_in_place` is how it is built now
-(`convert.fill_input` into the message, serialized once, framed; the writer joins bytes).
+(`convert.fill_input` into the message, serialized once, framed; the writer joins bytes);
+`..._from_field` the same for a request the router read from protobuf, whose prompt is copied
+from the field it arrived in (`GenerateRequest.prompt_wire`), as the router's own are.
 These are floors: inside the router, between requests, the same code runs slower
 (docs/BENCHMARKS.md, "The router at scale").
 """
@@ -52,7 +54,9 @@ def measure(tokens: int, repeats: int) -> dict[str, float]:
                                                             for _ in range(tokens)])
     ).SerializeToString()
     msg = router_pb2.GenerateRequest.FromString(wire)
-    req = GenerateRequest("r", tuple(msg.token_ids.ids))
+    ids = tuple(msg.token_ids.ids)
+    req = GenerateRequest("r", ids)
+    read = GenerateRequest("r", ids, prompt_wire=(ids, msg.token_ids.ids))  # as the servicer
 
     def nested() -> bytes:
         one = decode_pb2.SessionRequest(stream=1, generate=decode_pb2.DecodeGenerateRequest(
@@ -64,7 +68,12 @@ def measure(tokens: int, repeats: int) -> dict[str, float]:
         convert.fill_input(one.generate.input, req)
         return b"".join([_framed(one)])
 
-    assert nested() == in_place()  # the same bytes on the wire
+    def from_field() -> bytes:
+        one = decode_pb2.SessionRequest(stream=1)
+        convert.fill_input(one.generate.input, read)
+        return b"".join([_framed(one)])
+
+    assert nested() == in_place() == from_field()  # the same bytes on the wire
     return {
         "parse_request": _median_us(lambda: router_pb2.GenerateRequest.FromString(wire),
                                     repeats),
@@ -77,6 +86,7 @@ def measure(tokens: int, repeats: int) -> dict[str, float]:
                 msg.token_ids.ids), repeats),
         "session_request_nested": _median_us(nested, repeats),
         "session_request_in_place": _median_us(in_place, repeats),
+        "session_request_in_place_from_field": _median_us(from_field, repeats),
     }
 
 
@@ -94,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         "median_us": us,
         "in_place_over_nested": round(us["session_request_in_place"]
                                       / us["session_request_nested"], 3),
+        "from_field_over_nested": round(us["session_request_in_place_from_field"]
+                                        / us["session_request_nested"], 3),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine()}  # CPU model and flags, commit (and whether the tree is dirty)
     print(json.dumps(record, indent=1))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -336,6 +336,13 @@ class GenerateRequest:
     # (max_tokens, penalties, seeds by position, stop strings, grammar), so the continuation
     # is what the interrupted stream would have produced.
     resume_output_ids: tuple[int, ...] = ()
+    # Where the prompt was read from when it arrived as protobuf: (the tuple above, the
+    # repeated field it was read from). A worker's message copies the field, C to C,
+    # instead of converting the tuple's Python ints back (`pdserve.rpc.convert.fill_input`),
+    # but only while `prompt_token_ids` is that very tuple: a copy of this request with
+    # another prompt ignores it. Neither compared nor printed.
+    prompt_wire: tuple[tuple[int, ...], Sequence[int]] | None = field(
+        default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)

@@ -516,3 +516,20 @@ def test_stats_carry_the_load_record() -> None:
         convert.prefill_stats_to_proto("p0", prefill, layout).SerializeToString())
     assert (pmsg.worker_id, pmsg.num_queued, pmsg.num_queued_tokens) == ("p0", 4, 900)
     assert convert.load_from_prefill_stats(pmsg) == prefill
+
+
+def test_a_prompt_read_from_protobuf_is_copied_from_its_field_while_it_is_the_prompt() -> None:
+    """`GenerateRequest.prompt_wire`: the worker's message copies the field the router read
+    the prompt from (no Python ints), the same message as from the tuple; a copy of the
+    request with another prompt sends that prompt; the pair takes no part in equality."""
+    msg = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[5, 6, 7]))
+    ids = tuple(msg.token_ids.ids)
+    req = GenerateRequest("r", ids, prompt_wire=(ids, msg.token_ids.ids))
+    assert req == GenerateRequest("r", ids) and "prompt_wire" not in repr(req)
+    assert convert.input_to_proto(req) == convert.input_to_proto(GenerateRequest("r", ids))
+    other = dataclasses.replace(req, prompt_token_ids=(9, 9))
+    assert list(convert.input_to_proto(other).prompt_token_ids) == [9, 9]
+    migrated = dataclasses.replace(req, resume_output_ids=(4,))  # the same prompt
+    assert list(convert.input_to_proto(migrated).prompt_token_ids) == [5, 6, 7]
+    msg.token_ids.ids.append(8)  # (never done) shows which one is copied
+    assert list(convert.input_to_proto(req).prompt_token_ids) == [5, 6, 7, 8]

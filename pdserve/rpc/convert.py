@@ -214,7 +214,9 @@ def fill_input(dst: common_pb2.GenerateInput, request: GenerateRequest
     (a 1,500-token prompt's ids copied twice more cost the router ~50 us per request)."""
     dst.SetInParent()
     dst.request_id = request.request_id
-    dst.prompt_token_ids.extend(request.prompt_token_ids)
+    wire = request.prompt_wire  # the field the prompt was read from, if it still is it
+    dst.prompt_token_ids.extend(wire[1] if wire is not None and wire[0] is
+                                request.prompt_token_ids else request.prompt_token_ids)
     dst.sampling.CopyFrom(sampling_to_proto(request.sampling))
     dst.latency_class = latency_to_proto(request.latency_class)
     dst.resume_output_ids.extend(request.resume_output_ids)
