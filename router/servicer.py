@@ -49,12 +49,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return tenant
 
     def _prompt(self, request: router_pb2.GenerateRequest) -> list[int]:
+        """Text or chat tokenized (token ids never come here: `_request` reads them)."""
         tok = self.router.tokenizer
         which = request.WhichOneof("input")
         if which == "text":
             return tok.encode(request.text)
-        if which == "token_ids":
-            return list(request.token_ids.ids)
         if which == "chat":
             return tok.apply_chat_template(
                 [{"role": m.role, "content": m.content} for m in request.chat.messages])
