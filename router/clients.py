@@ -42,6 +42,7 @@ from pdserve.rpc.tls import TLSConfig
 from pdserve.rpc.transport import channel
 from pdserve.types import GenerateRequest, PrefillReport, TokenEvent
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from router.timings import OWN, OwnTime
 
 Metadata = tuple[tuple[str, str], ...]
 # A decode worker that answered Session UNIMPLEMENTED is offered one again after this long.
@@ -110,6 +111,8 @@ class DecodeClient(_Client):
                      token_timeout_s: float) -> AsyncGenerator[TokenEvent, None]:
         call = self._stub.Generate(decode_pb2.DecodeGenerateRequest(
             input=convert.input_to_proto(req)), metadata=self._md(req.request_id))
+        if (own := OWN.get()) is not None:
+            own.forward(time.perf_counter())  # grpc sends it with the call's first read
         return _events(call, first_token_timeout_s, token_timeout_s)
 
     async def _session_events(self, req: GenerateRequest, first_token_timeout_s: float,
@@ -224,10 +227,14 @@ async def _events(call: grpc.aio.UnaryStreamCall, first_timeout_s: float,
                   ) -> AsyncGenerator[TokenEvent, None]:
     """TokenEvents of a decode stream, up to the final one; every wait bounded; the call is
     cancelled however the consumer leaves."""
+    own = OWN.get()
     try:
         timeout = first_timeout_s
         while True:
-            ev = convert.token_event_from_chunk(chunk_of(await _read(call, timeout)))
+            msg = await _read(call, timeout)
+            if own is not None:
+                own.reply(time.perf_counter())
+            ev = convert.token_event_from_chunk(chunk_of(msg))
             yield ev
             if ev.finished:
                 return
@@ -274,9 +281,11 @@ class _Session:
         self._call = channel.stream_stream(
             _SESSION_METHOD, request_serializer=bytes,
             response_deserializer=decode_pb2.SessionResponses.FromString)(metadata=metadata)
-        self._waiting: dict[int, asyncio.Queue[decode_pb2.SessionResponse | None]] = {}
+        # Each reply with when it was read (`OwnTime.reply`); None: the call ended.
+        self._waiting: dict[int, asyncio.Queue[tuple[decode_pb2.SessionResponse, float] | None]
+                            ] = {}
         self._ids = itertools.count(1)
-        self._out: asyncio.Queue[bytes] = asyncio.Queue()
+        self._out: asyncio.Queue[tuple[bytes, OwnTime | None]] = asyncio.Queue()
         self.ended: str | None = None  # why the call ended, once it has
         self._unsupported = False
         loop = asyncio.get_running_loop()
@@ -292,15 +301,20 @@ class _Session:
                 batch = [await out.get()]
                 while not out.empty():
                     batch.append(out.get_nowait())
-                await self._call.write(b"".join(batch))
+                await self._call.write(b"".join([framed for framed, _ in batch]))
+                now = time.perf_counter()
+                for _, own in batch:
+                    if own is not None:
+                        own.forward(now)
 
     async def _read(self) -> None:
         why = "the decode worker ended the session (it is draining)"
         try:
             while (msg := await self._call.read()) is not grpc.aio.EOF:
+                now = time.perf_counter()
                 for reply in cast(decode_pb2.SessionResponses, msg).responses:
                     if (waiting := self._waiting.get(reply.stream)) is not None:
-                        waiting.put_nowait(reply)
+                        waiting.put_nowait((reply, now))
         except grpc.aio.AioRpcError as exc:
             self._unsupported = exc.code() == grpc.StatusCode.UNIMPLEMENTED
             why = f"the session with the decode worker failed: {error_from_rpc(exc)}"
@@ -320,27 +334,31 @@ class _Session:
         stream = next(self._ids)
         waiting = self._waiting[stream] = asyncio.Queue()
         over = False
+        own = OWN.get()
         try:
             if self.ended is not None:
                 waiting.put_nowait(None)
             else:
                 msg = decode_pb2.SessionRequest(stream=stream)
                 convert.fill_input(msg.generate.input, req)
-                self._out.put_nowait(_framed(msg))
+                self._out.put_nowait((_framed(msg), own))
             timeout = first_timeout_s
             while True:
                 try:
                     async with asyncio.timeout(timeout):
-                        reply = await waiting.get()
+                        item = await waiting.get()
                 except TimeoutError as exc:
                     raise WorkerTimeoutError(
                         f"decode worker sent nothing for {timeout:.0f}s") from exc
-                if reply is None:
+                if item is None:
                     over = True
                     if self._unsupported:
                         raise _SessionUnsupported
                     raise CapacityError(f"{self.ended} before the final token",
                                         code=ErrorCode.WORKER_UNAVAILABLE)
+                reply, read_at = item
+                if own is not None:
+                    own.reply(read_at)
                 if reply.WhichOneof("kind") == "error":
                     over = True
                     e = reply.error
@@ -355,8 +373,8 @@ class _Session:
         finally:
             del self._waiting[stream]
             if not over and self.ended is None:
-                self._out.put_nowait(_framed(decode_pb2.SessionRequest(stream=stream,
-                                                                       cancel=True)))
+                self._out.put_nowait((_framed(decode_pb2.SessionRequest(
+                    stream=stream, cancel=True)), None))
 
 
 def _framed(msg: decode_pb2.SessionRequest) -> bytes:

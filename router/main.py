@@ -22,6 +22,7 @@ from router import servicer
 from router.clients import WorkerChannels
 from router.config import RouterProcessConfig
 from router.router import Router
+from router.timings import ArrivalInterceptor
 
 log = structlog.get_logger(__name__)
 SERVICE = "pdserve.v1.Router"
@@ -58,7 +59,8 @@ async def run_router(config: RouterProcessConfig, stop: asyncio.Event,
         # One set of tenants for both APIs, so a key's quota spans REST and gRPC.
         tenants = Tenants(config.api_keys, config.key_policies)
         server = transport.new_server(max_message_bytes=config.max_request_bytes,
-                                      auth=auth.api_key_interceptor(tenants.keys))
+                                      auth=auth.api_key_interceptor(tenants.keys),
+                                      stamp=ArrivalInterceptor())
         servicer.add_to_server(router, server, tenants)
         async with serving("router", server, SERVICE, config.host, config.grpc_port,
                            None if tls is None else tls.server_credentials(tls.client_auth)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
@@ -29,6 +30,7 @@ from pdserve.tenants import Tenant, Tenants
 from pdserve.types import GenerateRequest, TokenEvent, check_request_id, fit_max_tokens
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.router import Router
+from router.timings import OWN
 
 _ROUTES = {"local": common_pb2.PREFILL_ROUTE_LOCAL, "remote": common_pb2.PREFILL_ROUTE_REMOTE,
            "fallback": common_pb2.PREFILL_ROUTE_FALLBACK}
@@ -89,12 +91,23 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(self, request: router_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        own = OWN.get()
         tenant = await self._tenant(context)
         label = check_request_id(request.request_id or f"req-{uuid.uuid4().hex}")
         with self.tenants.admit(tenant):  # held until the stream ends, however it ends
             req = await self._request(request, label, tenant)
             async for ev in self.router.generate(req):
                 yield _response(request, label, ev)
+                if own is not None:  # grpc took the first response
+                    if ev.route == "local" and (parts := own.parts(time.perf_counter())):
+                        self._overhead(*parts)
+                    own = None
+
+    def _overhead(self, into: float, out: float) -> None:
+        parts = self.router.metrics.overhead_parts
+        parts[0].observe(into)
+        parts[1].observe(out)
+        parts[2].observe(into + out)
 
     async def Abort(self, request: common_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:

@@ -1,10 +1,66 @@
-"""A request's time to first token, cut into stages measured where they happen."""
+"""A request's time to first token, cut into stages measured where they happen; and the
+part of it the router itself spends (`OwnTime`)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from typing import Any
+
+import grpc
 
 from pdserve.types import PrefillReport, StageTimings
+
+
+class OwnTime:
+    """The router's own time on a request's way to its first token, on `time.perf_counter`:
+    from the call's arrival in the router's Python (`ArrivalInterceptor`, the first of its
+    server's interceptors) until the request is on its way to the decode worker (`forward`:
+    grpc has taken the Session message, or the Generate call is started), plus from the
+    worker's first reply read to the client's first response taken by grpc (`done`). What it
+    leaves out is waiting on the worker, and grpc's own work before the first interceptor.
+
+    It travels with the call's task in `OWN` (grpc.aio runs a call's interceptors and handler
+    in one task), so the worker clients stamp it without a parameter through every layer."""
+
+    __slots__ = ("arrived", "forwarded", "forwards", "replied")
+
+    def __init__(self, arrived: float) -> None:
+        self.arrived = arrived
+        self.forwarded = 0.0
+        self.forwards = 0  # more than one: an attempt failed, its wait is not the router's
+        self.replied = 0.0
+
+    def forward(self, at: float) -> None:
+        self.forwarded = at
+        self.forwards += 1
+
+    def reply(self, at: float) -> None:
+        if not self.replied:
+            self.replied = at
+
+    def parts(self, done: float) -> tuple[float, float] | None:
+        """(in, out) seconds, or None when not one forward then one reply was seen."""
+        if self.forwards != 1 or not self.replied:
+            return None
+        return self.forwarded - self.arrived, done - self.replied
+
+
+OWN: ContextVar[OwnTime | None] = ContextVar("pdserve_router_own_time", default=None)
+
+
+class ArrivalInterceptor(grpc.aio.ServerInterceptor):
+    """Starts the call's `OwnTime` (in `OWN`); give it first to `transport.new_server`."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        OWN.set(OwnTime(time.perf_counter()))
+        return await continuation(handler_call_details)
 
 
 class StageClock:

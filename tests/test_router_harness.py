@@ -7,6 +7,7 @@ emulated engine's prefix cache behaves as the real block manager's."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import shutil
 from pathlib import Path
@@ -74,10 +75,15 @@ def test_harness_quick(tmp_path: Path) -> None:
             for q in ("p50", "p99"):  # and their 95 % bootstrap interval
                 lo, hi = phase["router_added_ms_ci95"][q]
                 assert lo <= hi, (name, q)
+            # the router's own time, measured inside it, for every routed request
+            own = phase["router_overhead_ms"]
+            assert own["total"]["n"] == own["in"]["n"] == own["out"]["n"] == cfg.paired
+            assert 0 < own["in"]["p50"] < own["total"]["p50"] <= own["total"]["p99"], own
             continue
         # every request was seen by a worker, with the router's own timings
         assert phase["matched_worker_records"] == phase["ok"], name
         assert phase["route_ms"]["n"] == phase["ok"], name
+        assert phase["router_overhead_ms"]["total"]["n"] == phase["ok"], name
         # Every placement counted its thread's CPU (pdserve_router_placement_cpu_seconds).
         assert phase["router_decisions_counted"] >= phase["ok"], name
         assert phase["placement_cpu_us_per_decision"] > 0, name
@@ -89,6 +95,30 @@ def test_harness_quick(tmp_path: Path) -> None:
     check = res["index_check"]
     assert check["router_equals_workers"], check
     assert check["follower_index_equals_caches"], check
+
+
+def test_overhead_quantiles_from_buckets() -> None:
+    """The router's own-time quantiles come from the histogram's bucket counts between two
+    scrapes, interpolated within a bucket as Prometheus's histogram_quantile does."""
+    from bench.router_harness import overhead_ms
+
+    def scrape(counts: dict[float, float]) -> dict[str, float]:
+        out, running = {}, 0.0
+        for le in (0.0001, 0.0002, 0.0003, 0.0004, math.inf):
+            running += counts.get(le, 0.0)
+            out[f"overhead:total:{le:g}" if le != math.inf else "overhead:total:+Inf"] = running
+        return out
+
+    before = scrape({0.0001: 7})  # earlier requests: not in the difference
+    after = scrape({0.0001: 7, 0.0002: 50, 0.0003: 40, 0.0004: 10})
+    got = overhead_ms(before, after)["total"]
+    assert got["n"] == 100
+    assert got["p50"] == 0.2  # the 50th of 100 is the last of the 0.1-0.2 ms bucket
+    assert got["p90"] == 0.3
+    assert math.isclose(got["p99"], 0.39)
+    assert overhead_ms(after, after)["in"] == {"n": 0}
+    tail = overhead_ms(before, scrape({0.0001: 7, math.inf: 3}))["total"]
+    assert tail["p99"] == 0.4  # past the last finite bound: that bound
 
 
 def test_paired_interval() -> None:

@@ -79,13 +79,15 @@ def channel(target: str, *, tls: TLSConfig | None = None,
 
 def new_server(*interceptors: grpc.aio.ServerInterceptor,
                auth: grpc.aio.ServerInterceptor | None = None,
+               stamp: grpc.aio.ServerInterceptor | None = None,
                max_concurrent_rpcs: int | None = None, **options: int) -> grpc.aio.Server:
     """A grpc.aio server with `server_options(**options)`: `auth` (see `pdserve.rpc.auth`)
     first, so an unauthenticated call is refused before anything else looks at it, then
-    `ErrorInterceptor`, then `interceptors`. With `max_concurrent_rpcs`, a call arriving while
-    that many are in progress (any caller, any method) is answered RESOURCE_EXHAUSTED
-    without running its handler."""
-    first = [auth] if auth is not None else []
+    `ErrorInterceptor`, then `interceptors`. `stamp`, an interceptor that only notes when a
+    call arrived (`router.timings.ArrivalInterceptor`), goes before `auth`. With
+    `max_concurrent_rpcs`, a call arriving while that many are in progress (any caller, any
+    method) is answered RESOURCE_EXHAUSTED without running its handler."""
+    first = [i for i in (stamp, auth) if i is not None]
     return grpc.aio.server(
         interceptors=[*first, ErrorInterceptor(), *interceptors], options=server_options(**options),
         maximum_concurrent_rpcs=max_concurrent_rpcs,
