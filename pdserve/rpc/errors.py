@@ -23,7 +23,12 @@ from pdserve.errors import (
     kind_of,
     rebuild,
 )
-from pdserve.rpc.metadata import REQUEST_ID_KEY, invalid_request_id, metadata_value
+from pdserve.rpc.metadata import (
+    REQUEST_ID_KEY,
+    invalid_request_id,
+    metadata_value,
+    request_id_from_context,
+)
 from pdserve.types import MAX_REQUEST_ID_LEN
 
 log = logging.getLogger(__name__)
@@ -71,6 +76,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     (code `invalid_request_id`; it is then neither logged nor echoed).
     """
 
+    def __init__(self) -> None:
+        # method -> (the handler grpc found, its wrapper): a method's handler is the same
+        # object call after call, so its wrapper is built once, not per call.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler[Any, Any],
+                                       grpc.RpcMethodHandler[Any, Any]]] = {}
+
     async def intercept_service(
         self,
         continuation: Callable[
@@ -82,40 +93,48 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         request_id = metadata_value(handler_call_details.invocation_metadata, REQUEST_ID_KEY)
         method = handler_call_details.method
-        refusal: InvalidRequestError | None = None
         if request_id is not None and invalid_request_id(request_id):
-            request_id = None
-            refusal = InvalidRequestError(
+            return _wrap(handler, method, _raiser(InvalidRequestError(
                 f"{REQUEST_ID_KEY} metadata must be 1-{MAX_REQUEST_ID_LEN} printable ASCII "
-                "characters", code=ErrorCode.INVALID_REQUEST_ID, param=REQUEST_ID_KEY)
+                "characters", code=ErrorCode.INVALID_REQUEST_ID, param=REQUEST_ID_KEY)))
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = _wrap(handler, method)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
 
-        def behavior(kind: Callable[..., Any]) -> Callable[..., Any]:
-            return kind if refusal is None else _raiser(refusal)
 
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(behavior(handler.unary_unary), method, request_id),
-                request_deserializer=_lenient(handler.request_deserializer),
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(behavior(handler.unary_stream), method, request_id),
-                request_deserializer=_lenient(handler.request_deserializer),
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(_checking(behavior(handler.stream_unary)), method, request_id),
-                request_deserializer=_lenient(handler.request_deserializer),
-                response_serializer=handler.response_serializer,
-            )
-        assert handler.stream_stream is not None  # a handler is one of the four kinds
-        return grpc.stream_stream_rpc_method_handler(
-            _wrap_stream(_checking(behavior(handler.stream_stream)), method, request_id),
+def _wrap(handler: grpc.RpcMethodHandler[Any, Any], method: str,
+          refusal: Callable[..., Any] | None = None) -> grpc.RpcMethodHandler[Any, Any]:
+    """`handler` with its exceptions mapped (`refusal`: the behavior instead of its own)."""
+    def behavior(kind: Callable[..., Any]) -> Callable[..., Any]:
+        return kind if refusal is None else refusal
+
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(
+            _wrap_unary(behavior(handler.unary_unary), method),
             request_deserializer=_lenient(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(
+            _wrap_stream(behavior(handler.unary_stream), method),
+            request_deserializer=_lenient(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(
+            _wrap_unary(_checking(behavior(handler.stream_unary)), method),
+            request_deserializer=_lenient(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
+    assert handler.stream_stream is not None  # a handler is one of the four kinds
+    return grpc.stream_stream_rpc_method_handler(
+        _wrap_stream(_checking(behavior(handler.stream_stream)), method),
+        request_deserializer=_lenient(handler.request_deserializer),
+        response_serializer=handler.response_serializer,
+    )
 
 
 def _raiser(exc: Exception) -> Callable[..., Any]:
@@ -188,9 +207,10 @@ def reported(exc: Exception, method: str, request_id: str | None
     return status, message, code, param
 
 
-async def _abort(
-    context: grpc.aio.ServicerContext, exc: Exception, method: str, request_id: str | None
-) -> None:
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    # The caller's request id, read only now: a wrapper serves every call of its method.
+    # A call with an invalid one never gets here with it (its handler only refuses it).
+    request_id = request_id_from_context(context)
     status, message, _, _ = reported(exc, method, request_id)
     await context.abort(status, message, trailing_metadata=_error_metadata(exc, request_id))
 
@@ -201,7 +221,7 @@ def _clip(message: str) -> str:
     return message[:MAX_ERROR_MESSAGE_CHARS] + f"... ({len(message)} characters)"
 
 
-def _wrap_unary(behavior: Callable[..., Any], method: str, request_id: str | None
+def _wrap_unary(behavior: Callable[..., Any], method: str
                 ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
@@ -211,13 +231,13 @@ def _wrap_unary(behavior: Callable[..., Any], method: str, request_id: str | Non
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await _abort(context, exc, method, request_id)
+            await _abort(context, exc, method)
 
     return unary
 
 
 def _wrap_stream(
-    behavior: Callable[..., Any], method: str, request_id: str | None
+    behavior: Callable[..., Any], method: str
 ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any] | Awaitable[None]]:
     if inspect.isasyncgenfunction(behavior):
 
@@ -229,7 +249,7 @@ def _wrap_stream(
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                await _abort(context, exc, method, request_id)
+                await _abort(context, exc, method)
 
         return stream
 
@@ -246,7 +266,7 @@ def _wrap_stream(
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await _abort(context, exc, method, request_id)
+            await _abort(context, exc, method)
 
     return write_stream
 
