@@ -12,6 +12,7 @@ writer's `SessionRequests`); `session_request_in_place` is how it is built now
 (`convert.fill_input` into the message, serialized once, framed; the writer joins bytes);
 `..._from_field` the same for a request the router read from protobuf, whose prompt is copied
 from the field it arrived in (`GenerateRequest.prompt_wire`), as the router's own are.
+`ids_to_int64_array` reads the same field into a numpy array (no Python ints made).
 These are floors: inside the router, between requests, the same code runs slower
 (docs/BENCHMARKS.md, "The router at scale").
 """
@@ -28,6 +29,8 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from bench.router_scale import machine
 from pdserve.rpc import convert
@@ -78,6 +81,10 @@ def measure(tokens: int, repeats: int) -> dict[str, float]:
         "parse_request": _median_us(lambda: router_pb2.GenerateRequest.FromString(wire),
                                     repeats),
         "ids_to_python_ints": _median_us(lambda: tuple(msg.token_ids.ids), repeats),
+        # The same ids as an int64 array: upb's field hands numpy its values (__array__)
+        # with no Python int made; what a C hash reading a buffer would start from.
+        "ids_to_int64_array": _median_us(
+            lambda: np.array(msg.token_ids.ids, dtype=np.int64), repeats),
         "ids_python_ints_to_message": _median_us(
             lambda: decode_pb2.SessionRequest().generate.input.prompt_token_ids.extend(
                 req.prompt_token_ids), repeats),
