@@ -106,6 +106,7 @@ class Router(AsyncResource):
         # Every worker's engine numbers, from the load records the directory already holds.
         self.metrics_registry.register(WorkerLoadCollector(
             lambda: [(w.worker_id, w.role, w.load) for w in self.directory.snapshot().values()]))
+        self.directory.on_refresh(self.prepare)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -175,6 +176,19 @@ class Router(AsyncResource):
                           [w for w in live if w.role == "prefill"])
             self._live_key = key
         return self._live
+
+    def prepare(self) -> None:
+        """What placement and admission derive from the directory, rebuilt as soon as it
+        polled (every `directory_poll_s`, a heartbeat's load or two having changed): the
+        live lists, the columns of the placement table and the admission view. Otherwise
+        the first request after each poll would pay for it, O(workers) in Python, on its
+        way to a first token."""
+        decoders, prefills = self._live_workers()
+        if decoders:
+            self._decode_table.columns(decoders, self.kv_index, self._live_key)
+            if self.config.policy.placement == "cost":
+                self._decode_table.prefill_columns(prefills, self.kv_index, self._live_key)
+        self._admission_view()
 
     async def place(self, req: GenerateRequest, exclude: frozenset[str] = frozenset()
                     ) -> tuple[WorkerInfo, WorkerInfo | None, Decision]:

@@ -237,6 +237,31 @@ async def test_directory_events_can_start_with_the_known_workers(
             await events.aclose()
 
 
+async def test_directory_listeners_run_after_each_poll(registry: WorkerRegistry) -> None:
+    """`on_refresh` listeners run after every successful poll, with the new view in place
+    (the router builds its placement table then); one that raises does not stop the
+    others nor the polls."""
+    async with asyncio.timeout(30):
+        await registry.register(worker("d0"), ttl_s=5, heartbeat_s=0.1)
+        seen: list[tuple[int, bool]] = []
+        directory = WorkerDirectory(registry, role="decode", poll_s=0.05)
+
+        def broken() -> None:
+            raise RuntimeError("a listener's bug")
+
+        directory.on_refresh(broken)
+        directory.on_refresh(lambda: seen.append(
+            (directory.generation, directory.get("d0") is not None)))
+        async def three() -> bool:
+            return len(seen) >= 3
+
+        async with directory:
+            await wait_until(three, timeout_s=10)
+        gens = [g for g, _ in seen]
+        assert gens == sorted(set(gens)) and all(known for _, known in seen)
+        await registry.deregister()
+
+
 async def test_crashed_worker_drops_out(redis_server: str, namespace: str) -> None:
     """A worker killed with SIGKILL stops heartbeating; its lease lapses within ~TTL."""
     script = textwrap.dedent(

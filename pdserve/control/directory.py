@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
@@ -88,6 +88,7 @@ class WorkerDirectory(AsyncResource):
         self._workers: dict[str, WorkerInfo] = {}
         self.generation = 0  # moves whenever the view may have changed (a poll replaced it)
         self._subscribers: set[asyncio.Queue[WorkerEvent | None]] = set()
+        self._refreshed: list[Callable[[], None]] = []
         self._task: asyncio.Task[None] | None = None
         self.last_refresh = 0.0  # time.monotonic() of the last successful poll
 
@@ -160,7 +161,17 @@ class WorkerDirectory(AsyncResource):
                 )
             for queue in self._subscribers:
                 queue.put_nowait(event)
+        for prepare in self._refreshed:
+            try:
+                prepare()
+            except Exception:  # a listener's bug must not stop the directory's polls
+                log.exception("worker_directory_listener_failed")
         return events
+
+    def on_refresh(self, prepare: Callable[[], None]) -> None:
+        """Call `prepare()` after every successful poll, once the new view is in place: what
+        its users derive from the view is built then, not by whoever reads it next."""
+        self._refreshed.append(prepare)
 
     def _same_model(self, worker: WorkerInfo) -> bool:
         if self.model_id is None or worker.model_id == self.model_id or (
