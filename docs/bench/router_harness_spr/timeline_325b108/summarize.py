@@ -7,6 +7,7 @@ requests_alone.json keeps those, in us after each one's arrival.
 
 usage: python summarize.py requests_alone.json > summary.json"""
 
+import itertools
 import json
 import statistics
 import sys
@@ -17,7 +18,7 @@ ORDER = ["arrived", "servicer", "built", "admitted", "placed", "encoding", "queu
 record = json.load(open(sys.argv[1]))
 alone = record["rows"]
 steps = {}
-for a, b in zip(ORDER, ORDER[1:]):
+for a, b in itertools.pairwise(ORDER):
     d = sorted(r[b] - r[a] for r in alone if a in r and b in r)
     steps[f"{a} -> {b}"] = {"p50_us": round(statistics.median(d)),
                             "p90_us": round(d[int(len(d) * 0.9)]), "n": len(d)}
