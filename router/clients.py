@@ -232,7 +232,7 @@ async def _events(call: grpc.aio.UnaryStreamCall, first_timeout_s: float,
         timeout = first_timeout_s
         while True:
             msg = await _read(call, timeout)
-            if own is not None:
+            if own is not None and not own.replied:
                 own.reply(time.perf_counter())
             ev = convert.token_event_from_chunk(chunk_of(msg))
             yield ev

@@ -4,12 +4,11 @@ part of it the router itself spends (`OwnTime`)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
-from typing import Any
 
 import grpc
 
+from pdserve.rpc.errors import Continuation, MethodHandler
 from pdserve.types import PrefillReport, StageTimings
 
 
@@ -55,10 +54,9 @@ class ArrivalInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+        continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+    ) -> MethodHandler | None:
         OWN.set(OwnTime(time.perf_counter()))
         return await continuation(handler_call_details)
 

@@ -47,7 +47,7 @@ import inspect
 import math
 import os
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,7 @@ import structlog
 from pdserve.errors import ErrorCode
 from pdserve.private_file import read_private_text
 from pdserve.ratelog import RateLimitedLog
-from pdserve.rpc.errors import ERROR_CODE_KEY
+from pdserve.rpc.errors import ERROR_CODE_KEY, Continuation, MethodHandler
 from pdserve.rpc.metadata import metadata_value
 
 log = structlog.get_logger(__name__)
@@ -243,10 +243,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+        continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+    ) -> MethodHandler | None:
         method = handler_call_details.method
         problem = self._check(handler_call_details.invocation_metadata)
         handler = await continuation(handler_call_details)

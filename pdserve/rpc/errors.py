@@ -10,7 +10,7 @@ import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 
@@ -32,6 +32,10 @@ from pdserve.rpc.metadata import (
 from pdserve.types import MAX_REQUEST_ID_LEN
 
 log = logging.getLogger(__name__)
+
+# A server interceptor's `intercept_service` arguments and result, as grpc.aio passes them.
+MethodHandler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
+Continuation: TypeAlias = "Callable[[grpc.HandlerCallDetails], Awaitable[MethodHandler | None]]"
 
 ERROR_CODE_KEY = "pdserve-error-code"  # trailing metadata: PdserveError.code
 ERROR_PARAM_KEY = "pdserve-error-param"  # trailing metadata: PdserveError.param, when set
@@ -84,10 +88,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+        continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+    ) -> MethodHandler | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
