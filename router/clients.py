@@ -260,7 +260,8 @@ async def _read(call: grpc.aio.UnaryStreamCall, timeout_s: float) -> object:
 
 
 class _SessionUnsupported(Exception):
-    """The worker answered Session UNIMPLEMENTED: no request reached it."""
+    """The worker answered Session UNIMPLEMENTED (or its answer was lost before any reply):
+    no request on the call runs there."""
 
 
 _STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
@@ -309,14 +310,22 @@ class _Session:
 
     async def _read(self) -> None:
         why = "the decode worker ended the session (it is draining)"
+        replied = False
         try:
             while (msg := await self._call.read()) is not grpc.aio.EOF:
                 now = time.perf_counter()
+                replied = True
                 for reply in cast(decode_pb2.SessionResponses, msg).responses:
                     if (waiting := self._waiting.get(reply.stream)) is not None:
                         waiting.put_nowait((reply, now))
         except grpc.aio.AioRpcError as exc:
-            self._unsupported = exc.code() == grpc.StatusCode.UNIMPLEMENTED
+            # An older worker answers UNIMPLEMENTED. Grpc.aio may report that as INTERNAL
+            # instead, when our first write races the call's end (grpc/grpc#36066: the failed
+            # write overwrites the status the worker sent), so INTERNAL before any reply
+            # counts as the same answer: each request goes as a Generate call instead (one
+            # that did reach the worker was cancelled there when the call ended).
+            self._unsupported = exc.code() == grpc.StatusCode.UNIMPLEMENTED or (
+                exc.code() == grpc.StatusCode.INTERNAL and not replied)
             why = f"the session with the decode worker failed: {error_from_rpc(exc)}"
         finally:
             self.ended = why

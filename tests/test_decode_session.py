@@ -66,6 +66,15 @@ class NoSession(decode_servicer.DecodeServicer):
     Session = decode_pb2_grpc.DecodeWorkerServicer.Session  # type: ignore[assignment]
 
 
+class LostStatus(decode_servicer.DecodeServicer):
+    """A worker whose Session answer reaches the client as grpc.aio reports it when the
+    client's first write races the call's end (grpc/grpc#36066): INTERNAL, nothing read."""
+
+    async def Session(self, requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.INTERNAL, "Internal error from Core")
+        yield  # pragma: no cover (a generator, as the servicer's)
+
+
 @dataclass
 class Served:
     worker: DecodeWorker
@@ -174,6 +183,18 @@ async def test_a_worker_without_session_gets_a_call_per_request(
         second = await tokens(c, request("b", prompt_ids[0]))
         assert first == second and len(first) == 6
         assert counted.calls == {"Session": 1, "Generate": 2}  # asked once, then calls
+
+
+async def test_a_session_that_fails_before_any_reply_falls_back_to_calls(
+        make_engine: Any, prompt_ids: list[list[int]]) -> None:
+    """INTERNAL before any reply: the worker may be an older one whose UNIMPLEMENTED grpc.aio
+    lost; the request is served by a Generate call, and later ones too."""
+    async with serve(make_engine, LostStatus) as served, client(served.address) as (c, counted):
+        first = await tokens(c, request("a", prompt_ids[0]))
+        second = await tokens(c, request("b", prompt_ids[0]))
+        assert first == second and len(first) == 6
+        assert counted.calls == {"Session": 1, "Generate": 2}
+        await until(lambda: all_free(served.worker))
 
 
 async def test_a_worker_upgraded_in_place_is_offered_a_session_again(
