@@ -108,6 +108,7 @@ from pdserve.cluster import (
 )
 from pdserve.deathsig import guarded
 from pdserve.errors import PdserveError
+from pdserve.rpc import core_env
 from pdserve.types import GenerateRequest, LatencyClass, SamplingParams
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.clients import DecodeClient
@@ -306,8 +307,10 @@ class Cluster:
         self.model_dir = resolve_model(self.cfg.model, progress=False)
         self.model_id = model_id(self.model_dir)
         self.redis, self.redis_url = start_redis(self.workdir, self.other_cpus)
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", REDIS_URL_ENV: self.redis_url,
-                    CLUSTER_SECRET_ENV: self.secret, API_KEY_ENV: self.api_key}
+        # The emulated workers get grpc's settings as `pdserve` gives its own processes.
+        self.env = dict(core_env.apply({
+            **os.environ, "PYTHONUNBUFFERED": "1", REDIS_URL_ENV: self.redis_url,
+            CLUSTER_SECRET_ENV: self.secret, API_KEY_ENV: self.api_key}))
         self.grpc_port, self.http_port = free_port(), free_port()
         argv = [sys.executable, "-m", "pdserve.cli", "router", "--port", str(self.grpc_port),
                 "--http-port", str(self.http_port), "--namespace", self.namespace,

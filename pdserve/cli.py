@@ -19,6 +19,7 @@ from pdserve.cli_args import (
     engine_config_from_args,
     version,
 )
+from pdserve.rpc import core_env
 
 
 def _cmd_model_pull(args: argparse.Namespace) -> int:
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     # so a KV receiver with a receive always posted spins a core while idle; with Python
     # futures a notifier thread completes them instead. Must be set before ucxx is imported.
     os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
+    core_env.apply()  # grpc's C core reads its variables when grpc is first imported
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "model" and args.gguf and not args.out:

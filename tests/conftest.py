@@ -8,13 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.rpc import core_env
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+# grpc in the test process runs as it does in pdserve's (before any test module imports it).
+core_env.apply()
 
 # Before any test module imports ucxx: kvxfer loads the library that binds UCX listeners to
 # their configured host (kvxfer.listen), which only takes if it comes before libucxx.
-import kvxfer  # noqa: F401
-from tests.helpers.redis_server import redis_server  # noqa: F401
+import kvxfer  # noqa: E402, F401
+from tests.helpers.redis_server import redis_server  # noqa: E402, F401
 
 # A module that starts processes (clusters, workers, redis-server, kubectl, compose's
 # commands, mypy) is `slow`: `make test-fast` runs the rest (`-m "not slow"`).

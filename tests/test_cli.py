@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pdserve.cli import build_parser, main
 from pdserve.cli_args import api_keys, engine_argv, served_name_default
 from pdserve.cluster import api_keys_from_argv, api_keys_from_env
+from pdserve.rpc import core_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,6 +78,22 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--version"])
     assert info.value.code == 0
     assert capsys.readouterr().out.startswith("pdserve ")
+
+
+@pytest.mark.parametrize("operator", [None, "", "-event_engine_dns"])
+def test_main_gives_grpc_its_settings_unless_the_operator_did(
+        operator: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before any command imports grpc, `main()` fills in `core_env.DEFAULTS`; a value the
+    operator set (an empty one too) is left as it is."""
+    for name in core_env.DEFAULTS:
+        if operator is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, operator)
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    for name, value in core_env.DEFAULTS.items():
+        assert os.environ[name] == (value if operator is None else operator)
 
 
 @pytest.mark.parametrize("argv", [
