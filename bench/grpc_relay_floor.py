@@ -1,7 +1,8 @@
 """The floor under the router's added latency: a bare grpc.aio relay, nothing else.
 
     python -m bench.grpc_relay_floor [--requests 400] [--tokens 8] [--prompt 1500] \\
-        [--loops asyncio uvloop] [--modes call mux] [--out docs/bench/grpc_relay_floor.json]
+        [--loops asyncio uvloop] [--modes call mux] [--cores eventengine legacy] \\
+        [--out docs/bench/grpc_relay_floor.json]
 
 The router's added latency (bench.router_harness: client TTFT minus the worker's own time)
 is two gRPC hops in Python: the client's stream into the router, the router's stream into a
@@ -23,7 +24,9 @@ with no router in them, laid out as the harness lays the router out:
 Per relay (loop implementation x mode; the relay's asyncio loop: the standard one, and
 uvloop where it is installed; it is not a dependency of pdserve), interleaved in rounds:
 TTFT p50/p99 direct (client -> server) and relayed (client -> relay -> server), their
-difference (what one relay hop adds), and the relay's CPU time per request (/proc). The
+difference (what one relay hop adds), and the relay's CPU time per request (/proc). With
+`--cores`, each relay also runs on each grpc core named (`CORES`: the EventEngine, grpc's
+default, or the long-standing I/O manager pdserve's processes use, `pdserve.rpc.core_env`). The
 router's own added latency over this floor is what the router does beyond relaying.
 """
 
@@ -48,6 +51,7 @@ import grpc
 
 from pdserve.cluster import free_port, wait_port
 from pdserve.deathsig import guarded
+from pdserve.rpc import core_env
 
 METHOD = "/floor.Relay/Generate"
 SESSION = "/floor.Relay/Session"
@@ -151,11 +155,16 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _start(port: int, cpus: str, *extra: str) -> subprocess.Popen[bytes]:
+# --cores: the relay's grpc core, as its process environment sets it (`pdserve.rpc.core_env`).
+CORES = {"eventengine": {"GRPC_EXPERIMENTS": ""}, "legacy": core_env.DEFAULTS}
+
+
+def _start(port: int, cpus: str, *extra: str, core: str | None = None
+           ) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         ["taskset", "-c", cpus, *guarded([sys.executable, "-m", "bench.grpc_relay_floor",
                                           "serve", "--port", str(port), *extra])],
-        cwd=Path(__file__).parents[1])
+        cwd=Path(__file__).parents[1], env=os.environ | CORES[core] if core else None)
     wait_port(port, proc, 30, "relay floor server")
     return proc
 
@@ -193,6 +202,9 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", choices=("call", "mux"), default=["call"],
                    help="the relay's way to the server: a call per request, or every request "
                         "a message on one multiplexed stream")
+    p.add_argument("--cores", nargs="+", choices=sorted(CORES), default=None,
+                   help="relays on each of these grpc cores (default: the one this "
+                        "process's environment gives; the server and client keep it)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
     ncpu = os.cpu_count() or 2
@@ -205,10 +217,13 @@ def main() -> None:
     try:
         for loop in a.loops:
             for mode in a.modes:
-                port = free_port()
-                procs.append(_start(port, "0", "--upstream", str(sport), "--loop", loop,
-                                    *(["--mux"] if mode == "mux" else [])))
-                relays[loop if mode == "call" else f"{loop}/{mode}"] = (port, procs[-1].pid)
+                for core in a.cores or [None]:
+                    port = free_port()
+                    procs.append(_start(port, "0", "--upstream", str(sport), "--loop", loop,
+                                        *(["--mux"] if mode == "mux" else []), core=core))
+                    name = "/".join(x for x in (loop, None if mode == "call" else mode, core)
+                                    if x)
+                    relays[name] = (port, procs[-1].pid)
         direct: list[float] = []
         relayed: dict[str, list[float]] = {k: [] for k in relays}
         cpu: dict[str, float] = dict.fromkeys(relays, 0.0)
