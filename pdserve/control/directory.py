@@ -150,7 +150,7 @@ class WorkerDirectory(AsyncResource):
             elif old != new:
                 events.append(WorkerEvent("updated", new, old))
         self._workers = current
-        self.generation += 1
+        self.generation = generation = self.generation + 1
         for event in events:
             if event.kind != "updated" or event.restarted:
                 log.info(
@@ -162,6 +162,9 @@ class WorkerDirectory(AsyncResource):
             for queue in self._subscribers:
                 queue.put_nowait(event)
         for prepare in self._refreshed:
+            await asyncio.sleep(0)  # each in a step of its own, requests going on between
+            if self.generation != generation:
+                break  # a later poll replaced the view meanwhile and runs them itself
             try:
                 prepare()
             except Exception:  # a listener's bug must not stop the directory's polls
@@ -170,7 +173,9 @@ class WorkerDirectory(AsyncResource):
 
     def on_refresh(self, prepare: Callable[[], None]) -> None:
         """Call `prepare()` after every successful poll, once the new view is in place: what
-        its users derive from the view is built then, not by whoever reads it next."""
+        its users derive from the view is built then, not by whoever reads it next. Each
+        listener runs in an event-loop step of its own, so whoever reads the view in between
+        finds it new and what `prepare` builds not yet built (it must build it then)."""
         self._refreshed.append(prepare)
 
     def _same_model(self, worker: WorkerInfo) -> bool:

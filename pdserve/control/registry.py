@@ -91,6 +91,10 @@ end
 return 0
 """
 
+# `list_workers` decodes (and, signed, verifies) the records it reads in slices of this many,
+# yielding to the event loop between them: the router shares its loop with its requests.
+LIST_YIELD_EVERY = 16
+
 # KEYS[1] workers set; ARGV[1] worker key prefix.  Returns live records, prunes dead ids.
 _LIST_LUA = """
 local out = {}
@@ -266,7 +270,9 @@ class WorkerRegistry(ControlStore):
         )
         workers = []
         listed: dict[str | bytes, tuple[WorkerInfo, float | None]] = {}
-        for raw in raws:
+        for n, raw in enumerate(raws, 1):
+            if n % LIST_YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # a router's requests go on between slices
             info = self._decode_worker(raw, listed)
             if info is not None and (role is None or info.role == role):
                 workers.append(info)
