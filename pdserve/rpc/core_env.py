@@ -2,11 +2,11 @@
 grpc is first imported, so they are set before that (`apply`, from `pdserve.cli.main`).
 
 ``GRPC_EXPERIMENTS=-event_engine_client,-event_engine_listener``: channels and listening
-sockets on grpc's long-standing I/O manager, whose poller is the thread that waits on the
-completion queue (grpc.aio's), instead of the EventEngine's own threads. Each read, write
-and completion then costs one fewer thread hand-over. A bare grpc.aio relay
-(`bench/grpc_relay_floor.py`) adds about a fifth less latency and CPU per request this way,
-and the router's own time drops with it (docs/BENCHMARKS.md, "The router at scale").
+sockets on grpc's long-standing I/O manager. Their sockets are then polled by the thread that
+already waits on grpc.aio's completion queue, not by EventEngine threads of their own, so
+fewer threads wake and hand work on per call. A bare grpc.aio relay adds about a fifth less
+latency and spends 12-18 % less CPU per request this way (`bench/grpc_relay_floor.py
+--cores`); so does the router (docs/BENCHMARKS.md, "The router at scale").
 
 An operator's own value of a variable wins (an empty one too): `apply` only fills in what is
 unset.
