@@ -8,6 +8,7 @@ Grafana provisioning files are checked for the paths and targets compose relies 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -17,11 +18,18 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from prometheus_client import Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
 from pdserve.cluster import LocalCluster
-from pdserve.engine.metrics import ENGINE_METRICS, WorkerLoadCollector, engine_load
+from pdserve.engine.metrics import (
+    ENGINE_METRICS,
+    WorkerLoadCollector,
+    engine_load,
+    exposition,
+    labelled_registry,
+)
 from pdserve.engine.stats import DurationHistogram, EngineStats
 from tests.helpers.cluster_util import cluster_fixture
 
@@ -134,6 +142,33 @@ def test_router_collector_reads_worker_load() -> None:
     assert got["pdserve:kv_cache_usage_perc"].value == pytest.approx(0.25)
     assert got["pdserve:prefix_cache_hits"].value == 100
     assert got["pdserve:num_requests_running"].labels == {"worker": "decode-0", "role": "decode"}
+
+
+async def test_the_page_rendered_in_steps_is_generate_latests() -> None:
+    """`exposition` yields to the event loop between families and renders the very bytes
+    `generate_latest` does: counters, a histogram, labelled and worker-load families."""
+    inner = CollectorRegistry()
+    Counter("pdserve_test_total", "a counter", ["kind"], registry=inner).labels("a").inc(3)
+    Histogram("pdserve_test_seconds", "a histogram", buckets=(0.1, 1.0),
+              registry=inner).observe(0.5)
+    load = {"running": 2, "waiting": 1, "free_blocks": 30, "total_blocks": 40}
+    inner.register(WorkerLoadCollector(lambda: [(f"decode-{i}", "decode", load)
+                                                 for i in range(64)]))
+    page = labelled_registry(inner, model_name="m")
+    steps = 0
+
+    async def count_steps() -> None:
+        nonlocal steps
+        while True:
+            steps += 1
+            await asyncio.sleep(0)
+
+    counting = asyncio.ensure_future(count_steps())
+    await asyncio.sleep(0)
+    got = await exposition(page, families_per_step=2)
+    counting.cancel()
+    assert got == generate_latest(page)
+    assert steps > len(list(page.collect())) // 2  # it let the loop run between families
 
 
 # --------------------------------------------------------------------------- live cluster

@@ -22,10 +22,10 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.engine.metrics import MODEL_LABEL, labelled_registry
+from pdserve.engine.metrics import MODEL_LABEL, exposition, labelled_registry
 from pdserve.errors import ErrorCode
 from pdserve.gateway.backend import GenerationBackend, ListsWorkers
 from pdserve.gateway.config import GatewayConfig
@@ -126,7 +126,7 @@ class _Routes:
             else w for w in found]).body())
 
     async def metrics_page(self) -> Response:
-        return Response(generate_latest(self.metrics_page_registry),
+        return Response(await exposition(self.metrics_page_registry),
                         media_type=CONTENT_TYPE_LATEST)
 
 
