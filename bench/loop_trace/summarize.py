@@ -44,11 +44,11 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
     out = summarize(a.steps, a.skip_s)
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1) + "\n")
     for what, k in list(out["steps_over_threshold"].items())[:15]:
         print(f"{k['n']:6d} total {k['total_ms']:8.1f} ms  p50 {k['p50_ms']:6.2f}  "
               f"p90 {k['p90_ms']:6.2f}  max {k['max_ms']:6.2f}  {what[:90]}")
-    if a.json:
-        a.json.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":
