@@ -164,7 +164,7 @@ def _start(port: int, cpus: str, *extra: str, core: str | None = None
     proc = subprocess.Popen(
         ["taskset", "-c", cpus, *guarded([sys.executable, "-m", "bench.grpc_relay_floor",
                                           "serve", "--port", str(port), *extra])],
-        cwd=Path(__file__).parents[1], env=os.environ | CORES[core] if core else None)
+        cwd=Path(__file__).parents[1], env=(os.environ | CORES[core]) if core else None)
     wait_port(port, proc, 30, "relay floor server")
     return proc
 
