@@ -41,7 +41,8 @@ class RouterMetrics:
             "The router's own time on a gRPC request's way to its first token (locally "
             "prefilled, placed once): part=in from the call's arrival to its request on its "
             "way to the decode worker, part=out from the worker's first reply read to the "
-            "client's first response taken by grpc, part=total both (router.timings.OwnTime)",
+            "client's first response handed to grpc, part=total both "
+            "(router.timings.OwnTime)",
             ["part"], buckets=OVERHEAD_BUCKETS, registry=registry)
         self.overhead_parts = tuple(self.overhead.labels(p) for p in ("in", "out", "total"))
         self.rejections = Counter("pdserve_router_rejections_total",

@@ -16,9 +16,13 @@ class OwnTime:
     """The router's own time on a request's way to its first token, on `time.perf_counter`:
     from the call's arrival in the router's Python (`ArrivalInterceptor`, the first of its
     server's interceptors) until the request is on its way to the decode worker (`forward`:
-    grpc has taken the Session message, or the Generate call is started), plus from the
-    worker's first reply read to the client's first response taken by grpc (`done`). What it
-    leaves out is waiting on the worker, and grpc's own work before the first interceptor.
+    the Session message handed to grpc, or the Generate call started), plus from the
+    worker's first reply read to the client's first response handed to grpc (`done`). What
+    it leaves out is waiting on the worker, grpc's own work before the first interceptor and
+    after a message is handed to it (serializing a response). A message handed to grpc is on
+    the wire: grpc writes it to the socket on the loop's thread as it takes it (strace shows
+    the ``sendmsg`` there); the write's completion comes back later through grpc's poller
+    thread and delays nothing the request waits for, so it is not counted.
 
     It travels with the call's task in `OWN` (grpc.aio runs a call's interceptors and handler
     in one task), so the worker clients stamp it without a parameter through every layer."""
