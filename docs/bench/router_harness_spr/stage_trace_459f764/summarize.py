@@ -8,6 +8,7 @@ after the servicer's yield returned). Joined with the emulated workers' records
 (`t_recv`: CLOCK_MONOTONIC, as perf_counter on Linux) of the light phase."""
 
 import gzip
+import itertools
 import json
 import sys
 
@@ -32,7 +33,7 @@ def main() -> None:
         if d["id"] in recs:
             rows.append(d)
     out: dict[str, object] = {"requests": len(rows), "steps_ms": {}}
-    for a, b in zip(ORDER, ORDER[1:]):
+    for a, b in itertools.pairwise(ORDER):
         out["steps_ms"][f"{a}->{b}"] = q([r[b] - r[a] for r in rows])  # type: ignore
     out["arrival->h_ms"] = q([r["h"] for r in rows])  # type: ignore
     t = lambda r, k: r["abs"] + r[k] / 1e3  # noqa: E731
