@@ -18,6 +18,9 @@ class RouterMetrics:
         self.decisions = Counter("pdserve_router_decisions_total",
                                  "Routing decisions by route and reason", ["route", "reason"],
                                  registry=registry)
+        # Its children by (route, reason), kept: `labels()` takes a lock and checks its
+        # arguments on every call, on every request's first step.
+        self._decided: dict[tuple[str, str], Counter] = {}
         self.placement_cpu = Counter(
             "pdserve_router_placement_cpu_seconds",
             "CPU time of the router's thread spent placing requests (prefix walk, scoring, "
@@ -49,6 +52,13 @@ class RouterMetrics:
                                   "Requests refused by admission control (HTTP 429, gRPC "
                                   "RESOURCE_EXHAUSTED)", ["latency_class", "reason"],
                                   registry=registry)
+
+    def decided(self, route: str, reason: str) -> None:
+        """Count a routing decision (`decisions`)."""
+        child = self._decided.get((route, reason))
+        if child is None:
+            child = self._decided[route, reason] = self.decisions.labels(route, reason)
+        child.inc()
 
     def gauges(self, *, in_flight: Callable[[], float], predicted_wait_s: Callable[[], float],
                directory_staleness_s: Callable[[], float]) -> None:

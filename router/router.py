@@ -297,7 +297,7 @@ class Router(AsyncResource):
             if not streamed:
                 clock.routed()
             tried.add(decode.worker_id)
-            self.metrics.decisions.labels(decision.route.value, decision.reason).inc()
+            self.metrics.decided(decision.route.value, decision.reason)
             # Logged once the first event is on its way (or the attempt ended without one):
             # rendering the line is not on the way to the client's first token.
             unlogged = [dict(

@@ -21,7 +21,6 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
-import numpy as np
 
 from pdserve.errors import InvalidRequestError
 from pdserve.rpc import convert
@@ -69,15 +68,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         has_sampling = request.HasField("sampling")
         sampling = convert.sampling_from_proto(request.sampling if has_sampling else None)
         latency_class = tenant.latency_class(convert.latency_from_proto(request.latency_class))
-        # Token ids are only copied: a thread hop would cost more than that and wake the
-        # loop through its self-pipe; text and chat are tokenized off the loop. Through
-        # numpy, which reads the field in one C call: half the time of iterating it (17
-        # against 33 us for 1,500 ids). Ids keep the field they came in, for the worker's
-        # message (`prompt_wire`).
+        # Token ids are only copied (~35 us for 1,500): a thread hop would cost more than
+        # that and wake the loop through its self-pipe; text and chat are tokenized off the
+        # loop. (Through numpy the copy takes half as long in a loop, but longer on a
+        # request's first step, which runs cold: docs/bench/router_harness_spr/README.md.)
+        # Ids keep the field they came in, for the worker's message (`prompt_wire`).
         which = request.WhichOneof("input")
         wire: tuple[tuple[int, ...], Sequence[int]] | None = None
         if which == "token_ids":
-            ids = tuple(np.array(request.token_ids.ids, dtype=np.int64).tolist())
+            ids = tuple(request.token_ids.ids)
             wire = (ids, request.token_ids.ids)
         else:
             ids = tuple(await asyncio.to_thread(self._prompt, request))

@@ -414,6 +414,28 @@ def test_sampling_defaults_and_validation() -> None:
     assert info.value.param == "seed"
 
 
+def test_sampling_made_once_per_message_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Equal messages share one SamplingParams (frozen); an invalid message is refused every
+    time, a long one is converted every time, and the store is bounded."""
+    monkeypatch.setattr(convert, "_SAMPLING_MADE", {})
+    monkeypatch.setattr(convert, "_SAMPLING_MADE_MAX", 3)
+    first = convert.sampling_from_proto(common_pb2.SamplingParams(max_tokens=7, seed=3))
+    again = convert.sampling_from_proto(common_pb2.SamplingParams.FromString(
+        common_pb2.SamplingParams(max_tokens=7, seed=3).SerializeToString()))
+    assert again is first and first == SamplingParams(max_tokens=7, seed=3)
+    other = convert.sampling_from_proto(common_pb2.SamplingParams(max_tokens=7))
+    assert other is not first and other.seed is None
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError):
+            convert.sampling_from_proto(common_pb2.SamplingParams(max_tokens=0))
+    long = common_pb2.SamplingParams(stop=["x" * 300, "y" * 300])
+    assert convert.sampling_from_proto(long) is not convert.sampling_from_proto(long)
+    assert len(convert._SAMPLING_MADE) == 2
+    for n in range(1, 5):
+        convert.sampling_from_proto(common_pb2.SamplingParams(max_tokens=n))
+    assert len(convert._SAMPLING_MADE) <= 3
+
+
 def test_enum_round_trips() -> None:
     for latency in LatencyClass:
         assert convert.latency_from_proto(convert.latency_to_proto(latency)) == latency

@@ -98,12 +98,32 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 
 _DEFAULT_SAMPLING = SamplingParams()  # frozen: one instance serves every unset field
+# SamplingParams already made, by their message's bytes: requests repeat a few settings, and
+# SamplingParams' validation is a lot of code to run on a request's first step, which runs
+# cold (docs/bench/router_harness_spr/README.md). Frozen, so one instance serves every
+# request that sent the same bytes; cleared when full. Longer messages (a JSON schema, many
+# stop strings) are converted every time.
+_SAMPLING_MADE: dict[bytes, SamplingParams] = {}
+_SAMPLING_MADE_MAX = 1024
+_SAMPLING_KEY_MAX_BYTES = 512
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams | None) -> SamplingParams:
     """Unset fields take the domain defaults; raises InvalidRequestError on invalid values."""
     if msg is None:
         return _DEFAULT_SAMPLING
+    key = msg.SerializeToString(deterministic=True)
+    if (made := _SAMPLING_MADE.get(key)) is not None:
+        return made
+    params = _sampling_from_proto(msg)
+    if len(key) <= _SAMPLING_KEY_MAX_BYTES:
+        if len(_SAMPLING_MADE) >= _SAMPLING_MADE_MAX:
+            _SAMPLING_MADE.clear()
+        _SAMPLING_MADE[key] = params
+    return params
+
+
+def _sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     defaults = _DEFAULT_SAMPLING
     return SamplingParams(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else defaults.max_tokens,
