@@ -213,4 +213,8 @@ async def until_lost(lost: asyncio.Future[None], events: AsyncIterator[TokenEven
         if timer is not None:
             timer.cancel()
         lost.remove_done_callback(on_lost)
+        # `tick` names itself (it re-arms its timer): a cycle through its closure that would
+        # keep the reading task, its context and everything they hold for the cyclic GC to
+        # find, whose collections pause every request on the loop. Broken here instead.
+        tick = timer = task = None  # type: ignore[assignment]
         await events.aclose()  # type: ignore[attr-defined]
