@@ -4,7 +4,9 @@ lost and the stream silent, probed when silent; nothing created per event."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+import weakref
 from collections.abc import AsyncIterator
 
 import pytest
@@ -46,6 +48,24 @@ async def test_events_pass_through_and_the_stream_is_closed() -> None:
     assert await collect(lost, [0.0, 0.01, 0.0, 0.02], stalls, closed) == [0, 1, 2, 3]
     assert stalls == [] and closed == [True]
     assert not lost._callbacks  # type: ignore[attr-defined]  # its callback is removed
+
+
+async def test_a_finished_stream_leaves_nothing_for_the_cyclic_gc() -> None:
+    """The reading task is freed by its count once the stream is over: nothing of a request
+    waits for a collection, which would pause every request on the loop."""
+    lost = asyncio.get_running_loop().create_future()
+    gc.collect()
+    gc.disable()
+    try:
+        task = asyncio.create_task(collect(lost, [0.0, 0.0], [], []))
+        assert await task == [0, 1]
+        ref = weakref.ref(task)
+        del task
+        for _ in range(3):  # the loop's last callbacks let go of it
+            await asyncio.sleep(0)
+        assert ref() is None
+    finally:
+        gc.enable()
 
 
 async def test_a_silent_stream_is_probed_once_per_stall() -> None:
