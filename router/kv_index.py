@@ -209,10 +209,11 @@ class KVIndex:
         """The index's own memory: the dicts' tables, hash keys and bitmask values. Each
         holder keeps its own copy of a hash (decoded from its own batches; the dict shares
         the first holder's), so a key counts once per holder."""
-        total = sys.getsizeof(self._holders)
+        total = sys.getsizeof(self._holders)  # a BlockTable's masks are in its slots
+        boxed = isinstance(self._holders, dict)
         for h, mask in self._holders.items():
             total += sys.getsizeof(h) * mask.bit_count() + (
-                sys.getsizeof(mask) if mask > 256 else 0)
+                sys.getsizeof(mask) if boxed and mask > 256 else 0)
         for w in self._workers.values():
             total += sys.getsizeof(w.held)
         return total
