@@ -1,9 +1,12 @@
 """`async with` for the long-lived parts of a process (engine, router, Redis store, worker
 directory, KV event publisher, KV sender and receiver): enter runs `start()`, leaving runs
-`close()`. Imports nothing from the project."""
+`close()`; and `TimeSlice`, for a long pass that shares the event loop. Imports nothing from
+the project."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Self
 
 
@@ -23,3 +26,20 @@ class AsyncResource:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class TimeSlice:
+    """A long pass over many items that shares the event loop with requests (the router's
+    worker listing, its KV event reads): `await slice.step()` after each item yields to the
+    loop once `budget_s` has passed since the pass began or last yielded, so none of its
+    steps holds the loop much longer than that, however costly its items are. A request
+    that arrives meanwhile waits for the step that is running, not for the pass."""
+
+    def __init__(self, budget_s: float = 0.0002) -> None:
+        self.budget_s = budget_s
+        self._since = time.perf_counter()
+
+    async def step(self) -> None:
+        if time.perf_counter() - self._since >= self.budget_s:
+            await asyncio.sleep(0)
+            self._since = time.perf_counter()
