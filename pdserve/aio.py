@@ -30,10 +30,12 @@ class AsyncResource:
 
 class TimeSlice:
     """A long pass over many items that shares the event loop with requests (the router's
-    worker listing, its KV event reads): `await slice.step()` after each item yields to the
-    loop once `budget_s` has passed since the pass began or last yielded, so none of its
-    steps holds the loop much longer than that, however costly its items are. A request
-    that arrives meanwhile waits for the step that is running, not for the pass."""
+    metrics page): `await slice.step()` after each item yields to the loop once `budget_s`
+    has passed since the pass began or last yielded, so none of its steps holds the loop
+    much longer than that, however costly its items are. A request that arrives meanwhile
+    waits for the step that is running, not for the pass. Not for a pass that runs several
+    times a second: slicing the worker listing so made the requests' own steps slower in
+    their tail (docs/BENCHMARKS.md, stop 57)."""
 
     def __init__(self, budget_s: float = 0.0002) -> None:
         self.budget_s = budget_s

@@ -18,7 +18,6 @@ from collections.abc import Callable, Hashable, Iterable
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from pdserve.aio import TimeSlice
 from pdserve.control.kv_events import KVEventStreams
 from pdserve.errors import ControlPlaneError
 from router.kv_index import Applied, KVIndex
@@ -30,7 +29,7 @@ class KVIndexFollower:
     def __init__(self, streams: KVEventStreams, index: KVIndex,
                  worker_ids: Callable[[], Iterable[str]], *,
                  metrics_registry: CollectorRegistry | None = None, block_ms: int = 500,
-                 count: int = 64, resync_retry_s: float = 2.0, slice_s: float = 0.0002,
+                 count: int = 64, resync_retry_s: float = 2.0, yield_every: int = 64,
                  min_interval_s: float = 0.01, version: Callable[[], Hashable] | None = None):
         self.streams = streams
         self.index = index
@@ -47,10 +46,10 @@ class KVIndexFollower:
         self.min_interval_s = min_interval_s
         self.count = count
         self.resync_retry_s = resync_retry_s
-        # The follower shares the router's event loop: folding what a read brought (a
-        # backlog, when a router starts against full streams) yields to it every `slice_s`
-        # (`TimeSlice`), and one read takes at most `count` entries per stream.
-        self.slice_s = slice_s
+        # The follower shares the router's event loop: folding a backlog (a router starting
+        # against full streams) yields to it every `yield_every` entries, and one read takes
+        # at most `count` entries per stream.
+        self.yield_every = yield_every
         self._offsets: dict[str, bytes] = {}
         self._asked: dict[str, float] = {}  # worker id -> when we last asked for a snapshot
         self._since: dict[str, float] = {}  # worker id -> when we started following it
@@ -105,9 +104,9 @@ class KVIndexFollower:
         entries = await self.streams.read(self._offsets, count=self.count,
                                           block_ms=self.block_ms)
         resync: set[str] = set()
-        pass_ = TimeSlice(self.slice_s)
-        for e in entries:
-            await pass_.step()
+        for n, e in enumerate(entries, 1):
+            if n % self.yield_every == 0:
+                await asyncio.sleep(0)
             if e.worker_id not in self._offsets:
                 continue  # left while we read
             self._offsets[e.worker_id] = e.entry_id

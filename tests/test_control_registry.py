@@ -137,9 +137,9 @@ def test_commands_packed_by_hiredis_are_redis_pys_bytes() -> None:
 
 
 async def test_a_time_slice_yields_once_its_budget_has_run() -> None:
-    """`pdserve.aio.TimeSlice`, which the worker listing and the KV event reads pass their
-    items through: it lets the loop's other tasks run only once its budget has run since the
-    pass began or last yielded (a huge budget: never; none: after every item)."""
+    """`pdserve.aio.TimeSlice` (the router's metrics page renders through it) lets the
+    loop's other tasks run only once its budget has run since the pass began or last yielded
+    (a huge budget: never; none: after every item)."""
     from pdserve.aio import TimeSlice
 
     ticks = 0

@@ -19,7 +19,6 @@ from collections.abc import Callable, Mapping
 import redis.asyncio as aioredis
 import structlog
 
-from pdserve.aio import TimeSlice
 from pdserve.control.descriptors import KVDescriptor
 from pdserve.control.load import WorkerLoad
 from pdserve.control.signing import RecordSigner
@@ -92,6 +91,11 @@ end
 return 0
 """
 
+# `list_workers` decodes (and, signed, verifies) the records it reads in slices of this many,
+# yielding to the event loop between them: the router shares its loop with its requests.
+# (Slices of 0.2 ms, `pdserve.aio.TimeSlice`, made the requests' own loop steps slower in their
+# tail at 256 workers, so the listing keeps these: docs/BENCHMARKS.md, stop 57.)
+LIST_YIELD_EVERY = 16
 
 # KEYS[1] workers set; ARGV[1] worker key prefix.  Returns live records, prunes dead ids.
 _LIST_LUA = """
@@ -268,12 +272,9 @@ class WorkerRegistry(ControlStore):
         )
         workers = []
         listed: dict[str | bytes, tuple[WorkerInfo, float | None]] = {}
-        # Records are decoded (and, signed, verified: ~0.1 ms each) in slices of the loop's
-        # time: the router shares its loop with its requests, and a heartbeat changes every
-        # record each second (a slice of 16 changed records had held the loop 1-2 ms).
-        pass_ = TimeSlice()
-        for raw in raws:
-            await pass_.step()
+        for n, raw in enumerate(raws, 1):
+            if n % LIST_YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # a router's requests go on between slices
             info = self._decode_worker(raw, listed)
             if info is not None and (role is None or info.role == role):
                 workers.append(info)
