@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Iterable
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -30,14 +30,10 @@ class KVIndexFollower:
                  worker_ids: Callable[[], Iterable[str]], *,
                  metrics_registry: CollectorRegistry | None = None, block_ms: int = 500,
                  count: int = 64, resync_retry_s: float = 2.0, yield_every: int = 64,
-                 min_interval_s: float = 0.01, version: Callable[[], Hashable] | None = None):
+                 min_interval_s: float = 0.01):
         self.streams = streams
         self.index = index
         self._worker_ids = worker_ids
-        # `worker_ids()` is asked again only when `version()` moved (the directory's view
-        # changed): each read would otherwise list every worker again.
-        self._version = version
-        self._seen: Hashable = object()
         self.block_ms = block_ms
         # Workers publish a batch per ~20 ms each: read again at once and a busy cluster's
         # batches come one XREAD (of every followed stream) each. Reads start at most every
@@ -53,7 +49,6 @@ class KVIndexFollower:
         self._offsets: dict[str, bytes] = {}
         self._asked: dict[str, float] = {}  # worker id -> when we last asked for a snapshot
         self._since: dict[str, float] = {}  # worker id -> when we started following it
-        self._checked = -1e9  # when the followed workers were last checked for a lost sync
         self._task: asyncio.Task[None] | None = None
         self._malformed_logged: dict[str, float] = {}  # worker id -> when we last said so
         reg = metrics_registry or CollectorRegistry()
@@ -83,11 +78,6 @@ class KVIndexFollower:
             self._task = None
 
     def _follow(self) -> None:
-        if self._version is not None:
-            seen = self._version()
-            if seen == self._seen:
-                return
-            self._seen = seen
         current = set(self._worker_ids())
         for worker_id in current - self._offsets.keys():
             self._offsets[worker_id] = b"0"
@@ -129,13 +119,10 @@ class KVIndexFollower:
                     self.resyncs_total.inc()
         now = time.monotonic()
         # Not synced for a while (its stream expired, or our request got lost): ask (again).
-        # Checked a few times per `resync_retry_s`, not on every read: it visits every worker.
-        if now - self._checked >= self.resync_retry_s / 4:
-            self._checked = now
-            for worker_id in self._offsets:
-                since = self._asked.get(worker_id, self._since[worker_id])
-                if not self.index.synced(worker_id) and now - since >= self.resync_retry_s:
-                    resync.add(worker_id)
+        for worker_id in self._offsets:
+            since = self._asked.get(worker_id, self._since[worker_id])
+            if not self.index.synced(worker_id) and now - since >= self.resync_retry_s:
+                resync.add(worker_id)
         for worker_id in resync:
             if now - self._asked.get(worker_id, -1e9) < self.resync_retry_s * 0.5:
                 continue

@@ -98,8 +98,7 @@ class Router(AsyncResource):
             KVEventStreams(registry), self.kv_index,
             lambda: [w.worker_id for w in self.directory.snapshot().values()
                      if w.role in ("decode", "prefill")],
-            metrics_registry=self.metrics_registry,
-            version=lambda: (self.directory.generation, self.directory.expired))
+            metrics_registry=self.metrics_registry)
         self.admission = AdmissionController(self.config.admission)
         self.metrics.gauges(in_flight=lambda: self.admission.in_flight,
                             predicted_wait_s=self.admission.predicted_wait_s,

@@ -107,35 +107,6 @@ def test_worker_load_record_round_trip() -> None:
             worker(load=bad)
 
 
-def test_commands_packed_by_hiredis_are_redis_pys_bytes() -> None:
-    """The control store's connections pack with hiredis (pdserve.control.store): the same
-    bytes as redis-py's own packing, for every kind of argument the control plane sends,
-    and redis-py's DataError for a value Redis cannot take; the URL's connection class
-    (TCP, TLS, Unix socket) is kept underneath."""
-    from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
-    from redis.exceptions import DataError
-
-    from pdserve.control.store import packed_by_hiredis
-
-    ours, theirs = packed_by_hiredis(Connection)(), Connection()
-    for args in [("SET", "k", "v", "PX", 100), ("SCRIPT LOAD", "return 1"),
-                 (b"CLIENT SETNAME", "x"), ("EVALSHA", "ab", 2, "k1", "k2", -5, 2**70),
-                 ("XADD", b"k", "MAXLEN", "~", 1024, "*", b"f", b"\x00\xff", "\u00fc"),
-                 ("SET", "k", memoryview(b"xyz")), ("SET", "k", bytearray(b"xyz")),
-                 ("ZADD", "z", 0.1, "m", 1e300, "n", -2.5e-7, "o", float("inf"), "p")]:
-        assert b"".join(ours.pack_command(*args)) == b"".join(
-            bytes(b) for b in theirs.pack_command(*args)), args
-    for bad in (True, None, [1]):
-        with pytest.raises(DataError):
-            ours.pack_command("SET", "k", bad)
-    for cls in (Connection, SSLConnection, UnixDomainSocketConnection):
-        assert packed_by_hiredis(cls).__mro__[1] is cls
-    for url, cls in (("redis://127.0.0.1:1", Connection), ("rediss://127.0.0.1:1", SSLConnection),
-                     ("unix:///tmp/none.sock", UnixDomainSocketConnection)):
-        made = WorkerRegistry.from_url(url).redis.connection_pool.connection_class
-        assert made.__name__ == f"HiredisPacked{cls.__name__}" and made.__mro__[1] is cls
-
-
 async def test_a_time_slice_yields_once_its_budget_has_run() -> None:
     """`pdserve.aio.TimeSlice` (the router's metrics page renders through it) lets the
     loop's other tasks run only once its budget has run since the pass began or last yielded

@@ -147,7 +147,7 @@ class WorkerDirectory(AsyncResource):
             old = self._workers.get(worker_id)
             if old is None:
                 events.append(WorkerEvent("added", new))
-            elif old is not new and old != new:  # an unchanged record is the same object
+            elif old != new:
                 events.append(WorkerEvent("updated", new, old))
         self._workers = current
         self.generation = generation = self.generation + 1

@@ -54,11 +54,6 @@ class KVEventStreams:
         self.maxlen = maxlen
         self.ttl_ms = max(1, round(ttl_s * 1000))
         self.snapshot_request_ttl_ms = max(1, round(snapshot_request_ttl_s * 1000))
-        # The followed workers' stream keys (worker id -> key; key -> worker id), made again
-        # only when the workers change: a router reads every worker's stream up to 100
-        # times a second, and naming 256 of them each time was a fifth of a read.
-        self._keys: dict[str, bytes] = {}
-        self._owners: dict[bytes, str] = {}
 
     def stream_key(self, worker_id: str) -> str:
         return self.registry.key(f"kvev:{worker_id}")
@@ -105,17 +100,15 @@ class KVEventStreams:
             await asyncio.sleep(block_ms / 1000)
             return []
         r = self.registry
-        if self._keys.keys() != offsets.keys():
-            self._keys = {w: self.stream_key(w).encode() for w in offsets}
-            self._owners = {k: w for w, k in self._keys.items()}
-        keys, owners = self._keys, self._owners
-        streams = {keys[w]: at for w, at in offsets.items()}
+        keys = {self.stream_key(w): w for w in offsets}
+        streams = {k: offsets[w] for k, w in keys.items()}
         reply = await r.call(r.redis.xread(streams, count=count, block=block_ms),  # type: ignore[arg-type]
                              timeout_s=r.op_timeout_s + block_ms / 1000)
         out: list[StreamEntry] = []
         # RESP2 (the registry's client): [[key, [(entry id, {field: value}), ...]], ...]
         for raw_key, entries in cast("list[list[Any]]", reply) or ():
-            worker_id = owners.get(raw_key if isinstance(raw_key, bytes) else raw_key.encode())
+            key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
+            worker_id = keys.get(key)
             if worker_id is None:
                 continue
             for entry_id, fields in entries:

@@ -93,8 +93,6 @@ return 0
 
 # `list_workers` decodes (and, signed, verifies) the records it reads in slices of this many,
 # yielding to the event loop between them: the router shares its loop with its requests.
-# (Slices of 0.2 ms, `pdserve.aio.TimeSlice`, made the requests' own loop steps slower in their
-# tail at 256 workers, so the listing keeps these: docs/BENCHMARKS.md, stop 57.)
 LIST_YIELD_EVERY = 16
 
 # KEYS[1] workers set; ARGV[1] worker key prefix.  Returns live records, prunes dead ids.

@@ -22,14 +22,13 @@ import asyncio
 import inspect
 import json
 from collections.abc import Awaitable
-from typing import Any, Self, TypeVar, cast
+from typing import Any, Self, TypeVar
 
-import hiredis
 import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import DataError, RedisError
+from redis.exceptions import RedisError
 
 from pdserve.aio import AsyncResource
 from pdserve.control.descriptors import DescriptorFormatError, KVDescriptor
@@ -43,35 +42,6 @@ __all__ = ["ControlStore"]
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
-C = TypeVar("C", bound=type[aioredis.connection.AbstractConnection])
-
-
-def packed_by_hiredis(cls: C) -> C:
-    """`cls` (the connection class redis-py chose for the URL: TCP, TLS or a Unix socket),
-    packing its commands with hiredis. redis-py's asyncio connections pack in Python (its
-    sync ones use hiredis where installed), about 1.5 us an argument: 0.4 ms of a router's
-    loop for every XREAD of 256 workers' KV event streams. The bytes are the same; a value
-    that cannot be sent is redis-py's DataError as before."""
-
-    class Packed(cls):  # type: ignore[valid-type,misc]
-        def pack_command(self, *args: Any) -> list[bytes]:
-            if isinstance(args[0], str):  # "SCRIPT LOAD": one argument per word, as redis-py
-                args = (*args[0].encode().split(), *args[1:])
-            elif b" " in args[0]:
-                args = (*args[0].split(), *args[1:])
-            try:
-                return [hiredis.pack_command(args)]
-            except TypeError:  # a memoryview or a bytearray (hiredis takes bytes), or junk
-                pass
-            try:
-                as_bytes: Any = tuple(
-                    bytes(a) if isinstance(a, memoryview | bytearray) else a for a in args)
-                return [hiredis.pack_command(as_bytes)]
-            except TypeError as exc:
-                raise DataError(str(exc)) from exc
-
-    Packed.__name__ = Packed.__qualname__ = f"HiredisPacked{cls.__name__}"
-    return cast(C, Packed)
 
 
 class ControlStore(AsyncResource):
@@ -127,8 +97,6 @@ class ControlStore(AsyncResource):
             socket_connect_timeout=op_timeout_s,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
         )
-        pool = client.connection_pool
-        pool.connection_class = packed_by_hiredis(pool.connection_class)
         return cls(client, namespace=namespace, op_timeout_s=op_timeout_s, owns_client=True,
                    signer=signer)
 
