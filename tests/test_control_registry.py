@@ -107,37 +107,6 @@ def test_worker_load_record_round_trip() -> None:
             worker(load=bad)
 
 
-async def test_a_time_slice_yields_once_its_budget_has_run() -> None:
-    """`pdserve.aio.TimeSlice` (the router's metrics page renders through it) lets the
-    loop's other tasks run only once its budget has run since the pass began or last yielded
-    (a huge budget: never; none: after every item)."""
-    from pdserve.aio import TimeSlice
-
-    ticks = 0
-
-    async def other() -> None:  # another of the loop's tasks: one tick per loop step
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0)
-
-    task = asyncio.create_task(other())
-    await asyncio.sleep(0)
-    try:
-        start, never = ticks, TimeSlice(3600.0)
-        for _ in range(50):
-            await never.step()
-        assert ticks == start
-        always = TimeSlice(0.0)
-        for _ in range(50):
-            await always.step()
-        assert ticks - start >= 49
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
 async def test_register_list_and_deregister(registry: WorkerRegistry) -> None:
     await registry.register(worker("d0"), ttl_s=5)
     async with WorkerRegistry(registry._redis, namespace=registry.namespace) as other:

@@ -9,9 +9,11 @@ Grafana provisioning files are checked for the paths and targets compose relies 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from prometheus_client import Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
+from pdserve.aio import TimeSlice
 from pdserve.cluster import LocalCluster
 from pdserve.engine.metrics import (
     ENGINE_METRICS,
@@ -144,6 +147,41 @@ def test_router_collector_reads_worker_load() -> None:
     assert got["pdserve:num_requests_running"].labels == {"worker": "decode-0", "role": "decode"}
 
 
+@contextlib.asynccontextmanager
+async def loop_steps() -> AsyncIterator[list[int]]:
+    """The event loop's steps while held, counted by a task that ticks once a step."""
+    count = [0]
+
+    async def tick() -> None:
+        while True:
+            count[0] += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.ensure_future(tick())
+    await asyncio.sleep(0)
+    try:
+        yield count
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_a_time_slice_yields_once_its_budget_has_run() -> None:
+    """`pdserve.aio.TimeSlice` (the metrics page renders through it) lets the loop's other
+    tasks run only once its budget has run since the pass began or last yielded (a huge
+    budget: never; none: after every item)."""
+    async with loop_steps() as steps:
+        start, never = steps[0], TimeSlice(3600.0)
+        for _ in range(50):
+            await never.step()
+        assert steps[0] == start
+        always = TimeSlice(0.0)
+        for _ in range(50):
+            await always.step()
+        assert steps[0] - start >= 49
+
+
 async def test_the_page_rendered_in_steps_is_generate_latests() -> None:
     """`exposition` yields to the event loop between families and renders the very bytes
     `generate_latest` does: counters, a histogram, labelled and worker-load families."""
@@ -155,20 +193,10 @@ async def test_the_page_rendered_in_steps_is_generate_latests() -> None:
     inner.register(WorkerLoadCollector(lambda: [(f"decode-{i}", "decode", load)
                                                  for i in range(64)]))
     page = labelled_registry(inner, model_name="m")
-    steps = 0
-
-    async def count_steps() -> None:
-        nonlocal steps
-        while True:
-            steps += 1
-            await asyncio.sleep(0)
-
-    counting = asyncio.ensure_future(count_steps())
-    await asyncio.sleep(0)
-    got = await exposition(page, budget_s=0.0)  # no budget: a step per family
-    counting.cancel()
+    async with loop_steps() as steps:
+        got = await exposition(page, budget_s=0.0)  # no budget: a step per family
     assert got == generate_latest(page)
-    assert steps >= len(list(page.collect()))  # it let the loop run between families
+    assert steps[0] >= len(list(page.collect()))  # it let the loop run between families
 
 
 # --------------------------------------------------------------------------- live cluster
