@@ -209,7 +209,7 @@ class KVIndex:
         """The index's own memory: the dicts' tables, hash keys and bitmask values. Each
         holder keeps its own copy of a hash (decoded from its own batches; the dict shares
         the first holder's), so a key counts once per holder."""
-        total = sys.getsizeof(self._holders)  # a BlockTable's masks are in its slots
+        total = sys.getsizeof(self._holders)  # a BlockTable's __sizeof__ counts its masks
         boxed = isinstance(self._holders, dict)
         for h, mask in self._holders.items():
             total += sys.getsizeof(h) * mask.bit_count() + (
