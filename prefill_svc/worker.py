@@ -18,7 +18,13 @@ from pdserve.control.load import WorkerLoad
 from pdserve.engine.async_engine import AsyncEngine, PrefillResult
 from pdserve.engine.metrics import engine_load
 from pdserve.engine.stats import EngineStats
-from pdserve.errors import CapacityError, ErrorCode, InvalidRequestError, KVTransferError
+from pdserve.errors import (
+    CapacityError,
+    EngineClosedError,
+    ErrorCode,
+    InvalidRequestError,
+    KVTransferError,
+)
 from pdserve.handover import FirstToken
 from pdserve.kv_layout import KVDestination
 from pdserve.types import GenerateRequest, LatencyClass, PrefillReport
@@ -92,6 +98,7 @@ class PrefillWorker:
         self.overlap = overlap  # send each computed chunk's KV while the next one computes
         self.accepting = True
         self.inflight = 0
+        self._freeing: set[asyncio.Future[None]] = set()  # blocks being freed (`_free`)
         self.queued_by_class: dict[str, int] = {c.value: 0 for c in LatencyClass}
         self.metrics = metrics if metrics is not None else PrefillMetrics()
         # Seconds of KV transfer per prompt token sent (moving average; 0: none yet): the
@@ -110,10 +117,29 @@ class PrefillWorker:
             queued_tokens=self.gate.queued_tokens,
             kv_transfer_s_per_token=self.transfer_s_per_token)
 
+    def _free(self, request_id: str) -> None:
+        """Free a prefill's blocks without waiting for it. The engine thread frees them
+        between its steps, maybe behind another prompt's step of hundreds of ms; the
+        prefill's reply (the router holds the stream's last token for it, for its timings)
+        and the next prompt's slot need not wait that long: the engine runs commands in the
+        order they come, so the next prompt's allocation comes after the free."""
+        try:
+            fut = self.engine.release_soon(request_id)
+        except EngineClosedError:
+            return  # stopping: the engine's blocks go with it
+        self._freeing.add(fut)
+        fut.add_done_callback(self._freed)
+
+    def _freed(self, fut: asyncio.Future[None]) -> None:
+        self._freeing.discard(fut)
+        if not fut.cancelled() and (exc := fut.exception()) is not None:
+            log.warning("prefill_release_failed", error=repr(exc))
+
     async def drained(self, timeout_s: float) -> bool:
-        """Wait until no prefill (queued, computing or transferring) is left, or the timeout."""
+        """Wait until no prefill (queued, computing or transferring) is left and their blocks
+        are free, or the timeout."""
         deadline = time.monotonic() + timeout_s
-        while self.inflight:
+        while self.inflight or self._freeing:
             if time.monotonic() > deadline:
                 log.warning("drain_timeout", inflight=self.inflight)
                 return False
@@ -165,15 +191,13 @@ class PrefillWorker:
                     if dest is not None:
                         assert parts is not None
                         sent = await self._transfer(result, dest, parts)
-                    # The transfer stage ends here: freeing our blocks below waits for the
-                    # engine thread (maybe behind another prompt's step) and is not part of it.
-                    # With parts, it is what the transfer added after the compute.
+                    # The transfer stage ends here. With parts, it is what the transfer
+                    # added after the compute.
                     transferred = time.monotonic()
                 finally:
                     if parts is not None:
                         await parts.abort()  # a no-op once finished
-                    # Its stats refresh before it returns: our load stops counting the blocks.
-                    await self.engine.release(req.request_id)
+                    self._free(req.request_id)
             outcome = "ok"
         except Exception:
             outcome = "failed"

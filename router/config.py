@@ -187,9 +187,11 @@ class RouterConfig:
     max_migrations: int = setting(
         2, "moves of a running stream to another decode worker when its own is lost "
         "(then the request fails with 503)", ge=0, group=TIMEOUTS)
+    # The stream's last token waits for it (it carries the timings): the prefill worker
+    # replies as its KV is sent, before the first token, so this bounds a late reply only.
     prefill_report_wait_s: float = setting(
-        1.0, "seconds a finished stream waits for the prefill worker's stage timings",
-        ge=0, group=TIMEOUTS)
+        0.1, "seconds a finished stream's last token waits for the prefill worker's stage "
+        "timings", ge=0, group=TIMEOUTS)
     # A worker whose lease lapsed is probed once with this deadline: no answer means it is
     # dead or hung, and its requests move (a draining worker answers and keeps its streams).
     lost_probe_timeout_s: float = setting(

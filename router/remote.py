@@ -24,7 +24,7 @@ class RemoteTimeouts:
     prefill_timeout_s: float = 30.0
     transfer_timeout_s: float = 30.0
     token_timeout_s: float = 60.0  # between two tokens of a running stream
-    prefill_report_wait_s: float = 1.0  # at a stream's end, for the prefill worker's timings
+    prefill_report_wait_s: float = 0.1  # at a stream's end, for the prefill worker's timings
 
 
 async def remote_prefill(req: GenerateRequest, decode: DecodeClient, prefill: PrefillClient,
@@ -111,8 +111,9 @@ async def remote_prefill(req: GenerateRequest, decode: DecodeClient, prefill: Pr
 
 async def _prefill_report(task: asyncio.Task[PrefillReport], clock: StageClock,
                           wait_s: float) -> None:
-    """Put the prefill worker's stage timings into `clock`. Its reply may trail the first
-    tokens (it frees its blocks before answering): wait a little for it, never fail."""
+    """Put the prefill worker's stage timings into `clock`. Its reply comes as its KV is
+    sent, so it is in before the last token but for a hop or a busy worker: wait a little
+    for it (the last token waits with it), never fail."""
     if not task.done():
         await asyncio.wait({task}, timeout=wait_s)
     if task.done() and not task.cancelled() and task.exception() is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -208,4 +209,40 @@ async def _prefill_remotely(make_engine: Any, decode: DecodeWorker, req: Generat
     assert sum(n for n, _ in tx.sends) == len(slot.block_ids)  # each block sent once
     assert report.bytes_transferred == len(slot.block_ids) * decode.engine.layout.block_nbytes
     await _until(lambda: _all_free(decode))
+    assert await worker.drained(30)  # the reply does not wait for the free (below)
     assert engine.last_stats.free_blocks == engine.last_stats.total_blocks
+
+
+async def test_a_prefill_replies_before_its_blocks_are_freed(
+        make_engine: Any, prompt_ids: list[list[int]]) -> None:
+    """The engine thread frees a prefill's blocks between its steps, maybe behind another
+    prompt's step of hundreds of ms. The prefill's reply does not wait for that (the router
+    holds a remote stream's last token for it); the free is queued at once, and the worker
+    is drained only once it is done."""
+    from prefill_svc.worker import PrefillWorker
+
+    held = threading.Event()
+
+    class BusyAtTheFree(AsyncEngine):
+        """The engine thread busy when the blocks are to be freed (as behind a long step)."""
+
+        def release_soon(self, request_id: str) -> asyncio.Future[None]:
+            self._submit(lambda: held.wait(60))
+            return super().release_soon(request_id)
+
+    async def resolve(descriptor_id: str) -> KVDescriptor | None:
+        return None
+
+    engine = BusyAtTheFree(make_engine(kv_cache_bytes=64 << 20))
+    async with engine, KVSender(engine.layout, resolve) as tx:
+        try:
+            worker = PrefillWorker(engine, tx, worker_id="prefill-a")
+            req = GenerateRequest("held", tuple(prompt_ids[0]), greedy(1))
+            report = await asyncio.wait_for(worker.prefill(req, None), 60)
+            assert report.num_computed_tokens == len(req.token_ids)
+            assert not await worker.drained(0.2)  # its free waits on the engine thread
+        finally:
+            held.set()
+        assert await worker.drained(30)
+        stats = await engine.stats()
+        assert stats.free_blocks == stats.total_blocks

@@ -339,7 +339,12 @@ class AsyncEngine(AsyncResource):
         """Free a prefill-only request's held blocks. It is carried out even if the caller is
         cancelled meanwhile (a cancelled call would otherwise be dropped before the engine
         thread ran it, and the blocks stay held for ever)."""
-        await asyncio.shield(self.call(lambda: self._engine.release(request_id)))
+        await asyncio.shield(self.release_soon(request_id))
+
+    def release_soon(self, request_id: str) -> asyncio.Future[None]:
+        """`release`, queued on the engine thread now, ahead of every later command (it runs
+        them in order), without waiting for the step it may queue behind."""
+        return asyncio.wrap_future(self._submit(lambda: self._engine.release(request_id)))
 
     async def allocate_remote(self, req: GenerateRequest) -> RemoteAllocation:
         self._open_stream(req.request_id)
