@@ -30,6 +30,8 @@ workers warmed their caches with):
   tokens; standard class.
 - ``prefix1``: ``prefix`` with 1 output token (a request's fixed cost, without the per-token
   relay of the other 7).
+- ``stream``: ``prefix`` with 128 output tokens (the per-token relay: against ``prefix1``,
+  the router's CPU per token it streams).
 - ``mixed``: 30% / 20% / 50% of the same kinds, unrelated prompts 100-4000 tokens
   (log-uniform), 1-32 output tokens, classes 20% interactive / 60% standard / 20% batch.
 
@@ -384,6 +386,8 @@ class Cluster:
 
 # ---------------------------------------------------------------------- the workloads
 
+# Output tokens per request of the prefix-heavy workloads.
+STREAMED = {"prefix": 8, "prefix1": 1, "stream": 128}
 
 @dataclass
 class Conversation:
@@ -411,10 +415,10 @@ class Workload:
     def next(self) -> tuple[list[int], int, str, Conversation | None]:
         """(prompt, max_tokens, latency class, the conversation it continues or starts)."""
         rng = self.rng
-        prefix = self.kind.startswith("prefix")
+        prefix = self.kind != "mixed"
         p_cont, p_new = (0.6, 0.3) if prefix else (0.3, 0.2)
         if prefix:
-            max_tokens, klass = (1 if self.kind == "prefix1" else 8), "standard"
+            max_tokens, klass = STREAMED[self.kind], "standard"
         else:
             max_tokens = rng.randint(1, 32)
             x = rng.random()
@@ -770,6 +774,7 @@ def summarize(samples: list[Sample], records: dict[str, list[Any]], wall_s: floa
         oracle += rec[6]
     route = [s.route_ms for s in ok if s.route_ms is not None]
     n = len(ok)
+    streamed = sum(s.tokens for s in ok)
     d_ops = metrics1.get("pdserve_router_kv_events_ops", 0) - \
         metrics0.get("pdserve_router_kv_events_ops", 0)
     d_dec = metrics1.get("pdserve_router_decisions", 0) - \
@@ -785,6 +790,8 @@ def summarize(samples: list[Sample], records: dict[str, list[Any]], wall_s: floa
         "router_cpu_utilization": round(router_cpu_s / wall_s, 3),
         "router_core_busy": round(router_core_busy, 3),
         "router_cpu_ms_per_request": round(router_cpu_s / n * 1e3, 4) if n else None,
+        "tokens_per_s": round(streamed / wall_s, 1),
+        "router_cpu_us_per_token": round(router_cpu_s / streamed * 1e6, 2) if streamed else None,
         "full_path_requests_per_router_core_s": round(n / router_cpu_s, 1)
         if router_cpu_s else None,
         "route_ms": dist(route),
@@ -1105,7 +1112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="4 workers, a few seconds")
     p.add_argument("--index-blocks", type=int, default=None)
     p.add_argument("--time-scale", type=float, default=None)
-    p.add_argument("--workloads", nargs="+", choices=("prefix", "prefix1", "mixed"),
+    p.add_argument("--workloads", nargs="+", choices=("prefix", "prefix1", "stream", "mixed"),
                    default=None)
     p.add_argument("--light-rate", type=float, default=None)
     p.add_argument("--light-s", type=float, default=None)
