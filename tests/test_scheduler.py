@@ -102,6 +102,37 @@ def test_waiting_requests_are_admitted_by_latency_class_then_arrival() -> None:
     assert s.bm.num_free_blocks == s.bm.num_blocks
 
 
+def test_a_better_class_prompt_does_not_wait_for_a_running_one_to_finish() -> None:
+    """An interactive prompt arriving while a batch prompt is being prefilled in chunks joins
+    at the next step and takes its budget first; the batch prompt gets what is left."""
+    s = _scheduler(max_num_batched_tokens=16, max_prefill_chunk=16)
+    s.add(_seq("batch", 64, cls=LatencyClass.BATCH, arrival=1.0))
+    assert _plan(_step(s)) == [("batch", 0, 16)]
+    s.add(_seq("interactive", 8, offset=500, cls=LatencyClass.INTERACTIVE, arrival=2.0))
+    assert _plan(_step(s)) == [("interactive", 0, 8), ("batch", 16, 8)]
+    assert _plan(_step(s)) == [("interactive", 8, 1), ("batch", 24, 15)]
+    # A worse class than every running prompt waits as before: for what the budget leaves.
+    s.add(_seq("batch-2", 8, offset=900, cls=LatencyClass.BATCH, arrival=3.0))
+    assert _plan(_step(s)) == [("interactive", 9, 1), ("batch", 39, 15)]
+    assert [q.request_id for q in s.running] == ["interactive", "batch"]
+
+
+def test_preemption_takes_the_worst_class_first() -> None:
+    """Blocks run out: the batch stream yields, though the interactive one was admitted
+    after it."""
+    s = _scheduler(num_blocks=4)
+    b = _seq("batch", 7, cls=LatencyClass.BATCH, arrival=1.0)
+    s.add(b)
+    _step(s)
+    i = _seq("interactive", 7, offset=100, cls=LatencyClass.INTERACTIVE, arrival=2.0)
+    s.add(i)
+    _step(s)  # the batch stream decodes position 7, the interactive prompt joins: no block left
+    assert [q.request_id for q in s.running] == ["interactive", "batch"]
+    out = _step(s)  # the batch stream needs a 3rd block for position 8: it yields
+    assert out.preempted == [b] and _plan(out) == [("interactive", 7, 1)]
+    assert b.status is SeqStatus.WAITING and i.status is SeqStatus.RUNNING
+
+
 def test_max_num_seqs_limits_the_running_batch() -> None:
     s = _scheduler(max_num_seqs=2)
     for i in range(3):

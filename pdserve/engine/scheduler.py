@@ -3,9 +3,16 @@
 One code path for prefill and decode: every running sequence has ``num_computed_tokens``
 catching up with ``num_tokens``. Each step serves running sequences first (decodes cost one
 token, unfinished prompts a chunk, never so large that a decode after it is left out), then
-admits waiting ones, highest latency class first, into what is left of the budget. When
-blocks run out the most recently admitted sequence is preempted: its blocks are freed and it
-is recomputed later (prefix caching makes that cheap).
+admits waiting ones, highest latency class first, into what is left of the budget.
+
+Latency classes order everything: the running batch is kept in class order (then arrival),
+so a prompt of a better class takes a step's budget before a worse one's unfinished prompt,
+and a waiting prompt of a better class than some running unfinished prompt joins the batch
+at the start of the step instead of waiting for that prompt to finish (an interactive
+prompt arriving behind a 4,000-token batch prompt waits for one step, not for all of its
+chunks). When blocks run out the last sequence of that order is preempted (the worst class,
+the latest to arrive): its blocks are freed and it is recomputed later (prefix caching makes
+that cheap).
 
 The budget is `max_num_batched_tokens`, or less where the engine sets it from time
 (`step_budget`): with `step_target_ms`, the prompt tokens of a step are the measured prefill
@@ -17,6 +24,7 @@ steps let the first prompts of a burst finish early. On a CPU that prefills ~800
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -112,6 +120,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens if budget is None else budget
         chunk = self.config.max_prefill_chunk
         scheduled_ids: set[int] = set()
+        # A better class than a running unfinished prompt's joins now, ahead of it.
+        worst = max((seq.latency_class.priority for seq in self.running
+                     if seq.num_tokens - seq.num_computed_tokens > 1), default=None)
+        while (worst is not None and self._waiting and self._waiting[0][0][0] < worst
+               and len(self.running) < self.config.max_num_seqs
+               and self._admit(self._waiting[0][2]) is not None):
+            pass
         # Decode rows not yet served: a prompt's chunk ahead of them leaves them their token.
         decodes = sum(1 for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1)
         i = 0
@@ -142,23 +157,34 @@ class Scheduler:
         while (self._waiting and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
             seq = self._waiting[0][2]
-            total = seq.num_tokens
-            alloc = self.bm.allocate_prompt(seq.request_id, seq.token_ids, total,
-                                            max_cached=total - 1,
-                                            block_hashes=seq.block_hashes)
-            if alloc is None:
+            cached = self._admit(seq)
+            if cached is None:
                 break
-            heapq.heappop(self._waiting)
-            seq.block_table, cached = alloc
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = cached
-            seq.num_computed_tokens = cached
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            n = min(total - cached, chunk, budget)
+            n = min(seq.num_tokens - cached, chunk, budget)
             out.scheduled.append(ScheduledSeq(seq, cached, n))
             budget -= n
         return out
+
+    def _admit(self, seq: Sequence) -> int | None:
+        """Move the first waiting sequence, `seq`, into the running batch with its prompt's
+        blocks; its cached tokens, or None (still waiting) when the blocks do not fit."""
+        total = seq.num_tokens
+        alloc = self.bm.allocate_prompt(seq.request_id, seq.token_ids, total,
+                                        max_cached=total - 1, block_hashes=seq.block_hashes)
+        if alloc is None:
+            return None
+        heapq.heappop(self._waiting)
+        seq.block_table, cached = alloc
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = cached
+        seq.num_computed_tokens = cached
+        seq.status = SeqStatus.RUNNING
+        self._run(seq)
+        return cached
+
+    def _run(self, seq: Sequence) -> None:
+        """Into the running batch, in class order (then arrival)."""
+        bisect.insort(self.running, seq, key=lambda s: s.priority)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -231,4 +257,4 @@ class Scheduler:
                                      seq.block_table)
         seq.append_token(first_token)
         seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        self._run(seq)

@@ -1,0 +1,113 @@
+"""Interactive prompts behind batch ones, through a live cluster: their time to first token.
+
+    python -m bench.class_mix --router 127.0.0.1:18051 [--batch-concurrency 2] \\
+        [--batch-tokens 1100] [--interactive 16] [--interactive-tokens 400] [--gap-s 1.5] \\
+        [--out F]
+
+While `--batch-concurrency` closed loops send batch-class prompts of `--batch-tokens` random
+token ids (none cached: every one is prefilled in full, remotely if the router so decides),
+`--interactive` interactive-class prompts of `--interactive-tokens` random ids arrive one
+every `--gap-s`. Each request streams 8 tokens with the `pdserve` client. Reports TTFT per
+class and route. An engine that serves its running prompts first come, first served makes
+an interactive prompt that lands behind a batch prompt's chunks wait for all of them.
+Prints one JSON object (and writes it to --out) with the CPU and every request's row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.goodput import machine_info
+from pdserve.client import RouterClient, Sampling
+from pdserve.engine.cpu import cpu_summary
+
+
+async def one(client: RouterClient, label: str, rng: random.Random, tokens: int,
+              latency: str) -> dict[str, Any]:
+    ids = [rng.randrange(1000, 40000) for _ in range(tokens)]
+    sent = time.perf_counter()
+    first = None
+    route = ""
+    async for chunk in client.generate(token_ids=ids, request_id=label,
+                                       sampling=Sampling(max_tokens=8, ignore_eos=True),
+                                       latency=latency):  # type: ignore[arg-type]
+        if first is None and chunk.token_ids:
+            first = time.perf_counter()
+        route = chunk.route or route
+    assert first is not None
+    return {"request": label, "class": latency, "prompt_tokens": tokens, "route": route,
+            "ttft_ms": round((first - sent) * 1e3, 1)}
+
+
+def dist(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    if not xs:
+        return {}
+    return {"n": len(xs), "p50": round(statistics.median(xs), 1),
+            "p90": round(xs[min(len(xs) - 1, int(0.9 * len(xs)))], 1), "max": round(xs[-1], 1)}
+
+
+async def run(args: argparse.Namespace, commit: str) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    rows: list[dict[str, Any]] = []
+    done = asyncio.Event()
+    async with RouterClient(args.router, timeout_s=300.0) as client:
+
+        async def batch_loop(k: int) -> None:
+            n = 0
+            while not done.is_set():
+                rows.append(await one(client, f"batch-{k}-{n}", random.Random(rng.random()),
+                                      args.batch_tokens, "batch"))
+                n += 1
+
+        loops = [asyncio.create_task(batch_loop(k)) for k in range(args.batch_concurrency)]
+        await asyncio.sleep(args.gap_s)  # the batch prompts are in the engines first
+        fg = []
+        for i in range(args.interactive):
+            fg.append(asyncio.create_task(one(client, f"interactive-{i}",
+                                              random.Random(rng.random()),
+                                              args.interactive_tokens, "interactive")))
+            await asyncio.sleep(args.gap_s)
+        rows += await asyncio.gather(*fg)
+        done.set()
+        await asyncio.gather(*loops)
+    out: dict[str, Any] = {}
+    for cls in ("interactive", "batch"):
+        for route in sorted({r["route"] for r in rows if r["class"] == cls}):
+            out[f"{cls}/{route}"] = dist([r["ttft_ms"] for r in rows
+                                          if r["class"] == cls and r["route"] == route])
+    return {"bench": "bench/class_mix.py", "config": {k: str(v) for k, v in vars(args).items()},
+            "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": {**machine_info(), "cpu_summary": cpu_summary()},
+            "ttft_ms": out, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--router", required=True, help="the router's gRPC address")
+    p.add_argument("--batch-concurrency", type=int, default=2)
+    p.add_argument("--batch-tokens", type=int, default=1100)
+    p.add_argument("--interactive", type=int, default=16)
+    p.add_argument("--interactive-tokens", type=int, default=400)
+    p.add_argument("--gap-s", type=float, default=1.5)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, check=False).stdout.strip()
+    result = asyncio.run(run(args, commit))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("commit", "ttft_ms")}))
+
+
+if __name__ == "__main__":
+    main()
