@@ -17,6 +17,16 @@ def commit_id() -> str:
         return "unknown"
 
 
+def emit(record: dict[str, Any], out: Any, keys: tuple[str, ...]) -> None:
+    """Write `record` as JSON to `out` (a Path, or None for no file) and print its `keys` as
+    one JSON line."""
+    import json
+
+    if out is not None:
+        out.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    print(json.dumps({k: record[k] for k in keys}, default=str))
+
+
 def build_cpu_ops(source: str, name: str, march: str | None = None) -> Any:
     """`source` (a cpu_ops.cpp) compiled apart into a scratch directory, with the engine's
     own flags (`kernels.CFLAGS`), `-march` replaced by `march` if given."""

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
+from bench import commit_id, emit
 from bench.goodput import machine_info
 from pdserve.client import RouterClient, Sampling
 from pdserve.engine.cpu import cpu_summary
@@ -101,12 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip()
-    result = asyncio.run(run(args, commit))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: result[k] for k in ("commit", "ttft_ms")}))
+    emit(asyncio.run(run(args, commit_id())), args.out, ("commit", "ttft_ms"))
 
 
 if __name__ == "__main__":

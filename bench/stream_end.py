@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import random
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
+from bench import commit_id, emit
 from bench.goodput import machine_info
 from pdserve.client import RouterClient, Sampling
 from pdserve.engine.cpu import cpu_summary
@@ -97,15 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip()
-    result = asyncio.run(run(args, commit))
-    text = json.dumps(result, indent=1, default=str)
-    if args.out:
-        args.out.write_text(text + "\n")
-    summary = {k: result[k] for k in ("commit", "routes", "remote")}
-    print(json.dumps(summary, default=str))
-
+    emit(asyncio.run(run(args, commit_id())), args.out, ("commit", "routes", "remote"))
 
 if __name__ == "__main__":
     main()
