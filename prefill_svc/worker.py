@@ -37,9 +37,9 @@ log = structlog.get_logger(__name__)
 
 class PriorityGate:
     """At most ``limit`` holders at once, and one more per class: a request whose class holds
-    no slot while a worse class holds one enters at once, so an interactive prompt never
-    waits for batch prompts to finish (at most ``limit`` + the number of classes - 1 hold
-    slots). Waiters are admitted by (priority, arrival)."""
+    no slot while a worse class holds one enters at once, so an interactive prompt does not
+    wait for a gate full of batch prompts (at most ``limit`` + the number of classes - 1
+    hold slots). Waiters are admitted by (priority, arrival)."""
 
     def __init__(self, limit: int):
         self.limit = limit

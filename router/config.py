@@ -188,7 +188,8 @@ class RouterConfig:
         2, "moves of a running stream to another decode worker when its own is lost "
         "(then the request fails with 503)", ge=0, group=TIMEOUTS)
     # The stream's last token waits for it (it carries the timings): the prefill worker
-    # replies as its KV is sent, before the first token, so this bounds a late reply only.
+    # replies as its KV is sent, about when the first token comes, so this bounds a late
+    # reply only.
     prefill_report_wait_s: float = setting(
         0.1, "seconds a finished stream's last token waits for the prefill worker's stage "
         "timings", ge=0, group=TIMEOUTS)
