@@ -33,7 +33,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
 
     def end_sessions(self) -> None:
         """Draining: every Session call ends (OK) once no request is left on it; a request
-        started on one from now on is refused (UNAVAILABLE: the router places it elsewhere)."""
+        started on one, or as a Generate call, from now on is refused (UNAVAILABLE: the
+        router places it elsewhere)."""
         self._ending = True
         for session in list(self._sessions):
             session.end()
@@ -59,8 +60,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     async def Generate(self, request: decode_pb2.DecodeGenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.TokenChunk]:
         req = self._request(request)
+        if self._ending:
+            # Refused as a session's request is: a router whose session call ended in a race
+            # with its write (INTERNAL before any reply) sends the request as a call instead.
+            raise self.draining_error()
         async for ev in self.worker.generate(req):
             yield convert.token_event_to_chunk(ev)
+
+    def draining_error(self) -> CapacityError:
+        return CapacityError(f"decode worker {self.worker.worker_id} is draining",
+                             code=ErrorCode.WORKER_UNAVAILABLE)
 
     @logs_request_id
     async def AllocateAndGenerate(self, request: decode_pb2.AllocateAndGenerateRequest,
@@ -184,9 +193,7 @@ class _Session:
             raise InvalidRequestError(f"session stream {stream} is already running",
                                       code=ErrorCode.INVALID_MESSAGE)
         if self._ending:
-            self._reply_error(stream, CapacityError(
-                f"decode worker {self._servicer.worker.worker_id} is draining",
-                code=ErrorCode.WORKER_UNAVAILABLE), None)
+            self._reply_error(stream, self._servicer.draining_error(), None)
             return
         task = asyncio.get_running_loop().create_task(self._generate(stream, msg))
         self._running[stream] = task
