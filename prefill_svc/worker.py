@@ -3,14 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import dataclasses
-import heapq
-import itertools
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import structlog
 
@@ -29,83 +23,11 @@ from pdserve.errors import (
 from pdserve.handover import FirstToken
 from pdserve.kv_layout import KVDestination
 from pdserve.types import GenerateRequest, LatencyClass, PrefillReport
+from prefill_svc.gate import PriorityGate
 from prefill_svc.metrics import PrefillMetrics
 from prefill_svc.parts import PartSender
 
 log = structlog.get_logger(__name__)
-
-
-class PriorityGate:
-    """At most ``limit`` holders at once, and one more per class: a request whose class holds
-    no slot while a worse class holds one enters at once, so an interactive prompt does not
-    wait for a gate full of batch prompts (at most ``limit`` + the number of classes - 1
-    hold slots). Waiters are admitted by (priority, arrival)."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.active = 0
-        self._held: collections.Counter[int] = collections.Counter()  # holders by priority
-        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
-        self._counter = itertools.count()
-        self.queued_tokens = 0
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiters)
-
-    def _may_enter(self, priority: int) -> bool:
-        if self.active < self.limit:
-            return True
-        return not self._held[priority] and any(
-            p > priority for p, n in self._held.items() if n)
-
-    def _enter(self, priority: int) -> None:
-        self.active += 1
-        self._held[priority] += 1
-
-    @asynccontextmanager
-    async def slot(self, priority: int) -> AsyncIterator[None]:
-        # Behind a waiter of its class or a better one, a request waits its turn.
-        if (self._waiters and self._waiters[0][0] <= priority) or not self._may_enter(priority):
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            entry = (priority, next(self._counter), fut)
-            heapq.heappush(self._waiters, entry)
-            try:
-                await fut
-            except BaseException:
-                if fut.done() and not fut.cancelled():
-                    self._release(priority)  # we were granted the slot just as we were cancelled
-                else:
-                    # _admit_waiters may already have popped (and skipped) our cancelled entry.
-                    with contextlib.suppress(ValueError):
-                        self._waiters.remove(entry)
-                        heapq.heapify(self._waiters)
-                raise
-        else:
-            self._enter(priority)
-        try:
-            yield
-        finally:
-            self._release(priority)
-
-    def _release(self, priority: int) -> None:
-        self.active -= 1
-        self._held[priority] -= 1
-        self._admit_waiters()
-
-    def _admit_waiters(self) -> None:
-        """Grant slots to the best waiters while they may enter (the slot is theirs on the
-        grant: `_enter` here, not when they wake)."""
-        while self._waiters:
-            priority, _, fut = self._waiters[0]
-            if fut.done():  # cancelled while waiting
-                heapq.heappop(self._waiters)
-                continue
-            if not self._may_enter(priority):
-                return
-            heapq.heappop(self._waiters)
-            self._enter(priority)
-            fut.set_result(None)
 
 
 class PrefillWorker:

@@ -1,4 +1,4 @@
-"""The prefill worker's gate on its own (`prefill_svc.worker.PriorityGate`): at most `limit`
+"""The prefill worker's gate on its own (`prefill_svc.gate.PriorityGate`): at most `limit`
 holders, and one more per class that holds none while a worse one does; waiters by class,
 then arrival. Plain asyncio, no engine."""
 
@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from pdserve.types import LatencyClass
-from prefill_svc.worker import PriorityGate
+from prefill_svc.gate import PriorityGate
 
 INTERACTIVE = LatencyClass.INTERACTIVE.priority
 STANDARD = LatencyClass.STANDARD.priority
