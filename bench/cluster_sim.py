@@ -26,6 +26,7 @@ import os
 import platform
 import random
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -39,7 +40,7 @@ from bench.loadgen.config import SLO
 from bench.loadgen.metrics import GroupSummary, Percentiles, RequestResult, goodput
 from bench.loadgen.workload import build_requests, named_workload
 from bench.sim.cluster import POLICIES, Overheads, Policy, SimConfig, SimResult, simulate
-from bench.sim.workers import SimRequest, StepCost, load_corun
+from bench.sim.workers import BLOCK_BYTES, SimRequest, StepCost, load_corun
 from pdserve.types import LatencyClass
 from router.policy import RouterPolicy
 
@@ -130,13 +131,16 @@ def prefill_s(cost: StepCost, n: int, chunk: int = 512) -> float:
     return sum(cost.step_s([(k, min(chunk, n - k))]) for k in range(0, n, chunk))
 
 
-def calibrate(unloaded: dict[str, Unloaded], cost: StepCost) -> Overheads:
+def calibrate(unloaded: dict[str, Unloaded], cost: StepCost,
+              transfer_s_per_token: float = TRANSFER_S_PER_TOKEN,
+              prefill_factor: float = 1.0) -> Overheads:
     """Time outside the modelled steps, from one-at-a-time requests. A chat prompt (local,
     ~100 tokens) and a long-batch one (remote, ~1,100) decode alone: their TPOTs minus a
     one-row decode step at their contexts give the per-step streaming overhead and the cost
     per context token the profile misses (two equations, two unknowns; neither below 0).
     The chat prompt's TTFT minus its prefill gives the local path's fixed cost, the long
-    one's minus prefill and transfer the remote path's."""
+    one's minus prefill (the prefill worker's, `prefill_factor` x the profile's) and
+    transfer the remote path's."""
     chat, batch = unloaded["chat"], unloaded["long-batch"]
     ctx = int(chat.prompt_tokens) + 24
     n = int(batch.prompt_tokens)
@@ -147,18 +151,24 @@ def calibrate(unloaded: dict[str, Unloaded], cost: StepCost) -> Overheads:
     step = max(0.0, chat_extra - per_ctx * ctx)
     local = max(0.0, chat.ttft_ms / 1e3 - prefill_s(cost, int(chat.prompt_tokens)) - step)
     chunks = -(-n // 512)
-    remote = max(0.0, batch.ttft_ms / 1e3 - prefill_s(cost, n) - chunks * step
-                 - n * TRANSFER_S_PER_TOKEN)
+    remote = max(0.0, batch.ttft_ms / 1e3 - prefill_factor * prefill_s(cost, n) - chunks * step
+                 - n * transfer_s_per_token)
     return Overheads(local_s=local, remote_s=remote, step_s=step,
-                     transfer_s_per_token=TRANSFER_S_PER_TOKEN, context_s_per_token=per_ctx)
+                     transfer_s_per_token=transfer_s_per_token, context_s_per_token=per_ctx,
+                     prefill_factor=prefill_factor)
 
 
-def record_step_target_ms(root: Path) -> float:
-    """The engines' --step-target-ms in a bench.goodput / bench.sim.real record's setup;
-    before the flag existed there was none (0: the token budget alone)."""
+def record_engine(root: Path) -> dict[str, Any]:
+    """The engines' flags in a bench.goodput / bench.sim.real record's setup, as SimConfig
+    fields: the step target (before the flag existed there was none: 0, the token budget
+    alone), the KV pool (`kv_cache_mb`; bench.goodput's default 512 where a record does not
+    say) and the token budget and chunk."""
     path = root / "setup.json"
     setup = json.loads(path.read_text()).get("setup", {}) if path.exists() else {}
-    return float(setup.get("step_target_ms", 0.0))
+    return {"step_target_ms": float(setup.get("step_target_ms", 0.0)),
+            "num_blocks": int(float(setup.get("kv_cache_mb", 512))) * 2**20 // BLOCK_BYTES,
+            "max_num_batched_tokens": int(setup.get("max_num_batched_tokens", 2048)),
+            "max_prefill_chunk": int(setup.get("max_prefill_chunk", 512))}
 
 
 def calibrate_streaming(root: Path, overheads: Overheads, cost: StepCost, seed: int
@@ -171,8 +181,7 @@ def calibrate_streaming(root: Path, overheads: Overheads, cost: StepCost, seed: 
         reqs, rec = trace_from_record(path, seed)
         c = int(rec["config"]["concurrency"])
         sim = simulate(SimConfig(policy="threshold", router=GOODPUT_ROUTER, sharing="1p1d",
-                                 overheads=overheads, seed=seed,
-                                 step_target_ms=record_step_target_ms(root)),
+                                 overheads=overheads, seed=seed, **record_engine(root)),
                        reqs, MIXED_SLO, cost)
         meas = rec["summary"]["overall"]["tpot_ms"]["p50"]
         pred = sim.summary.overall.tpot_ms.p50 if sim.summary.overall.tpot_ms else 0.0
@@ -183,6 +192,82 @@ def calibrate_streaming(root: Path, overheads: Overheads, cost: StepCost, seed: 
     den = sum(p["concurrency"] ** 2 for p in points)
     token_s = max(0.0, num / den / 1e3) if den else 0.0
     return replace(overheads, token_s=token_s), points
+
+
+def idle_probes(root: Path, cost: StepCost) -> tuple[float, float, list[dict[str, Any]]]:
+    """From bench.sim.real prefill's idle pass (long prompts one at a time, nothing else
+    running): the KV transfer's time per prompt token (the part after the prompt's last
+    chunk: the rest is sent while it computes) and the prefill worker's compute over the
+    profile's price of a lone prompt (medians)."""
+    rec = json.loads((root / "probes_c0.json").read_text())
+    rows = [r for r in rec["requests"] if r.get("route") == "remote"
+            and "prefill_compute_ms" in (r.get("server_timings_ms") or {})]
+    if not rows:
+        raise SystemExit(f"{root}: no remote probe with server timings")
+    transfer = statistics.median(r["server_timings_ms"]["kv_transfer_ms"] / 1e3
+                                 / r["prompt_tokens"] for r in rows)
+    factor = statistics.median(r["server_timings_ms"]["prefill_compute_ms"] / 1e3
+                               / prefill_s(cost, r["prompt_tokens"]) for r in rows)
+    points = [{"prompt_tokens": r["prompt_tokens"],
+               "prefill_compute_ms": round(r["server_timings_ms"]["prefill_compute_ms"], 1),
+               "profile_ms": round(prefill_s(cost, r["prompt_tokens"]) * 1e3, 1),
+               "kv_transfer_ms": round(r["server_timings_ms"]["kv_transfer_ms"], 2)}
+              for r in rows]
+    return transfer, factor, points
+
+
+def probe_trace(root: Path, c: int, seed: int) -> tuple[list[SimRequest], list[str], list[float]]:
+    """One pass of bench.sim.real prefill beside `c` streams, as it was sent: the streams'
+    requests and the probes on one clock; returns the requests, the probes' ids and their
+    measured TTFTs (s)."""
+    setup = json.loads((root / "setup.json").read_text())["runs"][str(c)]
+    streams, _ = trace_from_record(root / f"streams_c{c}.json", seed)
+    probes, rec = trace_from_record(root / f"probes_c{c}.json", seed + 1)
+    shift = setup["probe_started_at"] - setup["streams_started_at"]
+    probes = [replace(r, rid=f"probe-{r.rid}", arrival_s=r.arrival_s + shift) for r in probes]
+    measured = {f"probe-r{r['index']}": r["ttft_s"] for r in rec["requests"]}
+    return (sorted([*streams, *probes], key=lambda r: r.arrival_s), [r.rid for r in probes],
+            [measured[r.rid] for r in probes])
+
+
+PREFILL_WEIGHTS = (150.0, 200.0, 250.0, 335.0, 500.0, 700.0, 1024.0)
+
+
+def fit_prefill_weight(root: Path, layout: str, overheads: Overheads, cost: StepCost,
+                       seed: int) -> tuple[Overheads, list[dict[str, Any]]]:
+    """Replay the probes beside streams in the simulator of `layout`; on cluster-up's 1P2D
+    (the prefill worker unpinned at nice 5) pick the CPU weight it competes with for which
+    the probes' simulated TTFT is nearest the measured (median ratio), from
+    PREFILL_WEIGHTS; on 1P1D (pinned) only report the ratios."""
+    setup = json.loads((root / "setup.json").read_text())
+    passes = [int(c) for c in setup["runs"] if int(c) > 0]
+    traces = {c: probe_trace(root, c, seed) for c in passes}
+
+    def ratios(o: Overheads) -> dict[int, list[float]]:
+        out = {}
+        for c, (reqs, probe_ids, measured) in traces.items():
+            cfg = SimConfig(n_decode=2 if layout == "1p2d" else 1, n_prefill=1,
+                            **record_engine(root), policy="threshold",
+                            router=GOODPUT_ROUTER,
+                            sharing="cluster-up" if layout == "1p2d" else "1p1d",
+                            overheads=o, seed=seed, corun={})
+            sim = simulate(cfg, reqs, MIXED_SLO, cost)
+            by_id = {r.rid: res for r, res in zip(reqs, sim.requests, strict=True)}
+            out[c] = [(by_id[i].ttft_s or 0.0) / m for i, m in zip(probe_ids, measured,
+                                                                   strict=True)]
+        return out
+
+    candidates = PREFILL_WEIGHTS if layout == "1p2d" else (overheads.prefill_weight,)
+    points, best = [], (float("inf"), overheads)
+    for weight in candidates:
+        o = replace(overheads, prefill_weight=weight)
+        r = ratios(o)
+        med = statistics.median(x for v in r.values() for x in v)
+        points.append({"prefill_weight": weight, "ttft_sim_over_measured_median": round(med, 3),
+                       "by_concurrency": {c: [round(x, 3) for x in v] for c, v in r.items()}})
+        if abs(med - 1) < best[0]:
+            best = (abs(med - 1), o)
+    return best[1], points
 
 
 # --------------------------------------------------------------------------- validation
@@ -223,9 +308,11 @@ def metrics_of(summary: Any) -> dict[str, dict[str, float | None]]:
 
 def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
              streaming: Path | None = None,
-             corun: dict[tuple[str, str], float] | None = None) -> dict[str, Any]:
+             corun: dict[tuple[str, str], float] | None = None,
+             probes: dict[str, Path] | None = None) -> dict[str, Any]:
     """Each real run's requests replayed in the simulator of its layout; `corun`: the
-    two-busy-cores slowdown table (bench.sim.workers.load_corun; {}: none)."""
+    two-busy-cores slowdown table (bench.sim.workers.load_corun; {}: none); `probes`: per
+    layout, a bench.sim.real prefill output that calibrates the prefill side."""
     rows = []
     calib: dict[str, Any] = {}
     for root, layout in reals:
@@ -237,18 +324,27 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
                                 min(t[k].ttft_ms for t in tables if k in t),
                                 min(t[k].tpot_ms for t in tables if k in t))
                     for k in tables[0]}
-        overheads = calibrate(unloaded, cost)
+        probe = (probes or {}).get(layout)
+        idle: list[dict[str, Any]] = []
+        if probe is None:
+            overheads = calibrate(unloaded, cost)
+        else:
+            transfer, factor, idle = idle_probes(probe, cost)
+            overheads = calibrate(unloaded, cost, transfer, factor)
         points: list[dict[str, Any]] = []
         if streaming is not None:
             overheads, points = calibrate_streaming(streaming, overheads, cost, seed)
+        weights: list[dict[str, Any]] = []
+        if probe is not None:
+            overheads, weights = fit_prefill_weight(probe, layout, overheads, cost, seed)
         calib[f"{layout} {root.name}"] = {"unloaded": {k: asdict(v) for k, v in unloaded.items()},
-                         "streaming": points, "overheads": asdict(overheads)}
-        step_target_ms = record_step_target_ms(root)
+                         "streaming": points, "prefill_idle": idle,
+                         "prefill_beside_streams": weights, "overheads": asdict(overheads)}
+        engine = record_engine(root)
         for system, policy in systems:
             for path in sorted((root / system).glob("rate_*.json")):
                 reqs, rec = trace_from_record(path, seed)
-                cfg = SimConfig(n_decode=2 if layout == "1p2d" else 1, n_prefill=1,
-                                step_target_ms=step_target_ms,
+                cfg = SimConfig(n_decode=2 if layout == "1p2d" else 1, n_prefill=1, **engine,
                                 policy=policy, router=GOODPUT_ROUTER,  # type: ignore[arg-type]
                                 sharing="cluster-up" if layout == "1p2d" else "1p1d",
                                 overheads=overheads, seed=seed, corun=corun or {})
@@ -507,6 +603,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     v.add_argument("--corun", type=Path, default=None,
                    help="bench.engine_profile --corun output: slow steps while both cores "
                         "compute (default: no such slowdown)")
+    v.add_argument("--prefill-probe", type=_real, action="append", default=[],
+                   help="DIR:LAYOUT, a bench.sim.real prefill output: the prefill worker's "
+                        "speed, KV transfer and CPU weight on that layout")
     v.add_argument("--out", type=Path, required=True)
     c = sub.add_parser("compare", help="policies at scale")
     c.add_argument("--workers", default="8,16,64,256")
@@ -530,7 +629,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.argv[1:] if argv is None else argv), **provenance()}
     if args.cmd == "validate":
         record.update(validate(args.real, cost, args.seed, args.streaming,
-                               load_corun(args.corun) if args.corun else {}))
+                               load_corun(args.corun) if args.corun else {},
+                               {layout: path for path, layout in args.prefill_probe}))
         record["corun"] = str(args.corun) if args.corun else None
         print(validation_table(record))
         print(json.dumps(record["within_15pct"], indent=1))

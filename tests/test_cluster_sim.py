@@ -102,11 +102,14 @@ def test_idle_local_request_costs_the_profile() -> None:
     assert q.tpot_s == pytest.approx(sum(steps) / len(steps))
 
 
-def test_idle_remote_request_costs_the_profile() -> None:
-    n, out, o = 1200, 4, OVERHEADS
-    q = run("threshold", reqs=_one(n, out)).requests[0]
+@pytest.mark.parametrize("factor", [1.0, 1.3])
+def test_idle_remote_request_costs_the_profile(factor: float) -> None:
+    # `prefill_factor`: the prefill worker's steps cost that much more than the profile says
+    n, out = 1200, 4
+    o = dataclasses.replace(OVERHEADS, prefill_factor=factor)
+    q = run("threshold", reqs=_one(n, out), overheads=o).requests[0]
     assert q.route == "remote"
-    chunks = [o.step_s + COST.step_s([(k, min(512, n - k))]) for k in range(0, n, 512)]
+    chunks = [o.step_s + factor * COST.step_s([(k, min(512, n - k))]) for k in range(0, n, 512)]
     assert q.ttft_s == pytest.approx(o.remote_s + sum(chunks) + n * o.transfer_s_per_token)
     steps = [o.step_s + COST.step_s([(n + k, 1)]) for k in range(out - 1)]
     assert q.tpot_s == pytest.approx(sum(steps) / len(steps))
@@ -207,3 +210,24 @@ def test_prefill_workers_publish_into_the_routers_index() -> None:
     assert res.routes.get("remote", 0) > 0 and sim.index.held(prefill.worker_id)
     assert any(prefill.cached_tokens.values())  # a remote prefill found a cached history
     assert 0 < res.prefill_hit_rate <= 1
+
+
+def test_the_prefill_worker_admits_by_the_real_gate() -> None:
+    """The simulated prefill worker runs `prefill_svc.gate`'s rule: with one slot taken by a
+    batch prompt, another batch prompt waits and an interactive one starts at once."""
+    sim = Simulation(SimConfig(n_decode=1, n_prefill=1, policy="threshold",
+                               router=GOODPUT_ROUTER, overheads=OVERHEADS), COST)
+    [decode], [prefill] = sim.decoders, sim.prefills
+    prefill.gate.limit = 1
+
+    def prompt(rid: str, cls: LatencyClass) -> SimRequest:
+        req = SimRequest(rid, 0.0, tuple(range(100, 1300)), 2, cls)
+        assert decode.allocate_remote(req) is not None
+        return req
+
+    prefill.submit(prompt("b1", LatencyClass.BATCH), 0, decode)
+    prefill.submit(prompt("b2", LatencyClass.BATCH), 0, decode)
+    prefill.submit(prompt("i1", LatencyClass.INTERACTIVE), 0, decode)
+    assert prefill.active == 2 and prefill.gate.num_waiting == 1
+    assert prefill.load().queued_tokens == 1200  # b2 waits
+    assert set(prefill._jobs) == {"b1", "i1"}  # in its engine

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from pdserve.types import LatencyClass
-from prefill_svc.gate import PriorityGate
+from prefill_svc.gate import GateQueue, PriorityGate
 
 INTERACTIVE = LatencyClass.INTERACTIVE.priority
 STANDARD = LatencyClass.STANDARD.priority
@@ -112,3 +112,17 @@ async def test_waiters_by_class_then_arrival_and_a_cancelled_waiter_takes_nothin
         assert h.entered == ["i0", "i1", "s2", "b1"]
         await h.leave("b1")
         assert h.gate.active == 0 and h.gate.num_waiting == 0
+
+
+def test_the_rule_alone_grants_slots_on_release_and_drops_waiters_that_left() -> None:
+    """`GateQueue` (what the simulator runs): no event loop, the waiters are any objects."""
+    q: GateQueue[str] = GateQueue(1)
+    assert q.try_enter(BATCH, "b1")
+    assert not q.try_enter(BATCH, "b2") and not q.try_enter(BATCH, "b3")
+    assert q.try_enter(INTERACTIVE, "i1")  # its class holds none, a worse one does
+    assert q.try_enter(STANDARD, "s1")  # so does standard; the waiters are worse: in
+    assert q.active == 3 and q.num_waiting == 2
+    assert q.release(INTERACTIVE) == [] and q.release(STANDARD) == []  # still b1 at the limit
+    assert q.remove("b2") and not q.remove("b2")
+    assert q.release(BATCH, gone=lambda w: w == "b3") == [] and q.num_waiting == 0
+    assert q.try_enter(BATCH, "b4") and q.active == 1

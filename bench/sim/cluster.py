@@ -25,6 +25,7 @@ from typing import Any, Literal
 from bench.loadgen.config import SLO
 from bench.loadgen.metrics import RequestResult, RunSummary, summarize
 from bench.sim.workers import (
+    BLOCK_BYTES,
     MODEL_ID,
     Clock,
     DecodeSim,
@@ -70,6 +71,11 @@ class Overheads:
     # long sequence's KV in a running cluster costs more than in the profile's lone engine
     # (calibrated from one-at-a-time chat vs long-batch TPOT, bench.cluster_sim.calibrate).
     context_s_per_token: float = 0.0
+    # A prefill worker's step in the running cluster over the profile's price of it, and the
+    # CPU weight an unpinned prefill worker competes with (cluster-up: nice 5), calibrated
+    # from long prompts sent one at a time, idle and beside streams (bench.sim.real prefill).
+    prefill_factor: float = 1.0
+    prefill_weight: float = NICE_5
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,7 @@ class SimConfig:
     overheads: Overheads = field(default_factory=Overheads)
     # the engine's default pool (EngineConfig.kv_cache_bytes, 2 GiB) of SmolLM2-135M float32
     # blocks (737,280 bytes each)
-    num_blocks: int = EngineConfig().kv_cache_bytes // 737_280
+    num_blocks: int = EngineConfig().kv_cache_bytes // BLOCK_BYTES
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int = 512
@@ -160,8 +166,10 @@ class Simulation(Clock):
                          for i in range(c.n_decode)]
         self.prefills = [PrefillSim(f"prefill-{i:03d}", self, cost, host(),
                                     core=0 if c.sharing in ("own", "1p1d") else None,
-                                    weight=NICE_5 if c.sharing == "cluster-up" else 1024.0,
+                                    weight=(c.overheads.prefill_weight
+                                            if c.sharing == "cluster-up" else 1024.0),
                                     transfer_s_per_token=c.overheads.transfer_s_per_token,
+                                    prefill_factor=c.overheads.prefill_factor,
                                     on_step=self._publish, **kw)
                          for i in range(c.n_prefill)]
         self.by_id: dict[str, SimWorker] = {w.worker_id: w

@@ -17,6 +17,17 @@ Calibration for the simulator, not validation: the 1P1D cluster of bench.goodput
 closed loop of short chat requests (64-128 prompt tokens, 64 output tokens, no EOS) at a few
 concurrencies; the records show what a streamed token costs beyond the engine step (gRPC,
 router, gateway and client work on the same cores), which bench.cluster_sim fits.
+
+    python -m bench.sim.real prefill --out docs/bench/cluster_sim/prefill_probe_1p1d \
+        --layout 1p1d --concurrency 0,2,4,8 --probes 4
+
+Calibration too: how fast a remote prefill runs in the cluster and how long its KV takes to
+send, with the decode side idle and beside a closed loop of short chat streams. Long batch
+prompts (`--prompt-tokens`, 8 output tokens) go one at a time, each prefilled on the prefill
+worker (their server timings are kept); `--layout 1p2d` lays the cluster out as the 1P2D
+sweep does, where the unpinned nice-5 prefill worker shares the cores with the streaming
+decode workers. bench.cluster_sim replays these runs to fit the prefill side's constants,
+so neither comes from the sweeps it is validated against.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ from bench.goodput import (
 from bench.loadgen.cli import config_from_args, parse_rates
 from bench.loadgen.errors import LoadgenError
 from bench.loadgen.runner import SweepResult, sweep
+from bench.loadgen.workload import LengthDist, Workload, custom_workload
 
 NAMES = {"threshold": "1p2d", "cost": "1p2d-cost"}
 
@@ -124,14 +136,14 @@ async def streaming(out: Path, concurrencies: Sequence[int], per_stream: int,
     from bench.loadgen.config import RunConfig
     from bench.loadgen.report import run_to_dict, write_json
     from bench.loadgen.runner import run_load
-    from bench.loadgen.workload import LengthDist, custom_workload
 
-    workload = custom_workload(LengthDist("uniform", 64, 128), LengthDist("fixed", 64),
-                               "interactive")
+    workload = _chat_streams()
     notes: dict[str, Any] = {
         "command": "python -m bench.sim.real " + " ".join(sys.argv[1:]),
         "machine": machine_info(), "loadavg_before": loadavg(), "runs": {}}
-    with disaggregated(Setup(log_dir=log_dir)) as system:
+    setup = Setup(log_dir=log_dir)
+    notes["setup"] = {k: str(v) for k, v in vars(setup).items()}
+    with disaggregated(setup) as system:
         notes["layout"], notes["affinity"] = system.layout, dict(system.affinity)
         for i, c in enumerate(concurrencies):
             cfg = RunConfig(url=system.url, workload=workload, num_requests=per_stream * c,
@@ -149,8 +161,82 @@ async def streaming(out: Path, concurrencies: Sequence[int], per_stream: int,
     return 0
 
 
+def _chat_streams() -> Workload:
+    return custom_workload(LengthDist("uniform", 64, 128), LengthDist("fixed", 64), "interactive")
+
+
+async def prefill_probes(out: Path, layout: str, concurrencies: Sequence[int], probes: int,
+                         prompt_tokens: int, log_dir: Path) -> int:
+    """Per concurrency c: `probes` long prompts one at a time, each prefilled remotely, beside
+    c closed-loop chat streams started 2 s before them (none for c = 0). The streams run
+    for a window sized from the idle pass (3x its probe time, so a slowed prefill still
+    finishes inside it); what they streamed while a probe computed is in the records."""
+    from bench.goodput import disaggregated
+    from bench.loadgen.config import RunConfig
+    from bench.loadgen.report import run_to_dict, write_json
+    from bench.loadgen.runner import run_load
+
+    probe_workload = custom_workload(LengthDist("fixed", prompt_tokens), LengthDist("fixed", 8),
+                                     "batch")
+    setup = Setup(log_dir=log_dir)
+    notes: dict[str, Any] = {
+        "command": "python -m bench.sim.real " + " ".join(sys.argv[1:]),
+        "machine": machine_info(), "loadavg_before": loadavg(), "layout_name": layout,
+        "setup": {k: str(v) for k, v in vars(setup).items()}, "runs": {}}
+    system_cm = disaggregated(setup) if layout == "1p1d" else one_p_two_d(setup, "threshold")
+    window = 0.0
+    with system_cm as system:
+        notes["layout"], notes["affinity"] = system.layout, dict(system.affinity)
+        for i, c in enumerate(concurrencies):
+            probe_cfg = RunConfig(url=system.url, workload=probe_workload, num_requests=probes,
+                                  concurrency=1, seed=200 + i, warmup_requests=1 if i == 0 else 0,
+                                  headers={TIMINGS_HEADER: "1"})
+            streams = None
+            if c:
+                if not window:
+                    raise SystemExit("--concurrency must start with 0 (the idle pass)")
+                streams = asyncio.create_task(run_load(RunConfig(
+                    url=system.url, workload=_chat_streams(), num_requests=100_000,
+                    concurrency=c, ignore_eos=True, seed=300 + i, max_duration_s=window,
+                    headers={TIMINGS_HEADER: "1"})))
+                await asyncio.sleep(2.0)
+            probe = await run_load(probe_cfg)
+            write_json(out / f"probes_c{c}.json", run_to_dict(probe))
+            run: dict[str, Any] = {"probe_started_at": probe.started_at}
+            if streams is not None:
+                stream_run = await streams
+                write_json(out / f"streams_c{c}.json", run_to_dict(stream_run))
+                run["streams_started_at"] = stream_run.started_at
+            else:
+                window = 2.0 + 3.0 * max(r.e2e_s or 0.0 for r in probe.requests) * probes
+            computes = [(r.server_timings_ms or {}).get("prefill_compute_ms")
+                        for r in probe.requests]
+            run["prefill_compute_ms"] = computes
+            run["routes"] = [r.route for r in probe.requests]
+            notes["runs"][c] = run
+            print(f"concurrency {c}: prefill compute ms {computes}", file=sys.stderr)
+    notes["loadavg_after"] = loadavg()
+    (out / "setup.json").write_text(json.dumps(notes, indent=2) + "\n")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["prefill"]:
+        pp = argparse.ArgumentParser(prog="python -m bench.sim.real prefill")
+        pp.add_argument("--out", type=Path, required=True)
+        pp.add_argument("--layout", choices=("1p1d", "1p2d"), default="1p1d")
+        pp.add_argument("--concurrency", default="0,2,4,8",
+                        help="chat streams beside the probes; the first must be 0")
+        pp.add_argument("--probes", type=int, default=4, help="long prompts per concurrency")
+        pp.add_argument("--prompt-tokens", type=int, default=1146,
+                        help="the mixed-cpu workload's mean long-batch prompt")
+        pp.add_argument("--log-dir", type=Path, default=Path("/tmp/pdserve-prefill-probe-logs"))
+        a = pp.parse_args(args_list[1:])
+        a.out.mkdir(parents=True, exist_ok=True)
+        return asyncio.run(prefill_probes(a.out, a.layout,
+                                          [int(c) for c in a.concurrency.split(",")],
+                                          a.probes, a.prompt_tokens, a.log_dir))
     if args_list[:1] == ["streaming"]:
         sp = argparse.ArgumentParser(prog="python -m bench.sim.real streaming")
         sp.add_argument("--out", type=Path, required=True)

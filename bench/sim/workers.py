@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import heapq
-import itertools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,11 +28,13 @@ from pdserve.engine.sequence import SeqMode, SeqStatus
 from pdserve.engine.sequence import Sequence as Seq
 from pdserve.engine.step_rates import StepRates
 from pdserve.types import FinishReason, LatencyClass, SamplingParams
+from prefill_svc.gate import GateQueue
 
 PROFILE = Path(__file__).resolve().parents[2] / "docs/bench/cluster_sim/engine_profile.json"
 CORUN = PROFILE.with_name("engine_corun.json")
 PREFILL_STEP_TOKENS = 128  # a step with this many prompt tokens counts as a prefill step
 MODEL_ID = "SmolLM2-135M-Instruct"
+BLOCK_BYTES = 737_280  # one 16-token KV block of SmolLM2-135M in float32
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,7 @@ class SimWorker:
             max_num_batched_tokens=max_num_batched_tokens,
             max_prefill_chunk=max_prefill_chunk, step_target_ms=step_target_ms), self.bm)
         self.rates = StepRates()
+        self.price_factor = 1.0  # the profile's price of a step, times this
         self.busy = False
         self.step_kind = "decode"
         self.steps = 0
@@ -169,7 +170,8 @@ class SimWorker:
         context = sum(s.start for s in out.scheduled if s.num_new_tokens == 1)
         self._left = (self.step_overhead_s + self.token_overhead_s * streamed
                       + self.context_overhead_s * context
-                      + self.cost.step_s([(s.start, s.num_new_tokens) for s in out.scheduled]))
+                      + self.price_factor * self.cost.step_s(
+                          [(s.start, s.num_new_tokens) for s in out.scheduled]))
         self._started = self._since = self.clock.now
         self.busy = True
         self._reshare()
@@ -314,35 +316,37 @@ class DecodeSim(SimWorker):
 
 
 class PrefillSim(SimWorker):
-    """A prefill worker: at most `max_inflight` prompts in its engine or sending KV (the
-    rest queue by latency class, then arrival), each computed prefill-only, then its KV sent
-    to the decode worker (`transfer_s_per_token` of the part the decode worker lacks)."""
+    """A prefill worker: its prompts pass the real worker's gate (`prefill_svc.gate`: at most
+    `max_inflight` in its engine or sending KV, one more per class that holds none while a
+    worse one does, the rest by latency class, then arrival), each computed prefill-only at
+    `prefill_factor` times the profile's price, then its KV sent to the decode worker
+    (`transfer_s_per_token` of the part the decode worker lacks)."""
 
     def __init__(self, *args: object, transfer_s_per_token: float, max_inflight: int = 4,
+                 prefill_factor: float = 1.0,
                  on_step: Callable[[PrefillSim], None] | None = None, **kwargs: object):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.after_step = on_step  # its cache changed: KV events to publish
         self.cached_tokens: dict[str, int] = {}  # request id -> prompt tokens its cache had
         self.transfer_s_per_token = transfer_s_per_token
-        self.max_inflight = max_inflight
-        self.active = 0
+        self.price_factor = prefill_factor
+        self.gate: GateQueue[tuple[SimRequest, int, DecodeSim]] = GateQueue(max_inflight)
         self.queued_tokens = 0
         self.measured_transfer_s_per_token = 0.0
-        self._queue: list[tuple[tuple[int, float], int, SimRequest, int, DecodeSim]] = []
-        self._count = itertools.count()
         self._jobs: dict[str, tuple[SimRequest, int, DecodeSim]] = {}
+
+    @property
+    def active(self) -> int:
+        return self.gate.active
 
     def submit(self, req: SimRequest, skip_tokens: int, decode: DecodeSim) -> None:
         """`skip_tokens`: the prompt's leading tokens the decode worker has cached."""
-        if self.active < self.max_inflight and not self._queue:
+        if self.gate.try_enter(req.latency_class.priority, (req, skip_tokens, decode)):
             self._start(req, skip_tokens, decode)
-            return
-        self.queued_tokens += len(req.ids)
-        heapq.heappush(self._queue, ((req.latency_class.priority, self.clock.now),
-                                     next(self._count), req, skip_tokens, decode))
+        else:
+            self.queued_tokens += len(req.ids)
 
     def _start(self, req: SimRequest, skip: int, decode: DecodeSim) -> None:
-        self.active += 1
         self._jobs[req.rid] = (req, skip, decode)
         self.sched.add(_seq(req, self.clock.now, SeqMode.PREFILL_ONLY, max_tokens=1))
         self.kick()
@@ -366,15 +370,13 @@ class PrefillSim(SimWorker):
             self.sched.release(seq)
         rate, old = seconds / tokens, self.measured_transfer_s_per_token
         self.measured_transfer_s_per_token = rate if old == 0.0 else old + 0.2 * (rate - old)
-        self.active -= 1
-        if self._queue:
-            _, _, nreq, nskip, ndecode = heapq.heappop(self._queue)
+        for nreq, nskip, ndecode in self.gate.release(req.latency_class.priority):
             self.queued_tokens -= len(nreq.ids)
             self._start(nreq, nskip, ndecode)
         decode.kv_landed(req.rid)
 
     def load(self) -> WorkerLoad:
         base = self.base_load()
-        return dataclasses.replace(base, running=self.active, queued=len(self._queue),
+        return dataclasses.replace(base, running=self.active, queued=self.gate.num_waiting,
                                    queued_tokens=self.queued_tokens,
                                    kv_transfer_s_per_token=self.measured_transfer_s_per_token)
