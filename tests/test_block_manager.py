@@ -66,6 +66,7 @@ def test_shared_prefix_blocks_are_ref_counted() -> None:
     assert cached == 8
     assert b[:2] == a[:2] and b[2] != a[2]
     assert bm.num_free_blocks == 8 - 4
+    assert bm.blocks_freed_by(a) == bm.blocks_freed_by(b) == 1  # only its own tail block
     bm.free("a", a)
     assert bm.num_free_blocks == 8 - 3  # a's shared blocks are still used by b
     bm.free("b", b)

@@ -133,6 +133,33 @@ def test_preemption_takes_the_worst_class_first() -> None:
     assert b.status is SeqStatus.WAITING and i.status is SeqStatus.RUNNING
 
 
+def test_a_better_class_prompt_takes_the_blocks_of_worse_running_ones() -> None:
+    """The pool is full of batch streams: an interactive prompt is admitted at once with the
+    blocks of the latest batch stream, which is recomputed later. A prompt of the same class
+    as the running ones, or one that not even all worse ones' blocks would fit, waits."""
+    s = _scheduler(num_blocks=6)
+    b1 = _seq("b1", 8, cls=LatencyClass.BATCH, arrival=1.0)
+    b2 = _seq("b2", 8, offset=100, cls=LatencyClass.BATCH, arrival=2.0)
+    s.add(b1)
+    s.add(b2)
+    _step(s)  # 2 blocks each, and their first tokens
+    _step(s)  # position 8: a 3rd block each; the pool is full
+    assert s.bm.num_free_blocks == 0
+    s.add(_seq("b3", 4, offset=200, cls=LatencyClass.BATCH, arrival=3.0))
+    assert _plan(_step(s)) == [("b1", 9, 1), ("b2", 9, 1)]  # the same class waits
+    big = _seq("i-big", 28, offset=300, cls=LatencyClass.INTERACTIVE, arrival=4.0)
+    s.add(big)
+    out = _step(s)  # 7 blocks: more than all batch streams hold, so nobody yields for it
+    assert out.preempted == [] and [q.request_id for q in s.running] == ["b1", "b2"]
+    s.finish(big, FinishReason.ABORT)  # it gives up
+    i = _seq("i", 7, offset=400, cls=LatencyClass.INTERACTIVE, arrival=5.0)
+    s.add(i)
+    out = _step(s)  # 2 blocks: b2's 3 are enough
+    assert out.preempted == [b2] and b2.status is SeqStatus.WAITING
+    assert _plan(out) == [("i", 0, 7), ("b1", 11, 1)]
+    assert [q.request_id for q in s.running] == ["i", "b1"]
+
+
 def test_max_num_seqs_limits_the_running_batch() -> None:
     s = _scheduler(max_num_seqs=2)
     for i in range(3):

@@ -120,6 +120,11 @@ class BlockManager:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
 
+    def blocks_freed_by(self, block_table: Seq[int]) -> int:
+        """How many blocks freeing ``block_table`` would return to the free list (those it
+        alone holds)."""
+        return sum(1 for b in set(block_table) if self._ref[b] == 1)
+
     def extend_hashes(self, hashes: list[BlockHash], token_ids: Seq[int],
                       num_blocks: int) -> list[BlockHash]:
         """Extend ``hashes`` (in place) to the first ``num_blocks`` full blocks of

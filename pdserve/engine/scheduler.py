@@ -12,7 +12,10 @@ at the start of the step instead of waiting for that prompt to finish (an intera
 prompt arriving behind a 4,000-token batch prompt waits for one step, not for all of its
 chunks). When blocks run out the last sequence of that order is preempted (the worst class,
 the latest to arrive): its blocks are freed and it is recomputed later (prefix caching makes
-that cheap).
+that cheap). The same holds for a waiting prompt: one that does not fit in the free blocks
+takes those of running sequences of a worse class, the last of the order first, if theirs
+are enough (a pool full of batch streams never keeps an interactive prompt waiting for one
+of them to end).
 
 The budget is `max_num_batched_tokens`, or less where the engine sets it from time
 (`step_budget`): with `step_target_ms`, the prompt tokens of a step are the measured prefill
@@ -127,6 +130,9 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs
                and self._admit(self._waiting[0][2]) is not None):
             pass
+        while (self._waiting and len(self.running) < self.config.max_num_seqs
+               and self._admit_over_worse(out)):
+            pass
         # Decode rows not yet served: a prompt's chunk ahead of them leaves them their token.
         decodes = sum(1 for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1)
         i = 0
@@ -181,6 +187,27 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self._run(seq)
         return cached
+
+    def _admit_over_worse(self, out: SchedulerOutput) -> bool:
+        """Admit the first waiting sequence with blocks taken from running ones of a worse
+        class (the last of the running order first), when the free blocks are too few and
+        theirs are enough; the preempted go to `out.preempted`. False: nothing changed."""
+        seq = self._waiting[0][2]
+        priority = seq.latency_class.priority
+        victims = [s for s in reversed(self.running) if s.latency_class.priority > priority]
+        if not victims or self.bm.can_allocate(self.bm.blocks_needed(seq.num_tokens)):
+            return False  # nobody to take from, or it fits: admitted in its turn
+        freeable = sum(self.bm.blocks_freed_by(v.block_table) for v in victims)
+        if self.bm.num_free_blocks + freeable < self.bm.blocks_needed(seq.num_tokens):
+            return False  # not even all of them would make room: take nobody's blocks
+        if self._admit(seq) is not None:
+            return True  # it fits after all (its prefix is cached)
+        for victim in victims:
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if self._admit(seq) is not None:
+                return True
+        return False
 
     def _run(self, seq: Sequence) -> None:
         """Into the running batch, in class order (then arrival)."""
