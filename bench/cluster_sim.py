@@ -231,14 +231,16 @@ def probe_trace(root: Path, c: int, seed: int) -> tuple[list[SimRequest], list[s
 
 
 PREFILL_WEIGHTS = (150.0, 200.0, 250.0, 335.0, 500.0, 700.0, 1024.0)
+BESIDE_DECODE = (1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3)
 
 
-def fit_prefill_weight(root: Path, layout: str, overheads: Overheads, cost: StepCost,
-                       seed: int) -> tuple[Overheads, list[dict[str, Any]]]:
-    """Replay the probes beside streams in the simulator of `layout`; on cluster-up's 1P2D
-    (the prefill worker unpinned at nice 5) pick the CPU weight it competes with for which
-    the probes' simulated TTFT is nearest the measured (median ratio), from
-    PREFILL_WEIGHTS; on 1P1D (pinned) only report the ratios."""
+def fit_prefill_sharing(root: Path, layout: str, overheads: Overheads, cost: StepCost,
+                        seed: int) -> tuple[Overheads, list[dict[str, Any]]]:
+    """Replay the probes beside streams in the simulator of `layout` and pick the prefill
+    side's sharing constants for which the probes' simulated TTFT is nearest the measured
+    (median ratio): its slowdown while a decode worker computes (BESIDE_DECODE) and, on
+    cluster-up's 1P2D where it runs unpinned at nice 5, the CPU weight it competes with
+    (PREFILL_WEIGHTS; 1P1D pins it, so its weight is moot)."""
     setup = json.loads((root / "setup.json").read_text())
     passes = [int(c) for c in setup["runs"] if int(c) > 0]
     traces = {c: probe_trace(root, c, seed) for c in passes}
@@ -247,8 +249,7 @@ def fit_prefill_weight(root: Path, layout: str, overheads: Overheads, cost: Step
         out = {}
         for c, (reqs, probe_ids, measured) in traces.items():
             cfg = SimConfig(n_decode=2 if layout == "1p2d" else 1, n_prefill=1,
-                            **record_engine(root), policy="threshold",
-                            router=GOODPUT_ROUTER,
+                            **record_engine(root), policy="threshold", router=GOODPUT_ROUTER,
                             sharing="cluster-up" if layout == "1p2d" else "1p1d",
                             overheads=o, seed=seed, corun={})
             sim = simulate(cfg, reqs, MIXED_SLO, cost)
@@ -257,15 +258,16 @@ def fit_prefill_weight(root: Path, layout: str, overheads: Overheads, cost: Step
                                                                    strict=True)]
         return out
 
-    candidates = PREFILL_WEIGHTS if layout == "1p2d" else (overheads.prefill_weight,)
+    weights = PREFILL_WEIGHTS if layout == "1p2d" else (overheads.prefill_weight,)
     points, best = [], (float("inf"), overheads)
-    for weight in candidates:
-        o = replace(overheads, prefill_weight=weight)
+    for weight, beside in itertools.product(weights, BESIDE_DECODE):
+        o = replace(overheads, prefill_weight=weight, prefill_beside_decode=beside)
         r = ratios(o)
         med = statistics.median(x for v in r.values() for x in v)
-        points.append({"prefill_weight": weight, "ttft_sim_over_measured_median": round(med, 3),
+        points.append({"prefill_weight": weight, "prefill_beside_decode": beside,
+                       "ttft_sim_over_measured_median": round(med, 3),
                        "by_concurrency": {c: [round(x, 3) for x in v] for c, v in r.items()}})
-        if abs(med - 1) < best[0]:
+        if abs(med - 1) < best[0] - 1e-9:
             best = (abs(med - 1), o)
     return best[1], points
 
@@ -336,7 +338,7 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
             overheads, points = calibrate_streaming(streaming, overheads, cost, seed)
         weights: list[dict[str, Any]] = []
         if probe is not None:
-            overheads, weights = fit_prefill_weight(probe, layout, overheads, cost, seed)
+            overheads, weights = fit_prefill_sharing(probe, layout, overheads, cost, seed)
         calib[f"{layout} {root.name}"] = {"unloaded": {k: asdict(v) for k, v in unloaded.items()},
                          "streaming": points, "prefill_idle": idle,
                          "prefill_beside_streams": weights, "overheads": asdict(overheads)}

@@ -231,3 +231,13 @@ def test_the_prefill_worker_admits_by_the_real_gate() -> None:
     assert prefill.active == 2 and prefill.gate.num_waiting == 1
     assert prefill.load().queued_tokens == 1200  # b2 waits
     assert set(prefill._jobs) == {"b1", "i1"}  # in its engine
+
+
+def test_prefill_beside_decode_slows_the_prefill_worker_on_a_shared_host() -> None:
+    """`Overheads.prefill_beside_decode` (fitted from probes beside streams) joins the host's
+    co-run table, so a 1P1D prefill step slows while the decode worker computes."""
+    o = dataclasses.replace(OVERHEADS, prefill_beside_decode=1.2)
+    sim = Simulation(SimConfig(sharing="1p1d", overheads=o, corun={}), COST)
+    assert sim.prefills[0].host.corun == {("prefill", "decode"): 1.2}
+    assert Simulation(SimConfig(sharing="1p1d", overheads=OVERHEADS, corun={}),
+                      COST).prefills[0].host.corun == {}

@@ -76,6 +76,10 @@ class Overheads:
     # from long prompts sent one at a time, idle and beside streams (bench.sim.real prefill).
     prefill_factor: float = 1.0
     prefill_weight: float = NICE_5
+    # A prefill step's slowdown while a decode worker computes on another core of the host,
+    # on top of the engines' own (`SimConfig.corun`): in a running cluster the router,
+    # gateway, client and Redis share the cores too (calibrated as above).
+    prefill_beside_decode: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -146,10 +150,14 @@ class Simulation(Clock):
         c = config
         hosts: list[Host] = []
 
+        corun = dict(load_corun() if c.corun is None else c.corun)
+        if c.overheads.prefill_beside_decode != 1.0:
+            key = ("prefill", "decode")
+            corun[key] = corun.get(key, 1.0) * c.overheads.prefill_beside_decode
+
         def host() -> Host:
             if c.sharing == "own" or not hosts:
-                hosts.append(Host(1) if c.sharing == "own" else Host(
-                    2, load_corun() if c.corun is None else c.corun))
+                hosts.append(Host(1) if c.sharing == "own" else Host(2, corun))
             return hosts[-1]
 
         kw: dict[str, Any] = dict(num_blocks=c.num_blocks, block_size=c.block_size,
