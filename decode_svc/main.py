@@ -103,7 +103,8 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
 
                     async def register() -> None:
                         await registry.register(info, config.lease_ttl_s,
-                                                heartbeat_s=config.heartbeat_s, load_fn=load)
+                                                heartbeat_s=config.heartbeat_s, load_fn=load,
+                                                cpus_fn=this_cpus)
                         await registry.publish_descriptor(descriptor_id, engine.layout,
                                                           receiver.address, config.worker_id,
                                                           epoch)

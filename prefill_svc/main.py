@@ -100,7 +100,8 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
 
                 async def register() -> None:
                     await registry.register(info, config.lease_ttl_s,
-                                            heartbeat_s=config.heartbeat_s, load_fn=load)
+                                            heartbeat_s=config.heartbeat_s, load_fn=load,
+                                            cpus_fn=this_cpus)
                     registered.set()
 
                 async def deregister() -> None:

@@ -137,6 +137,18 @@ async def test_heartbeat_refreshes_lease_and_load(registry: WorkerRegistry) -> N
     assert info.load.free_blocks == 100 - info.load.running
 
 
+async def test_heartbeat_publishes_cpus_that_changed(registry: WorkerRegistry) -> None:
+    """A worker pinned after it registered (bench.goodput pins its 1P1D workers that way)
+    publishes its new CPUs with the next heartbeat: placement prices sharing from them."""
+    cpus = (0, 1)
+    await registry.register(worker(cpus=cpus), ttl_s=5.0, heartbeat_s=1.0,
+                            cpus_fn=lambda: cpus)
+    cpus = (1,)
+    assert await registry.heartbeat()
+    (info,) = await registry.list_workers()
+    assert info.cpus == (1,) and registry.info is not None and registry.info.cpus == (1,)
+
+
 async def test_epochs_increase(registry: WorkerRegistry) -> None:
     first = await registry.next_epoch("d0")
     second = await registry.next_epoch("d0")

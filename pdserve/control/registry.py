@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping
 
 import redis.asyncio as aioredis
@@ -137,6 +138,7 @@ class WorkerRegistry(ControlStore):
         self._info: WorkerInfo | None = None
         self._ttl_ms = 0
         self._load_fn: LoadFn | None = None
+        self._cpus_fn: Callable[[], tuple[int, ...]] | None = None
         self._descriptors: dict[str, str] = {}  # id -> JSON, re-written if Redis lost it
         self._heartbeat_task: asyncio.Task[None] | None = None
         self.lease_lost = asyncio.Event()  # set when a newer epoch took over our worker_id
@@ -171,11 +173,14 @@ class WorkerRegistry(ControlStore):
         *,
         heartbeat_s: float | None = None,
         load_fn: LoadFn | None = None,
+        cpus_fn: Callable[[], tuple[int, ...]] | None = None,
     ) -> None:
         """Write the lease and start heartbeating every `heartbeat_s` (default ttl_s / 3).
 
-        `load_fn` is called on every heartbeat; its numbers replace `info.load`. Raises
-        ControlPlaneError if Redis is unreachable or a newer epoch already owns the worker id.
+        `load_fn` is called on every heartbeat; its numbers replace `info.load`. `cpus_fn`
+        too (`this_cpus`): a worker pinned after it started (taskset, a cpuset that changed)
+        publishes where it computes now, not where it started. Raises ControlPlaneError if
+        Redis is unreachable or a newer epoch already owns the worker id.
         """
         if self._info is not None:
             raise RuntimeError(f"already registered as {self._info.worker_id!r}")
@@ -186,6 +191,7 @@ class WorkerRegistry(ControlStore):
             raise ValueError(f"heartbeat_s must be in (0, ttl_s={ttl_s}), got {heartbeat_s}")
         self._ttl_ms = max(1, round(ttl_s * 1000))
         self._load_fn = load_fn
+        self._cpus_fn = cpus_fn
         self.lease_lost.clear()
         if not await self._write_lease(info):
             raise ControlPlaneError(
@@ -220,6 +226,9 @@ class WorkerRegistry(ControlStore):
         info = self._info
         if self._load_fn is not None:
             info = info.with_load(self._load_fn())
+        if self._cpus_fn is not None and (cpus := self._cpus_fn()) != info.cpus:
+            log.info("worker_cpus_changed", worker_id=info.worker_id, cpus=list(cpus))
+            info = dataclasses.replace(info, cpus=cpus)
         if not await self._write_lease(info):
             log.error("lease_superseded", worker_id=info.worker_id, epoch=info.epoch)
             self.lease_lost.set()
