@@ -321,7 +321,9 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
         systems = SYSTEMS[layout]
         # Interference from other processes only adds time: per class, the fastest of the
         # record's unloaded measurements (both placements measure the same idle requests).
-        tables = [read_unloaded(root / "comparison.md", name) for name, _ in systems]
+        tables = [t for name, _ in systems if (t := read_unloaded(root / "comparison.md", name))]
+        if not tables:
+            raise SystemExit(f"{root}: no unloaded table for {[n for n, _ in systems]}")
         unloaded = {k: Unloaded(k, tables[0][k].prompt_tokens,
                                 min(t[k].ttft_ms for t in tables if k in t),
                                 min(t[k].tpot_ms for t in tables if k in t))
