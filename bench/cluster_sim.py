@@ -50,7 +50,9 @@ MIXED_SLO = SLO(ttft_ms=1500.0, tpot_ms=150.0, target=0.9, per_class=(("batch", 
 # bench.goodput's router flags: remote prefill from 512 uncached tokens, no backlog limit.
 GOODPUT_ROUTER = RouterPolicy(remote_min_uncached_tokens=512,
                               max_prefill_backlog_tokens=1_000_000)
-TRANSFER_S_PER_TOKEN = 8.7e-5  # median kv_transfer_ms / prompt tokens, goodput_placement run3
+# median kv_transfer_ms / prompt tokens of goodput_placement run3, before the KV was sent while
+# the prompt computes: the default where no --prefill-probe measures it (8e-6 on stop 59's)
+TRANSFER_S_PER_TOKEN = 8.7e-5
 
 
 # --------------------------------------------------------------------------- traces
