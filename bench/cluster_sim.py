@@ -611,7 +611,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "compute (default: no such slowdown)")
     v.add_argument("--prefill-probe", type=_real, action="append", default=[],
                    help="DIR:LAYOUT, a bench.sim.real prefill output: the prefill worker's "
-                        "speed, KV transfer and CPU weight on that layout")
+                        "speed, KV transfer, slowdown beside a computing decode worker and "
+                        "CPU weight on that layout")
     v.add_argument("--out", type=Path, required=True)
     c = sub.add_parser("compare", help="policies at scale")
     c.add_argument("--workers", default="8,16,64,256")

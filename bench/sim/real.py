@@ -169,8 +169,8 @@ async def prefill_probes(out: Path, layout: str, concurrencies: Sequence[int], p
                          prompt_tokens: int, log_dir: Path) -> int:
     """Per concurrency c: `probes` long prompts one at a time, each prefilled remotely, beside
     c closed-loop chat streams started 2 s before them (none for c = 0). The streams run
-    for a window sized from the idle pass (3x its probe time, so a slowed prefill still
-    finishes inside it); what they streamed while a probe computed is in the records."""
+    for a window of 3x the idle pass's probe time; probes slowed past it finish after the
+    streams stop, and the records (both runs, on one clock) show when each ran."""
     from bench.goodput import disaggregated
     from bench.loadgen.config import RunConfig
     from bench.loadgen.report import run_to_dict, write_json
