@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import platform
 import random
@@ -135,14 +136,15 @@ def prefill_s(cost: StepCost, n: int, chunk: int = 512) -> float:
 
 def calibrate(unloaded: dict[str, Unloaded], cost: StepCost,
               transfer_s_per_token: float = TRANSFER_S_PER_TOKEN,
-              prefill_factor: float = 1.0) -> Overheads:
+              prefill_factor: float = 1.0, remote_s: float | None = None) -> Overheads:
     """Time outside the modelled steps, from one-at-a-time requests. A chat prompt (local,
     ~100 tokens) and a long-batch one (remote, ~1,100) decode alone: their TPOTs minus a
     one-row decode step at their contexts give the per-step streaming overhead and the cost
     per context token the profile misses (two equations, two unknowns; neither below 0).
     The chat prompt's TTFT minus its prefill gives the local path's fixed cost, the long
     one's minus prefill (the prefill worker's, `prefill_factor` x the profile's) and
-    transfer the remote path's."""
+    transfer the remote path's, unless `remote_s` is measured (`idle_probes`): a
+    difference of two seconds-long times is mostly their noise."""
     chat, batch = unloaded["chat"], unloaded["long-batch"]
     ctx = int(chat.prompt_tokens) + 24
     n = int(batch.prompt_tokens)
@@ -154,7 +156,7 @@ def calibrate(unloaded: dict[str, Unloaded], cost: StepCost,
     local = max(0.0, chat.ttft_ms / 1e3 - prefill_s(cost, int(chat.prompt_tokens)) - step)
     chunks = -(-n // 512)
     remote = max(0.0, batch.ttft_ms / 1e3 - prefill_factor * prefill_s(cost, n) - chunks * step
-                 - n * transfer_s_per_token)
+                 - n * transfer_s_per_token) if remote_s is None else remote_s
     return Overheads(local_s=local, remote_s=remote, step_s=step,
                      transfer_s_per_token=transfer_s_per_token, context_s_per_token=per_ctx,
                      prefill_factor=prefill_factor)
@@ -196,11 +198,12 @@ def calibrate_streaming(root: Path, overheads: Overheads, cost: StepCost, seed: 
     return replace(overheads, token_s=token_s), points
 
 
-def idle_probes(root: Path, cost: StepCost) -> tuple[float, float, list[dict[str, Any]]]:
+def idle_probes(root: Path, cost: StepCost) -> tuple[float, float, float, list[dict[str, Any]]]:
     """From bench.sim.real prefill's idle pass (long prompts one at a time, nothing else
-    running): the KV transfer's time per prompt token (the part after the prompt's last
-    chunk: the rest is sent while it computes) and the prefill worker's compute over the
-    profile's price of a lone prompt (medians)."""
+    running), medians: the KV transfer's time per prompt token (the part after the prompt's
+    last chunk: the rest is sent while it computes), the prefill worker's compute over the
+    profile's price of a lone prompt, and the remote path's fixed cost (the client's TTFT
+    less the compute and the transfer: HTTP, routing, allocation, dispatch, hand-off)."""
     rec = json.loads((root / "probes_c0.json").read_text())
     rows = [r for r in rec["requests"] if r.get("route") == "remote"
             and "prefill_compute_ms" in (r.get("server_timings_ms") or {})]
@@ -210,12 +213,15 @@ def idle_probes(root: Path, cost: StepCost) -> tuple[float, float, list[dict[str
                                  / r["prompt_tokens"] for r in rows)
     factor = statistics.median(r["server_timings_ms"]["prefill_compute_ms"] / 1e3
                                / prefill_s(cost, r["prompt_tokens"]) for r in rows)
+    fixed = statistics.median(r["ttft_s"] - (r["server_timings_ms"]["prefill_compute_ms"]
+                                             + r["server_timings_ms"]["kv_transfer_ms"]) / 1e3
+                              for r in rows)
     points = [{"prompt_tokens": r["prompt_tokens"],
                "prefill_compute_ms": round(r["server_timings_ms"]["prefill_compute_ms"], 1),
                "profile_ms": round(prefill_s(cost, r["prompt_tokens"]) * 1e3, 1),
                "kv_transfer_ms": round(r["server_timings_ms"]["kv_transfer_ms"], 2)}
               for r in rows]
-    return transfer, factor, points
+    return transfer, factor, max(0.0, fixed), points
 
 
 def probe_trace(root: Path, c: int, seed: int) -> tuple[list[SimRequest], list[str], list[float]]:
@@ -265,12 +271,14 @@ def fit_prefill_sharing(root: Path, layout: str, overheads: Overheads, cost: Ste
     for weight, beside in itertools.product(weights, BESIDE_DECODE):
         o = replace(overheads, prefill_weight=weight, prefill_beside_decode=beside)
         r = ratios(o)
-        med = statistics.median(x for v in r.values() for x in v)
+        xs = [x for v in r.values() for x in v]
+        err = statistics.fmean(math.log(max(x, 1e-6)) ** 2 for x in xs)
         points.append({"prefill_weight": weight, "prefill_beside_decode": beside,
-                       "ttft_sim_over_measured_median": round(med, 3),
+                       "ttft_sim_over_measured_median": round(statistics.median(xs), 3),
+                       "mean_squared_log_ratio": round(err, 4),
                        "by_concurrency": {c: [round(x, 3) for x in v] for c, v in r.items()}})
-        if abs(med - 1) < best[0] - 1e-9:
-            best = (abs(med - 1), o)
+        if err < best[0] - 1e-12:
+            best = (err, o)
     return best[1], points
 
 
@@ -335,8 +343,8 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
         if probe is None:
             overheads = calibrate(unloaded, cost)
         else:
-            transfer, factor, idle = idle_probes(probe, cost)
-            overheads = calibrate(unloaded, cost, transfer, factor)
+            transfer, factor, fixed, idle = idle_probes(probe, cost)
+            overheads = calibrate(unloaded, cost, transfer, factor, fixed)
         points: list[dict[str, Any]] = []
         if streaming is not None:
             overheads, points = calibrate_streaming(streaming, overheads, cost, seed)

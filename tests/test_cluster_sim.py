@@ -241,3 +241,24 @@ def test_prefill_beside_decode_slows_the_prefill_worker_on_a_shared_host() -> No
     assert sim.prefills[0].host.corun == {("prefill", "decode"): 1.2}
     assert Simulation(SimConfig(sharing="1p1d", overheads=OVERHEADS, corun={}),
                       COST).prefills[0].host.corun == {}
+
+
+def test_prefill_probes_calibrate_the_prefill_side_from_a_real_record() -> None:
+    """The committed 1P1D probes (bench.sim.real prefill): the idle pass gives a KV transfer
+    price, a prefill speed and the remote path's fixed cost; the replay beside streams fits
+    a slowdown from the grid whose probes land near their measured TTFT."""
+    from pathlib import Path
+
+    from bench.cluster_sim import BESIDE_DECODE, fit_prefill_sharing, idle_probes
+
+    records = Path(__file__).resolve().parents[1] / "docs/bench/cluster_sim"
+    root = records / "prefill_probe_1p1d_s59"
+    cost = StepCost.load(records / "engine_profile_s59.json")
+    transfer, factor, fixed, idle = idle_probes(root, cost)
+    assert len(idle) == 4 and 0 < transfer < 1e-4 and 0.5 < factor < 2 and 0 <= fixed < 0.5
+    o, points = fit_prefill_sharing(root, "1p1d", dataclasses.replace(
+        OVERHEADS, transfer_s_per_token=transfer, prefill_factor=factor, remote_s=fixed),
+        cost, seed=0)
+    assert o.prefill_beside_decode in BESIDE_DECODE and len(points) == len(BESIDE_DECODE)
+    best = next(p for p in points if p["prefill_beside_decode"] == o.prefill_beside_decode)
+    assert best["mean_squared_log_ratio"] == min(p["mean_squared_log_ratio"] for p in points)
