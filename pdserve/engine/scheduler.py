@@ -14,8 +14,8 @@ chunks). When blocks run out the last sequence of that order is preempted (the w
 the latest to arrive): its blocks are freed and it is recomputed later (prefix caching makes
 that cheap). The same holds for a waiting prompt: one that does not fit in the free blocks
 takes those of running sequences of a worse class, the last of the order first, if theirs
-are enough (a pool full of batch streams never keeps an interactive prompt waiting for one
-of them to end).
+are enough (an interactive prompt does not wait for a pool full of batch streams to drain
+when their blocks would hold it).
 
 The budget is `max_num_batched_tokens`, or less where the engine sets it from time
 (`step_budget`): with `step_target_ms`, the prompt tokens of a step are the measured prefill
