@@ -175,6 +175,16 @@ def record_engine(root: Path) -> dict[str, Any]:
             "max_prefill_chunk": int(setup.get("max_prefill_chunk", 512))}
 
 
+def layout_config(layout: str, engine: dict[str, Any], policy: str, overheads: Overheads,
+                  seed: int, corun: dict[tuple[str, str], float]) -> SimConfig:
+    """The simulator of a real record's 2-core layout (1p1d: bench.goodput's, 1p2d: `pdserve
+    cluster up`'s), with the record's engine flags (`record_engine`)."""
+    return SimConfig(n_decode=2 if layout == "1p2d" else 1, n_prefill=1, **engine,
+                     policy=policy, router=GOODPUT_ROUTER,  # type: ignore[arg-type]
+                     sharing="cluster-up" if layout == "1p2d" else "1p1d",
+                     overheads=overheads, seed=seed, corun=corun)
+
+
 def calibrate_streaming(root: Path, overheads: Overheads, cost: StepCost, seed: int
                         ) -> tuple[Overheads, list[dict[str, Any]]]:
     """Per-streamed-token cost from closed-loop chat runs at a few concurrencies
@@ -209,18 +219,19 @@ def idle_probes(root: Path, cost: StepCost) -> tuple[float, float, float, list[d
             and "prefill_compute_ms" in (r.get("server_timings_ms") or {})]
     if not rows:
         raise SystemExit(f"{root}: no remote probe with server timings")
+    profile = [prefill_s(cost, r["prompt_tokens"]) for r in rows]
     transfer = statistics.median(r["server_timings_ms"]["kv_transfer_ms"] / 1e3
                                  / r["prompt_tokens"] for r in rows)
-    factor = statistics.median(r["server_timings_ms"]["prefill_compute_ms"] / 1e3
-                               / prefill_s(cost, r["prompt_tokens"]) for r in rows)
+    factor = statistics.median(r["server_timings_ms"]["prefill_compute_ms"] / 1e3 / lone
+                               for r, lone in zip(rows, profile, strict=True))
     fixed = statistics.median(r["ttft_s"] - (r["server_timings_ms"]["prefill_compute_ms"]
                                              + r["server_timings_ms"]["kv_transfer_ms"]) / 1e3
                               for r in rows)
     points = [{"prompt_tokens": r["prompt_tokens"],
                "prefill_compute_ms": round(r["server_timings_ms"]["prefill_compute_ms"], 1),
-               "profile_ms": round(prefill_s(cost, r["prompt_tokens"]) * 1e3, 1),
+               "profile_ms": round(lone * 1e3, 1),
                "kv_transfer_ms": round(r["server_timings_ms"]["kv_transfer_ms"], 2)}
-              for r in rows]
+              for r, lone in zip(rows, profile, strict=True)]
     return transfer, factor, max(0.0, fixed), points
 
 
@@ -252,14 +263,12 @@ def fit_prefill_sharing(root: Path, layout: str, overheads: Overheads, cost: Ste
     setup = json.loads((root / "setup.json").read_text())
     passes = [int(c) for c in setup["runs"] if int(c) > 0]
     traces = {c: probe_trace(root, c, seed) for c in passes}
+    engine = record_engine(root)
 
     def ratios(o: Overheads) -> dict[int, list[float]]:
         out = {}
         for c, (reqs, probe_ids, measured) in traces.items():
-            cfg = SimConfig(n_decode=2 if layout == "1p2d" else 1, n_prefill=1,
-                            **record_engine(root), policy="threshold", router=GOODPUT_ROUTER,
-                            sharing="cluster-up" if layout == "1p2d" else "1p1d",
-                            overheads=o, seed=seed, corun={})
+            cfg = layout_config(layout, engine, "threshold", o, seed, {})
             sim = simulate(cfg, reqs, MIXED_SLO, cost)
             by_id = {r.rid: res for r, res in zip(reqs, sim.requests, strict=True)}
             out[c] = [(by_id[i].ttft_s or 0.0) / m for i, m in zip(probe_ids, measured,
@@ -358,10 +367,7 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
         for system, policy in systems:
             for path in sorted((root / system).glob("rate_*.json")):
                 reqs, rec = trace_from_record(path, seed)
-                cfg = SimConfig(n_decode=2 if layout == "1p2d" else 1, n_prefill=1, **engine,
-                                policy=policy, router=GOODPUT_ROUTER,  # type: ignore[arg-type]
-                                sharing="cluster-up" if layout == "1p2d" else "1p1d",
-                                overheads=overheads, seed=seed, corun=corun or {})
+                cfg = layout_config(layout, engine, policy, overheads, seed, corun or {})
                 slo = SLO(**{**rec["config"]["slo"],
                              "per_class": tuple(map(tuple, rec["config"]["slo"]["per_class"]))})
                 sim = simulate(cfg, reqs, slo, cost)

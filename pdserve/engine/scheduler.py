@@ -195,10 +195,11 @@ class Scheduler:
         seq = self._waiting[0][2]
         priority = seq.latency_class.priority
         victims = [s for s in reversed(self.running) if s.latency_class.priority > priority]
-        if not victims or self.bm.can_allocate(self.bm.blocks_needed(seq.num_tokens)):
+        needed = self.bm.blocks_needed(seq.num_tokens)
+        if not victims or self.bm.can_allocate(needed):
             return False  # nobody to take from, or it fits: admitted in its turn
         freeable = sum(self.bm.blocks_freed_by(v.block_table) for v in victims)
-        if self.bm.num_free_blocks + freeable < self.bm.blocks_needed(seq.num_tokens):
+        if self.bm.num_free_blocks + freeable < needed:
             return False  # not even all of them would make room: take nobody's blocks
         if self._admit(seq) is not None:
             return True  # it fits after all (its prefix is cached)
