@@ -101,6 +101,7 @@ class Setup:
     step_target_ms: float = EngineConfig().step_target_ms
     remote_threshold: int = 512
     max_prefill_backlog: int = 1_000_000
+    router_extra: tuple[str, ...] = ()  # more router flags (--router-arg)
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="goodput-")))
     worker_env: Mapping[str, str] = field(default_factory=lambda: dict(UCX_NO_SPIN_ENV))
     start_timeout_s: float = 300.0
@@ -206,6 +207,7 @@ def disaggregated(setup: Setup, placement: str = "threshold") -> Iterator[Starte
         "--max-prefill-backlog", str(setup.max_prefill_backlog),
         "--placement", placement,
         "--log-level", "WARNING",
+        *setup.router_extra,
     )  # fmt: skip
     cluster = LocalCluster(
         prefill=1,
@@ -569,6 +571,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="router: queued prefill tokens above which prefill stays local (default: never)",
     )
     s.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for the disaggregated systems' router, repeatable "
+        "(--router-arg=--cost-calibration-window --router-arg=0)",
+    )
+    s.add_argument(
         "--ucx-spin",
         action="store_true",
         help=f"keep ucxx's busy-waiting default (do not set {' '.join(UCX_NO_SPIN_ENV)})",
@@ -601,6 +611,7 @@ async def _main(args: argparse.Namespace) -> int:
         max_prefill_chunk=args.max_prefill_chunk, step_target_ms=args.step_target_ms,
         remote_threshold=args.remote_threshold,
         max_prefill_backlog=args.max_prefill_backlog,
+        router_extra=tuple(args.router_arg),
         log_dir=args.log_dir or args.out / "logs",
         worker_env={} if args.ucx_spin else dict(UCX_NO_SPIN_ENV),
     )
@@ -638,16 +649,33 @@ async def _main(args: argparse.Namespace) -> int:
                 lower_until_met=args.lower_rates,
                 min_seconds=args.min_rate_seconds,
             )
+            router_metrics = await asyncio.to_thread(_router_metrics, system.url)
         notes["systems"][name] = {
             "layout": system.layout,
             "affinity": dict(system.affinity),
             "loadavg_before": load_before,
             "loadavg_after": loadavg(),
             "wall_s": round(time.monotonic() - started_at, 1),
+            "router_metrics": router_metrics,
         }
     print(write_comparison(results, args.out, notes=notes, unloaded=unloaded))
     print(json.dumps(notes, indent=2), file=sys.stderr)
     return 0
+
+
+def _router_metrics(url: str) -> list[str]:
+    """The router's decisions and its first tokens against cost placement's predictions
+    (pdserve_router_ttft_*) from the system's /metrics at the end of its sweep (over the
+    calibration and every rate); none from a system without a router."""
+    import httpx
+
+    try:
+        page = httpx.get(f"{url.rstrip('/')}/metrics", timeout=10).text
+    except httpx.HTTPError as exc:
+        return [f"# /metrics: {exc!r}"]
+    keep = ("pdserve_router_ttft_", "pdserve_router_decisions_total")
+    return [line for line in page.splitlines()
+            if line.startswith(keep) and "_created" not in line]
 
 
 def replace_ns(args: argparse.Namespace, **changes: Any) -> argparse.Namespace:

@@ -217,6 +217,11 @@ class RouterConfig:
     directory_poll_s: float = setting(
         0.25, "seconds between two reads of the worker directory from Redis", gt=0,
         group=LIVENESS)
+    # Cost placement corrects each route's predicted TTFT by the median of its last this-many
+    # misses (router.calibration); 0: the model's fixed terms as they are.
+    cost_calibration_window: int = setting(
+        64, "first tokens per route (local, remote) whose median miss corrects cost "
+        "placement's predicted TTFT of that route (0: no correction)", ge=0, group=ROUTING)
     admission: AdmissionConfig = field(default_factory=_admission,
                                       metadata=nested(ADMISSION_SETTINGS))
     cost: CostModel = field(default_factory=_cost)  # policy.placement == "cost"

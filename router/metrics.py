@@ -10,6 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 # 0.1 ms steps to 3 ms (the targets are 0.5 ms p50 and 2 ms p99), then coarser.
 OVERHEAD_BUCKETS = (*(round(i * 1e-4, 4) for i in range(1, 31)), 0.004, 0.005,
                     0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+# Observed / predicted first-token time: 1 is a prediction that held.
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 
 
 class RouterMetrics:
@@ -48,6 +50,17 @@ class RouterMetrics:
             "(router.timings.OwnTime)",
             ["part"], buckets=OVERHEAD_BUCKETS, registry=registry)
         self.overhead_parts = tuple(self.overhead.labels(p) for p in ("in", "out", "total"))
+        self.ttft_ratio = Histogram(
+            "pdserve_router_ttft_prediction_ratio",
+            "A request's first token after its placement, over what cost placement predicted "
+            "for it (corrections included; first placement only, by the route it took)",
+            ["route"], buckets=RATIO_BUCKETS, registry=registry)
+        self.ttft_ratios = {r: self.ttft_ratio.labels(r) for r in ("local", "remote")}
+        self.ttft_correction = Gauge(
+            "pdserve_router_ttft_correction_seconds",
+            "What cost placement adds to a route's predicted first-token time: the median miss "
+            "of its recent predictions (router.calibration)", ["route"], registry=registry)
+        self.ttft_corrections = {r: self.ttft_correction.labels(r) for r in ("local", "remote")}
         self.rejections = Counter("pdserve_router_rejections_total",
                                   "Requests refused by admission control (HTTP 429, gRPC "
                                   "RESOURCE_EXHAUSTED)", ["latency_class", "reason"],

@@ -35,6 +35,7 @@ from pdserve.errors import (
 from pdserve.types import FinishReason, GenerateRequest, TokenEvent
 from router import placement
 from router.admission import AdmissionController, Ticket
+from router.calibration import TTFTCalibration, measured
 from router.clients import (
     DecodeClient,
     WorkerChannels,
@@ -100,6 +101,10 @@ class Router(AsyncResource):
                      if w.role in ("decode", "prefill")],
             metrics_registry=self.metrics_registry)
         self.admission = AdmissionController(self.config.admission)
+        window = self.config.cost_calibration_window
+        self.calibration = (TTFTCalibration(window, min_samples=min(16, window))
+                            if window and self.config.policy.placement == "cost" else None)
+        self._cost = self.config.cost  # with the calibration's corrections in it
         self.metrics.gauges(in_flight=lambda: self.admission.in_flight,
                             predicted_wait_s=self.admission.predicted_wait_s,
                             directory_staleness_s=self.directory.staleness_s)
@@ -203,7 +208,7 @@ class Router(AsyncResource):
         # A migrated request's output counts too: it is prefilled with it.
         p = placement.place(req.token_ids, req.latency_class, decoders, prefills,
                             self.kv_index, self.ledger.placed, self.config.policy,
-                            cost=self.config.cost,
+                            cost=self._cost,
                             target_s=self.config.ttft_target_s(req.latency_class),
                             inflight_tokens=self.ledger.inflight_tokens,
                             tiebreak=next(self._tiebreak), table=self._decode_table,
@@ -217,6 +222,22 @@ class Router(AsyncResource):
         return p.decode, p.prefill, p.decision
 
     # ------------------------------------------------------------------ generation
+
+    def _calibrate(self, decision: Decision, used: CostModel, observed_s: float,
+                   decode: WorkerInfo, prefill: WorkerInfo | None) -> None:
+        """A first token on the route its placement chose: what the prediction missed
+        (router.calibration), and the corrections placement uses next."""
+        predicted = decision.predicted_ttft_s
+        cal = self.calibration
+        if predicted is None or predicted <= 0:
+            return
+        self.metrics.ttft_ratios[decision.route.value].observe(observed_s / predicted)
+        if cal is None or not measured(decision.route, decode.load,
+                                       prefill.load if prefill else None):
+            return
+        cal.observe(decision.route, cal.uncorrected(decision.route, predicted, used), observed_s)
+        self._cost = cal.apply(self.config.cost)
+        self.metrics.ttft_corrections[decision.route.value].set(cal.offset_s(decision.route))
 
     def admit(self, req: GenerateRequest) -> Ticket:
         """Admission control (`router.admission`): a ticket, or OverloadedError (counted)."""
@@ -285,6 +306,7 @@ class Router(AsyncResource):
         while True:
             sub = req if not streamed else dataclasses.replace(
                 req, resume_output_ids=tuple(streamed))
+            used = self._cost  # what `place` prices with (it does not await)
             try:
                 decode, prefill, decision = await self.place(sub, frozenset(tried))
             except CapacityError as exc:
@@ -314,12 +336,20 @@ class Router(AsyncResource):
                         # across every attempt; a migrated stream gets a fresh one.
                         first_token_timeout_s if streamed else first_token_by - time.monotonic(),
                         timed=not streamed)) as events:
+                    first = not streamed
                     async for ev in events:
+                        observed = None  # the first token's time after placement, as placed
+                        if first:
+                            first = False
+                            if ev.token_id is not None and ev.route == decision.route.value:
+                                observed = clock.since_routed_s()
                         if self.ledger.charged(req.request_id):  # its prompt is prefilled
                             self.ledger.charge(req.request_id, None, 0)
                         if ev.token_id is not None:
                             streamed.append(ev.token_id)
                         yield ev
+                        if observed is not None:  # not on the first token's way
+                            self._calibrate(decision, used, observed, decode, prefill)
                         if unlogged:
                             log.info("route_decision", **unlogged.pop())
                 return

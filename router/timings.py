@@ -103,6 +103,10 @@ class StageClock:
     def first_token(self) -> None:
         self._first = time.monotonic()
 
+    def since_routed_s(self) -> float:
+        """Seconds from the last placement to now."""
+        return time.monotonic() - self._routed
+
     def prefilled(self, outcome: PrefillReport) -> None:
         self._prefill = outcome
 

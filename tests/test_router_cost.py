@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 
 import pytest
@@ -147,18 +148,23 @@ wheres = st.sampled_from([("", ()), ("h1", ()), ("h1", (0,)), ("h1", (1,)), ("h1
        placed=st.lists(st.integers(0, 4), min_size=6, max_size=6),
        inflight=st.lists(st.sampled_from([0, 0, 300, 3000]), min_size=10, max_size=10),
        length=st.integers(1, 140), target=st.sampled_from([0.3, 2.0, 30.0]),
-       tiebreak=st.integers(0, 50))
+       tiebreak=st.integers(0, 50),
+       overheads=st.tuples(st.sampled_from([0.0, 0.05, -0.02]),
+                           st.sampled_from([0.02, 0.08, 0.0])))
 def test_cost_placement_takes_the_cheapest_candidate(
         dloads: list[WorkerLoad], ploads: list[WorkerLoad],
         dwhere: list[tuple[str, tuple[int, ...]]], pwhere: list[tuple[str, tuple[int, ...]]],
         dheld: list[int],
         pheld: list[int], placed: list[int], inflight: list[int], length: int, target: float,
-        tiebreak: int) -> None:
+        tiebreak: int, overheads: tuple[float, float]) -> None:
     """Over every candidate (local on each decode worker, remote on each (prefill, decode)
     pair), priced by the scalar reference (`local_estimate`, `remote_estimate`, with the
     tokens each worker lacks from the index and the router's in-flight accounting), place()
     takes one of least cost, time past the target priced, and reports its prediction's
-    numbers. A prefill worker that shares a decode worker's CPUs stalls its streams."""
+    numbers. A prefill worker that shares a decode worker's CPUs stalls its streams. The
+    fixed terms include the router's learned corrections (router.calibration)."""
+    model = dataclasses.replace(MODEL, local_overhead_s=overheads[0],
+                                remote_overhead_s=overheads[1])
     ids = list(range(1000, 1000 + length))
     decoders = [_worker(f"d{i}", "decode", w, dwhere[i]) for i, w in enumerate(dloads)]
     prefills = [_worker(f"p{i}", "prefill", w, pwhere[i]) for i, w in enumerate(ploads)]
@@ -175,40 +181,40 @@ def test_cost_placement_takes_the_cheapest_candidate(
     cands: list[tuple[Estimate, str, str | None, int]] = []
     for d in decoders:
         n = max(d.load.running, placed_by.get(d.worker_id, 0))
-        local = local_estimate(d.load, lacks(d), MODEL, inflight_tokens=infl[d.worker_id],
+        local = local_estimate(d.load, lacks(d), model, inflight_tokens=infl[d.worker_id],
                                streams=n, peer_rate=peer)
-        remotes = [remote_estimate(q.load, d.load, lacks(d), MODEL,
+        remotes = [remote_estimate(q.load, d.load, lacks(d), model,
                                    inflight_tokens=infl[q.worker_id],
                                    prefill_uncached=lacks(q), streams=n, peer_rate=peer,
                                    shares_cpus=q.shares_cpus(d),
                                    decode_inflight_tokens=infl[d.worker_id])
                    for q in prefills]
-        best_remote = min(remotes, key=lambda e: e.cost(MODEL, target)) if remotes else None
+        best_remote = min(remotes, key=lambda e: e.cost(model, target)) if remotes else None
         allowed = not (best_remote is not None and best_remote.ttft_s <= target
-                       and local.compute_s > MODEL.max_local_prefill_s)
+                       and local.compute_s > model.max_local_prefill_s)
         if allowed:
             cands.append((local, d.worker_id, None, lacks(d)))
         for q, e in zip(prefills, remotes, strict=True):
             cands.append((e, d.worker_id, None, lacks(q)))
 
     def objective(c: tuple[Estimate, str, str | None, int]) -> float:
-        return c[0].cost(MODEL, target)
+        return c[0].cost(model, target)
 
     best = min(map(objective, cands))
 
     p = place(ids, LatencyClass.STANDARD, decoders, prefills, index, placed_by,
-              RouterPolicy(placement="cost"), cost=MODEL, target_s=target,
+              RouterPolicy(placement="cost"), cost=model, target_s=target,
               inflight_tokens=infl, tiebreak=tiebreak)
     d = p.decode
     assert p.cached_tokens == length - lacks(d)
     n = max(d.load.running, placed_by.get(d.worker_id, 0))
     if p.decision.route is Route.LOCAL:
-        got = local_estimate(d.load, lacks(d), MODEL, inflight_tokens=infl[d.worker_id],
+        got = local_estimate(d.load, lacks(d), model, inflight_tokens=infl[d.worker_id],
                              streams=n, peer_rate=peer)
         assert p.decision.uncached_tokens == lacks(d)
     else:
         assert p.prefill is not None
-        got = remote_estimate(p.prefill.load, d.load, lacks(d), MODEL,
+        got = remote_estimate(p.prefill.load, d.load, lacks(d), model,
                               inflight_tokens=infl[p.prefill.worker_id],
                               prefill_uncached=lacks(p.prefill), streams=n,
                               peer_rate=peer, shares_cpus=p.prefill.shares_cpus(d),

@@ -42,6 +42,8 @@ from pdserve.engine.config import EngineConfig
 from pdserve.kv_events import KVEventBatch
 from router import placement
 from router.admission import AdmissionConfig
+from router.calibration import TTFTCalibration, measured
+from router.config import RouterConfig
 from router.cost import CostModel
 from router.kv_index import KVIndex
 from router.ledger import PlacementLedger
@@ -101,6 +103,9 @@ class SimConfig:
     # The engines' --step-target-ms (0: the token budget alone), by default the engine's.
     step_target_ms: float = EngineConfig().step_target_ms
     max_num_seqs: int = 64
+    # The router's --cost-calibration-window (policy cost: predicted TTFT corrected by each
+    # route's median miss, router.calibration); 0: off.
+    cost_calibration_window: int = RouterConfig().cost_calibration_window
     heartbeat_s: float = 1.0
     event_lag_s: float = 0.05  # publisher (<= 20 ms batches) + XREAD + apply
     # Stop this long after the last arrival even if requests are left (reported unfinished):
@@ -196,6 +201,10 @@ class Simulation(Clock):
         for worker_id in self.by_id:
             self.index.apply(worker_id, KVEventBatch(1, 1, c.block_size, (), snapshot=True))
         self.ledger = PlacementLedger()  # the router's in-flight accounting
+        w = c.cost_calibration_window
+        self.calibration = (TTFTCalibration(w, min_samples=min(16, w))
+                            if w and c.policy == "cost" else None)
+        self._cost = c.cost
         self.placed = self.ledger.placed
         self.inflight_tokens = self.ledger.inflight_tokens
         self._tiebreak = itertools.count()
@@ -248,12 +257,18 @@ class Simulation(Clock):
         tiebreak = next(self._tiebreak)
         if c.policy in ("threshold", "cost"):
             router_policy = RouterPolicy(**{**c.router.__dict__, "placement": c.policy})
+            used = self._cost
             pl = placement.place(req.ids, req.latency_class, decoders, prefills, self.index,
-                                 self.placed, router_policy, cost=c.cost,
+                                 self.placed, router_policy, cost=used,
                                  target_s=router_policy.ttft_target_s(
                                      req.latency_class, c.admission.deadline_s(req.latency_class)),
                                  inflight_tokens=self.inflight_tokens, tiebreak=tiebreak)
             decode_info, prefill_info, decision = pl.decode, pl.prefill, pl.decision
+            if (self.calibration is not None and decision.predicted_ttft_s is not None
+                    and measured(decision.route, decode_info.load,
+                                 prefill_info.load if prefill_info else None)):
+                p.predicted = (decision.route.value, self.calibration.uncorrected(
+                    decision.route, decision.predicted_ttft_s, used))
         else:
             decode_info = decoders[self._baseline(decoders, tiebreak)]
             cached = placement.cached_tokens(self.index, req.ids, [decode_info])[0]
@@ -306,6 +321,9 @@ class Simulation(Clock):
         if p.first_token_s is None:
             p.first_token_s = t
             self.ledger.charge(rid, None, 0)
+            if p.predicted is not None and p.predicted[0] == p.route and self.calibration:
+                self.calibration.observe(Route(p.route), p.predicted[1], t - p.req.arrival_s)
+                self._cost = self.calibration.apply(self.config.cost)
         p.tokens += 1
         p.token_times.append(t)
 

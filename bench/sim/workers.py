@@ -246,6 +246,8 @@ class Progress:
     finish_s: float | None = None
     tokens: int = 0
     token_times: list[float] = field(default_factory=list)
+    # Cost placement's prediction, uncorrected (router.calibration), and its route.
+    predicted: tuple[str, float] | None = None
 
 
 class DecodeSim(SimWorker):
