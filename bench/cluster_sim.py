@@ -20,6 +20,7 @@ themselves and decide local vs remote by the threshold rule. Time outside the en
 from __future__ import annotations
 
 import argparse
+import ast
 import itertools
 import json
 import math
@@ -43,6 +44,7 @@ from bench.loadgen.workload import build_requests, named_workload
 from bench.sim.cluster import POLICIES, Overheads, Policy, SimConfig, SimResult, simulate
 from bench.sim.workers import BLOCK_BYTES, SimRequest, StepCost, load_corun
 from pdserve.types import LatencyClass
+from router.config import RouterConfig
 from router.policy import RouterPolicy
 
 # bench.goodput's mixed SLOs (docs/bench/goodput: TTFT 1500 ms / TPOT 150 ms, batch 15 s).
@@ -166,13 +168,29 @@ def record_engine(root: Path) -> dict[str, Any]:
     """The engines' flags in a bench.goodput / bench.sim.real record's setup, as SimConfig
     fields: the step target (before the flag existed there was none: 0, the token budget
     alone), the KV pool (`kv_cache_mb`; bench.goodput's default 512 where a record does not
-    say) and the token budget and chunk."""
+    say) and the token budget and chunk; and the router's --remote-overhead-window."""
     path = root / "setup.json"
     setup = json.loads(path.read_text()).get("setup", {}) if path.exists() else {}
-    return {"step_target_ms": float(setup.get("step_target_ms", 0.0)),
+    return {"remote_overhead_window": _overhead_window(setup.get("router_extra")),
+            "step_target_ms": float(setup.get("step_target_ms", 0.0)),
             "num_blocks": int(float(setup.get("kv_cache_mb", 512))) * 2**20 // BLOCK_BYTES,
             "max_num_batched_tokens": int(setup.get("max_num_batched_tokens", 2048)),
             "max_prefill_chunk": int(setup.get("max_prefill_chunk", 512))}
+
+
+def _overhead_window(router_extra: str | None) -> int:
+    """The router's --remote-overhead-window in a record's `router_extra` (the str of a
+    tuple of flags); a record without the field was made before the router learned its
+    remote overhead (router.calibration): 0."""
+    if router_extra is None:
+        return 0
+    flags = [str(f) for f in ast.literal_eval(router_extra)]
+    window = RouterConfig().remote_overhead_window
+    for i, flag in enumerate(flags):
+        name, eq, value = flag.partition("=")
+        if name == "--remote-overhead-window":
+            window = int(value if eq else flags[i + 1])
+    return window
 
 
 def layout_config(layout: str, engine: dict[str, Any], policy: str, overheads: Overheads,
@@ -443,7 +461,12 @@ def validation_table(v: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- policy comparison
 
 
-def compare(workers: Sequence[int], policies: Sequence[Policy], workloads: Sequence[str],
+# compare's name for cost placement without the router's learned remote overhead
+# (router.calibration)
+COST_UNCORRECTED = "cost-uncorrected"
+
+
+def compare(workers: Sequence[int], policies: Sequence[str], workloads: Sequence[str],
             loads: Sequence[float], n_per_worker: int, cost: StepCost, seed: int,
             overheads: Overheads) -> list[dict[str, Any]]:
     """Each (workload, N decode workers + N/4 prefill, per-worker rate, policy) once, on a
@@ -458,13 +481,17 @@ def compare(workers: Sequence[int], policies: Sequence[Policy], workloads: Seque
                 reqs = (trace_mixed(count, rate, seed) if workload == "mixed" else
                         trace_chat(count, rate, seed, open_conversations=8 * n))
                 for policy in policies:
-                    cfg = SimConfig(n_decode=n, n_prefill=max(1, n // 4), policy=policy,
-                                    router=GOODPUT_ROUTER, overheads=overheads, seed=seed)
+                    uncorrected = policy == COST_UNCORRECTED
+                    cfg = SimConfig(n_decode=n, n_prefill=max(1, n // 4),
+                                    policy="cost" if uncorrected else policy,
+                                    router=GOODPUT_ROUTER, overheads=overheads, seed=seed,
+                                    **({"remote_overhead_window": 0} if uncorrected else {}))
                     t = time.perf_counter()
                     sim = simulate(cfg, reqs, MIXED_SLO, cost)
                     row = summary_row(sim)
-                    row.update(workload=workload, decode_workers=n, prefill_workers=cfg.n_prefill,
-                               rate_per_worker=load, rate=rate, requests=count,
+                    row.update(policy=policy, workload=workload, decode_workers=n,
+                               prefill_workers=cfg.n_prefill, rate_per_worker=load,
+                               rate=rate, requests=count,
                                wall_s=round(time.perf_counter() - t, 1))
                     rows.append(row)
                     print(f"{workload:6} N={n:<4} load={load:<5g} {policy:13} "
@@ -630,7 +657,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     v.add_argument("--out", type=Path, required=True)
     c = sub.add_parser("compare", help="policies at scale")
     c.add_argument("--workers", default="8,16,64,256")
-    c.add_argument("--policies", default=",".join(POLICIES))
+    c.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"some of {', '.join((*POLICIES, COST_UNCORRECTED))} ({COST_UNCORRECTED}: "
+                        "cost without the router's learned remote overhead)")
     c.add_argument("--workloads", default="mixed,chat")
     c.add_argument("--loads", default="0.3,0.5,0.7,0.9", help="req/s per decode worker")
     c.add_argument("--requests-per-worker", type=int, default=25)
@@ -669,8 +698,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.calibration:
             overheads = calibrated(json.loads(args.calibration.read_text()))
         policies = [p for p in args.policies.split(",") if p]
-        if set(policies) - set(POLICIES):
-            ap.error(f"--policies: some of {', '.join(POLICIES)}")
+        if set(policies) - {*POLICIES, COST_UNCORRECTED}:
+            ap.error(f"--policies: some of {', '.join((*POLICIES, COST_UNCORRECTED))}")
         rows = compare([int(x) for x in args.workers.split(",")], cast(list[Policy], policies),
                        args.workloads.split(","), [float(x) for x in args.loads.split(",")],
                        args.requests_per_worker, cost, args.seed, overheads)

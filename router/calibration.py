@@ -1,26 +1,33 @@
-"""What the cost model's first-token predictions miss on each route, learned from the first
-tokens the router sees.
+"""The cost model's fixed cost of a remote prefill, learned from the stages the router
+measures on every remote request.
 
-router.cost predicts a candidate's TTFT from the workers' measured rates (prefill tokens per
-second, the decode step, KV transfer per token) plus fixed terms for what no worker measures:
-`remote_overhead_s` (the allocation on the decode worker, the Prefill call, the hand-off)
-and `local_overhead_s` (the request's trip to the decode worker and its wait for the step
-under way). Those depend on the deployment: the network, the decode worker's step (it takes
-an allocation or a hand-off between two steps), the prefill worker's own dispatch. On a 2-core
-1P1D cluster with cost placement (docs/bench/cluster_sim/real_1p1d_cost_s59) the 80-token
-interactive prompts prefilled remotely took 250-267 ms to their first token against
-194-231 ms for the ones prefilled locally, where the fixed 20 ms the model assumed said the
-two were nearly even.
+router.cost predicts a remote candidate's TTFT as the prefill worker's queue and compute (at
+its measured rate), the KV transfer (at its measured seconds per token), a fixed
+`remote_overhead_s` and one decode step. Every term but the fixed one is measured by the
+workers; the fixed one stands for what none of them measures: the allocation on the decode
+worker (a call, then a wait for the engine's turn between two steps), dispatching the
+Prefill call, the decode worker's admission of the arrived KV and the first token's trip
+back. It depends on the deployment (the network; the decode worker's step, which both waits
+sit behind): on a 2-core 1P1D cluster with cost placement
+(docs/bench/cluster_sim/real_1p1d_cost_s59) the 80-token interactive prompts prefilled
+remotely took 250-267 ms to their first token against 194-231 ms for those prefilled
+locally, where the fixed 20 ms said the two were nearly even.
 
-`TTFTCalibration` keeps, per route, the last `window` residuals of placements predicted from
-measured rates (`measured`): the first token's time after
-the placement, as the router measured it, less what the *uncorrected* model predicted (the
-prediction less the correction it included, so the correction never feeds on itself). Once a
-route has `min_samples`, its correction is their median, bounded by +-`limit_s`, and the
-router prices that route's candidates with it (`apply`). The median: a queue the model could
-not see (a burst between heartbeats) makes a few residuals seconds long, and they must not
-move a fixed cost. The window forgets: a worker that got faster or a network that got slower
-is learned again within `window` first tokens of that route.
+The router's stage clock (router.timings.StageClock) measures exactly that part of every
+remote request: `decode_allocate_ms` + `handoff_ms` (the remote window less the prefill
+worker's own queue, compute and transfer, from its report). `RemoteOverhead` keeps the last
+`window` misses of the model's counterpart (`remote_overhead_s` + the decode step it
+predicted with), and once it has `min_samples` the router prices remote candidates with
+their median added, bounded by +-`limit_s` (`apply`). The median: one allocation that waited
+out a long prompt's step must not move a fixed cost. The window forgets: a network that got
+slower is learned again within `window` remote requests.
+
+Why not the whole first token's miss: the same model also predicts queues and compute, from
+heartbeats up to a second old, and their misses are seconds wide in both directions (a long
+prompt's queue at the prefill worker) while the fixed cost is tens of milliseconds. A
+first version corrected each route by the median of its whole misses; on the 1P1D sweep
+(docs/bench/cost_calibration_s60) it learned -0.22 s (local) and -0.29 s (remote): the
+model's queue misses, not its fixed costs.
 
 Plain arithmetic, no I/O or clock; the router (router.router) and the simulator
 (bench.sim.cluster) feed it.
@@ -32,82 +39,48 @@ import bisect
 import dataclasses
 from collections import deque
 
-from pdserve.control.load import WorkerLoad
 from router.cost import CostModel
-from router.policy import Route
 
 
-def measured(route: Route, decode: WorkerLoad, prefill: WorkerLoad | None) -> bool:
-    """Whether a placement on `route` was predicted from the workers' own measurements (their
-    prefill rate, decode step and, remote, KV transfer) rather than the model's priors: only
-    those misses are the fixed costs the correction is for. A cluster's first requests are
-    predicted from priors that can be off by a factor (a prior prefill rate of 250 tokens/s
-    against the 600-1,000 measured on this machine's default model)."""
-    if not decode.decode_step_s:
-        return False
-    if route is Route.LOCAL:
-        return bool(decode.prefill_tokens_per_s)
-    return (prefill is not None and bool(prefill.prefill_tokens_per_s)
-            and bool(prefill.kv_transfer_s_per_token))
-
-
-class TTFTCalibration:
+class RemoteOverhead:
     def __init__(self, window: int = 64, min_samples: int = 16, limit_s: float = 0.5):
         if window < 1 or not 1 <= min_samples <= window or limit_s < 0:
             raise ValueError(f"need 1 <= min_samples ({min_samples}) <= window ({window}) "
                              f"and limit_s ({limit_s}) >= 0")
         self.window, self.min_samples, self.limit_s = window, min_samples, limit_s
-        self._recent = {r: deque[float]() for r in (Route.LOCAL, Route.REMOTE)}
-        self._sorted: dict[Route, list[float]] = {r: [] for r in self._recent}
-        self._offset = dict.fromkeys(self._recent, 0.0)
+        self._recent: deque[float] = deque()
+        self._sorted: list[float] = []
+        self.offset_s = 0.0  # added to the model's remote_overhead_s (0 until min_samples)
         self._base: CostModel | None = None
         self._model: CostModel | None = None
 
-    def offset_s(self, route: Route) -> float:
-        """Seconds added to `route`'s predicted TTFT now (0 until `min_samples`)."""
-        return self._offset.get(route, 0.0)
+    @property
+    def samples(self) -> int:
+        return len(self._recent)
 
-    def samples(self, route: Route) -> int:
-        return len(self._recent.get(route, ()))
-
-    def uncorrected(self, route: Route, predicted_s: float, used: CostModel) -> float:
-        """`predicted_s`, predicted with `used` (what `apply` returned for that placement), as
-        the model without corrections would have predicted it."""
-        base = self._base
-        if base is None or used is base:
-            return predicted_s
-        if route is Route.LOCAL:
-            return predicted_s - (used.local_overhead_s - base.local_overhead_s)
-        return predicted_s - (used.remote_overhead_s - base.remote_overhead_s)
-
-    def observe(self, route: Route, predicted_s: float, observed_s: float) -> None:
-        """One first token on `route`: `predicted_s` as the uncorrected model predicted it
-        (`uncorrected`), `observed_s` from the placement to the first token."""
-        recent = self._recent.get(route)
-        if recent is None:  # a fallback: neither route's prediction held
+    def observe(self, fixed_s: float, decode_step_s: float, model: CostModel) -> None:
+        """One remote request's fixed part as measured (`fixed_s`: allocation + hand-off),
+        against what `model` (uncorrected: the configured one) says of it with the decode
+        step it predicted (`decode_step_s`)."""
+        if len(self._recent) == self.window:
+            self._sorted.pop(bisect.bisect_left(self._sorted, self._recent.popleft()))
+        miss = fixed_s - (model.remote_overhead_s + decode_step_s)
+        self._recent.append(miss)
+        bisect.insort(self._sorted, miss)
+        n = len(self._sorted)
+        if n < self.min_samples:
             return
-        ordered = self._sorted[route]
-        if len(recent) == self.window:
-            ordered.pop(bisect.bisect_left(ordered, recent.popleft()))
-        residual = observed_s - predicted_s
-        recent.append(residual)
-        bisect.insort(ordered, residual)
-        if len(ordered) < self.min_samples:
-            return
-        n = len(ordered)
-        median = (ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2)
-        self._offset[route] = min(self.limit_s, max(-self.limit_s, median))
+        mid = self._sorted[n // 2] if n % 2 else (self._sorted[n // 2 - 1]
+                                                  + self._sorted[n // 2]) / 2
+        self.offset_s = min(self.limit_s, max(-self.limit_s, mid))
 
     def apply(self, model: CostModel) -> CostModel:
-        """`model` with the corrections added to its fixed terms; the same object while
-        neither moved by a millisecond (placement takes it per request)."""
-        local = model.local_overhead_s + self._offset[Route.LOCAL]
-        remote = model.remote_overhead_s + self._offset[Route.REMOTE]
+        """`model` with the correction added to its `remote_overhead_s`; the same object while
+        the correction moved by less than a millisecond (placement takes it per request)."""
+        remote = model.remote_overhead_s + self.offset_s
         cur = self._model
         if (cur is None or model is not self._base
-                or abs(cur.local_overhead_s - local) >= 1e-3
                 or abs(cur.remote_overhead_s - remote) >= 1e-3):
             self._base = model
-            self._model = cur = dataclasses.replace(model, local_overhead_s=local,
-                                                    remote_overhead_s=remote)
+            self._model = cur = dataclasses.replace(model, remote_overhead_s=remote)
         return cur

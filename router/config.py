@@ -217,11 +217,13 @@ class RouterConfig:
     directory_poll_s: float = setting(
         0.25, "seconds between two reads of the worker directory from Redis", gt=0,
         group=LIVENESS)
-    # Cost placement corrects each route's predicted TTFT by the median of its last this-many
-    # misses (router.calibration); 0: the model's fixed terms as they are.
-    cost_calibration_window: int = setting(
-        64, "first tokens per route (local, remote) whose median miss corrects cost "
-        "placement's predicted TTFT of that route (0: no correction)", ge=0, group=ROUTING)
+    # Cost placement's fixed cost of a remote prefill, corrected by the median miss of the
+    # allocation + hand-off measured on the last this-many remote requests
+    # (router.calibration); 0: the model's constant as it is.
+    remote_overhead_window: int = setting(
+        64, "remote requests whose measured allocation + hand-off correct cost placement's "
+        "fixed cost of a remote prefill (their median; 0: no correction)", ge=0,
+        group=ROUTING)
     admission: AdmissionConfig = field(default_factory=_admission,
                                       metadata=nested(ADMISSION_SETTINGS))
     cost: CostModel = field(default_factory=_cost)  # policy.placement == "cost"

@@ -63,11 +63,9 @@ class CostModel:
     prior_prefill_tokens_per_s: float = 250.0
     prior_decode_step_s: float = 0.05
     prior_transfer_s_per_token: float = 2e-4
-    remote_overhead_s: float = 0.02  # allocate + prefill dispatch + admission on arrival
-    # What every local prefill's first token costs on top of its compute and one decode step
-    # (the request's trip to the worker, its wait for the step under way). 0 by default; the
-    # router adds what it measures (`TTFTCalibration`) to this and to `remote_overhead_s`.
-    local_overhead_s: float = 0.0
+    # allocate + prefill dispatch + admission on arrival; the router adds the median miss it
+    # measures on remote requests (router.calibration.RemoteOverhead)
+    remote_overhead_s: float = 0.02
     # Seconds of TTFT one second of stall on one running stream is worth.
     stall_weight: float = 2.0
     absorbed_tokens: int = 64
@@ -144,8 +142,8 @@ def local_estimate(decode: WorkerLoad, uncached: int, model: CostModel, *,
     rate = model.prefill_rate(decode, peer_rate)
     pending = max(decode.waiting_prompt_tokens or 0.0, inflight_tokens)
     stall = max(0, uncached - model.absorbed_tokens) / rate
-    return Estimate(Route.LOCAL, (pending + uncached) / rate + model.decode_step(decode)
-                    + model.local_overhead_s, stall * n, uncached / rate, model.tpot(decode, n))
+    return Estimate(Route.LOCAL, (pending + uncached) / rate + model.decode_step(decode),
+                    stall * n, uncached / rate, model.tpot(decode, n))
 
 
 def remote_estimate(prefill: WorkerLoad, decode: WorkerLoad, uncached: int, model: CostModel,

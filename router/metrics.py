@@ -56,11 +56,11 @@ class RouterMetrics:
             "for it (corrections included; first placement only, by the route it took)",
             ["route"], buckets=RATIO_BUCKETS, registry=registry)
         self.ttft_ratios = {r: self.ttft_ratio.labels(r) for r in ("local", "remote")}
-        self.ttft_correction = Gauge(
-            "pdserve_router_ttft_correction_seconds",
-            "What cost placement adds to a route's predicted first-token time: the median miss "
-            "of its recent predictions (router.calibration)", ["route"], registry=registry)
-        self.ttft_corrections = {r: self.ttft_correction.labels(r) for r in ("local", "remote")}
+        self.remote_overhead = Gauge(
+            "pdserve_router_remote_overhead_correction_seconds",
+            "What cost placement adds to its fixed cost of a remote prefill: the median miss "
+            "of the allocation + hand-off measured on recent remote requests "
+            "(router.calibration)", registry=registry)
         self.rejections = Counter("pdserve_router_rejections_total",
                                   "Requests refused by admission control (HTTP 429, gRPC "
                                   "RESOURCE_EXHAUSTED)", ["latency_class", "reason"],

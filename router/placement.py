@@ -367,7 +367,7 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
     rate, step = dp.rate, dp.step
     pending = dcols.prompt_waiting if not inflight_tokens else np.maximum(
         dcols.prompt_waiting, _inflight(dcols, inflight_tokens))
-    ttft_local = (pending + unc) / rate + step + model.local_overhead_s
+    ttft_local = (pending + unc) / rate + step
     stall = np.maximum(0.0, unc - model.absorbed_tokens) / rate * streams
     compute_local = unc / rate
     tpot = step * (1.0 + model.decode_row_fraction

@@ -32,10 +32,10 @@ from pdserve.errors import (
     WorkerTimeoutError,
     code_of,
 )
-from pdserve.types import FinishReason, GenerateRequest, TokenEvent
+from pdserve.types import FinishReason, GenerateRequest, StageTimings, TokenEvent
 from router import placement
 from router.admission import AdmissionController, Ticket
-from router.calibration import TTFTCalibration, measured
+from router.calibration import RemoteOverhead
 from router.clients import (
     DecodeClient,
     WorkerChannels,
@@ -101,10 +101,10 @@ class Router(AsyncResource):
                      if w.role in ("decode", "prefill")],
             metrics_registry=self.metrics_registry)
         self.admission = AdmissionController(self.config.admission)
-        window = self.config.cost_calibration_window
-        self.calibration = (TTFTCalibration(window, min_samples=min(16, window))
-                            if window and self.config.policy.placement == "cost" else None)
-        self._cost = self.config.cost  # with the calibration's corrections in it
+        window = self.config.remote_overhead_window
+        self.remote_overhead = (RemoteOverhead(window, min_samples=min(16, window))
+                                if window and self.config.policy.placement == "cost" else None)
+        self._cost = self.config.cost  # with the learned remote overhead in it
         self.metrics.gauges(in_flight=lambda: self.admission.in_flight,
                             predicted_wait_s=self.admission.predicted_wait_s,
                             directory_staleness_s=self.directory.staleness_s)
@@ -223,21 +223,25 @@ class Router(AsyncResource):
 
     # ------------------------------------------------------------------ generation
 
-    def _calibrate(self, decision: Decision, used: CostModel, observed_s: float,
-                   decode: WorkerInfo, prefill: WorkerInfo | None) -> None:
-        """A first token on the route its placement chose: what the prediction missed
-        (router.calibration), and the corrections placement uses next."""
+    def _first_token(self, decision: Decision, observed_s: float) -> None:
+        """A first token on the route its placement chose: against cost placement's
+        prediction (`pdserve_router_ttft_prediction_ratio`)."""
         predicted = decision.predicted_ttft_s
-        cal = self.calibration
-        if predicted is None or predicted <= 0:
+        if predicted is not None and predicted > 0:
+            self.metrics.ttft_ratios[decision.route.value].observe(observed_s / predicted)
+
+    def _remote_stages(self, timings: StageTimings, decode: WorkerInfo) -> None:
+        """A remote request's measured allocation + hand-off teach cost placement its fixed
+        remote cost (router.calibration), when the decode step it was priced with was the
+        worker's own measurement and the prefill worker's report split its stages."""
+        learner, step = self.remote_overhead, decode.load.decode_step_s
+        allocate, handoff = timings.decode_allocate_ms, timings.handoff_ms
+        if (learner is None or not step or allocate is None or handoff is None
+                or timings.prefill_compute_ms is None):
             return
-        self.metrics.ttft_ratios[decision.route.value].observe(observed_s / predicted)
-        if cal is None or not measured(decision.route, decode.load,
-                                       prefill.load if prefill else None):
-            return
-        cal.observe(decision.route, cal.uncorrected(decision.route, predicted, used), observed_s)
-        self._cost = cal.apply(self.config.cost)
-        self.metrics.ttft_corrections[decision.route.value].set(cal.offset_s(decision.route))
+        learner.observe((allocate + handoff) / 1e3, step, self.config.cost)
+        self._cost = learner.apply(self.config.cost)
+        self.metrics.remote_overhead.set(learner.offset_s)
 
     def admit(self, req: GenerateRequest) -> Ticket:
         """Admission control (`router.admission`): a ticket, or OverloadedError (counted)."""
@@ -306,7 +310,6 @@ class Router(AsyncResource):
         while True:
             sub = req if not streamed else dataclasses.replace(
                 req, resume_output_ids=tuple(streamed))
-            used = self._cost  # what `place` prices with (it does not await)
             try:
                 decode, prefill, decision = await self.place(sub, frozenset(tried))
             except CapacityError as exc:
@@ -349,7 +352,10 @@ class Router(AsyncResource):
                             streamed.append(ev.token_id)
                         yield ev
                         if observed is not None:  # not on the first token's way
-                            self._calibrate(decision, used, observed, decode, prefill)
+                            self._first_token(decision, observed)
+                        if (ev.timings is not None and ev.route == Route.REMOTE.value
+                                and not migrations):
+                            self._remote_stages(ev.timings, decode)
                         if unlogged:
                             log.info("route_decision", **unlogged.pop())
                 return

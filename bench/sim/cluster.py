@@ -42,7 +42,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.kv_events import KVEventBatch
 from router import placement
 from router.admission import AdmissionConfig
-from router.calibration import TTFTCalibration, measured
+from router.calibration import RemoteOverhead
 from router.config import RouterConfig
 from router.cost import CostModel
 from router.kv_index import KVIndex
@@ -103,9 +103,10 @@ class SimConfig:
     # The engines' --step-target-ms (0: the token budget alone), by default the engine's.
     step_target_ms: float = EngineConfig().step_target_ms
     max_num_seqs: int = 64
-    # The router's --cost-calibration-window (policy cost: predicted TTFT corrected by each
-    # route's median miss, router.calibration); 0: off.
-    cost_calibration_window: int = RouterConfig().cost_calibration_window
+    # The router's --remote-overhead-window (policy cost: the fixed cost of a remote prefill
+    # corrected by the median miss of its measured allocation + hand-off,
+    # router.calibration); 0: off.
+    remote_overhead_window: int = RouterConfig().remote_overhead_window
     heartbeat_s: float = 1.0
     event_lag_s: float = 0.05  # publisher (<= 20 ms batches) + XREAD + apply
     # Stop this long after the last arrival even if requests are left (reported unfinished):
@@ -201,10 +202,12 @@ class Simulation(Clock):
         for worker_id in self.by_id:
             self.index.apply(worker_id, KVEventBatch(1, 1, c.block_size, (), snapshot=True))
         self.ledger = PlacementLedger()  # the router's in-flight accounting
-        w = c.cost_calibration_window
-        self.calibration = (TTFTCalibration(w, min_samples=min(16, w))
-                            if w and c.policy == "cost" else None)
+        w = c.remote_overhead_window
+        self.remote_overhead = (RemoteOverhead(w, min_samples=min(16, w))
+                                if w and c.policy == "cost" else None)
         self._cost = c.cost
+        for d in self.decoders:
+            d.on_landed = self._landed
         self.placed = self.ledger.placed
         self.inflight_tokens = self.ledger.inflight_tokens
         self._tiebreak = itertools.count()
@@ -257,18 +260,14 @@ class Simulation(Clock):
         tiebreak = next(self._tiebreak)
         if c.policy in ("threshold", "cost"):
             router_policy = RouterPolicy(**{**c.router.__dict__, "placement": c.policy})
-            used = self._cost
             pl = placement.place(req.ids, req.latency_class, decoders, prefills, self.index,
-                                 self.placed, router_policy, cost=used,
+                                 self.placed, router_policy, cost=self._cost,
                                  target_s=router_policy.ttft_target_s(
                                      req.latency_class, c.admission.deadline_s(req.latency_class)),
                                  inflight_tokens=self.inflight_tokens, tiebreak=tiebreak)
             decode_info, prefill_info, decision = pl.decode, pl.prefill, pl.decision
-            if (self.calibration is not None and decision.predicted_ttft_s is not None
-                    and measured(decision.route, decode_info.load,
-                                 prefill_info.load if prefill_info else None)):
-                p.predicted = (decision.route.value, self.calibration.uncorrected(
-                    decision.route, decision.predicted_ttft_s, used))
+            if self.remote_overhead is not None and decision.route is Route.REMOTE:
+                p.priced_step_s = decode_info.load.decode_step_s
         else:
             decode_info = decoders[self._baseline(decoders, tiebreak)]
             cached = placement.cached_tokens(self.index, req.ids, [decode_info])[0]
@@ -321,11 +320,18 @@ class Simulation(Clock):
         if p.first_token_s is None:
             p.first_token_s = t
             self.ledger.charge(rid, None, 0)
-            if p.predicted is not None and p.predicted[0] == p.route and self.calibration:
-                self.calibration.observe(Route(p.route), p.predicted[1], t - p.req.arrival_s)
-                self._cost = self.calibration.apply(self.config.cost)
+            learner = self.remote_overhead
+            if (learner is not None and p.route == "remote" and p.priced_step_s
+                    and p.landed_s is not None):
+                # The allocation is instant here; the dispatch is `remote_s`.
+                fixed = self.config.overheads.remote_s + (t - p.landed_s)
+                learner.observe(fixed, p.priced_step_s, self.config.cost)
+                self._cost = learner.apply(self.config.cost)
         p.tokens += 1
         p.token_times.append(t)
+
+    def _landed(self, rid: str, t: float) -> None:
+        self.progress[rid].landed_s = t
 
     def _finish(self, rid: str, cached_tokens: int) -> None:
         p = self.progress[rid]

@@ -75,6 +75,7 @@ def one_p_two_d(setup: Setup, placement: str) -> Iterator[StartedSystem]:
         "--max-prefill-backlog", str(setup.max_prefill_backlog),
         "--placement", placement,
         "--log-level", "WARNING",
+        *setup.router_extra,
     )  # fmt: skip
     cluster = LocalCluster(prefill=1, decode=2, model=setup.model,
                            extra_worker_args=worker_args, router_args=router_args,
@@ -100,6 +101,7 @@ async def _main(args: argparse.Namespace, placements: Sequence[str]) -> int:
                   max_prefill_chunk=args.max_prefill_chunk, step_target_ms=args.step_target_ms,
                   remote_threshold=args.remote_threshold,
                   max_prefill_backlog=args.max_prefill_backlog,
+                  router_extra=tuple(args.router_arg),
                   log_dir=args.log_dir or args.out / "logs",
                   worker_env={} if args.ucx_spin else dict(UCX_NO_SPIN_ENV))
     notes: dict[str, Any] = {"command": "python -m bench.sim.real " + " ".join(sys.argv[1:]),

@@ -246,8 +246,10 @@ class Progress:
     finish_s: float | None = None
     tokens: int = 0
     token_times: list[float] = field(default_factory=list)
-    # Cost placement's prediction, uncorrected (router.calibration), and its route.
-    predicted: tuple[str, float] | None = None
+    # A remote placement's decode step as cost placement priced it (when the worker had
+    # measured it), and when its KV landed: its allocation + hand-off (router.calibration).
+    priced_step_s: float | None = None
+    landed_s: float | None = None
 
 
 class DecodeSim(SimWorker):
@@ -261,6 +263,7 @@ class DecodeSim(SimWorker):
         self.on_token, self.on_finish, self.after_step = on_token, on_finish, on_step
         self.seqs: dict[str, Seq] = {}
         self._admits: list[str] = []
+        self.on_landed: Callable[[str, float], None] | None = None
 
     def add_local(self, req: SimRequest) -> Seq:
         seq = self.seqs[req.rid] = _seq(req, self.clock.now)
@@ -282,6 +285,8 @@ class DecodeSim(SimWorker):
 
     def kv_landed(self, rid: str) -> None:
         """The KV and the first token arrived: admitted at the engine's next command turn."""
+        if self.on_landed is not None:
+            self.on_landed(rid, self.clock.now)
         self._admits.append(rid)
         if not self.busy:
             self._admit_pending()
