@@ -664,16 +664,15 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def _router_metrics(url: str) -> list[str]:
-    """The router's decisions and its first tokens against cost placement's predictions
-    (pdserve_router_ttft_*) from the system's /metrics at the end of its sweep (over the
-    calibration and every rate); none from a system without a router."""
-    import httpx
-
+    """The router's decisions, its first tokens against cost placement's predictions
+    (pdserve_router_ttft_*) and its learned remote overhead, from the system's /metrics at
+    the end of its sweep (over the calibration and every rate); none without a router."""
     try:
         page = httpx.get(f"{url.rstrip('/')}/metrics", timeout=10).text
     except httpx.HTTPError as exc:
         return [f"# /metrics: {exc!r}"]
-    keep = ("pdserve_router_ttft_", "pdserve_router_decisions_total")
+    keep = ("pdserve_router_ttft_", "pdserve_router_remote_overhead_",
+            "pdserve_router_decisions_total")
     return [line for line in page.splitlines()
             if line.startswith(keep) and "_created" not in line]
 

@@ -350,12 +350,15 @@ class Router(AsyncResource):
                             self.ledger.charge(req.request_id, None, 0)
                         if ev.token_id is not None:
                             streamed.append(ev.token_id)
+                        if (ev.timings is not None and ev.route == Route.REMOTE.value
+                                and not migrations):  # the last event: its consumer may
+                            self._remote_stages(ev.timings, decode)  # stop at it
+                        if observed is not None and ev.finished:
+                            self._first_token(decision, observed)
+                            observed = None
                         yield ev
                         if observed is not None:  # not on the first token's way
                             self._first_token(decision, observed)
-                        if (ev.timings is not None and ev.route == Route.REMOTE.value
-                                and not migrations):
-                            self._remote_stages(ev.timings, decode)
                         if unlogged:
                             log.info("route_decision", **unlogged.pop())
                 return

@@ -9,6 +9,7 @@ Real processes (router, 1 prefill + 1 decode worker), Redis, gRPC and the defaul
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import random
 import re
@@ -49,31 +50,50 @@ async def test_cost_placement_learns_the_remote_overhead_and_changes_no_token(
         return [[rng.randrange(100, 40000) for _ in range(rng.randrange(lo, hi))]
                 for _ in range(n)]
 
+    async def metrics() -> str:
+        return (await asyncio.to_thread(httpx.get, f"{cluster.http_url}/metrics",
+                                        timeout=10)).text
+
     warm = prompts(1, 24, 40)
     # The first request is priced from the model's priors; once a heartbeat brought the
     # decode worker's measured step, remote requests teach the correction.
     results = [await generate(cluster.grpc_address, warm[0], MAX_TOKENS)]
     await asyncio.sleep(2.5)
+    routes: collections.Counter[str] = collections.Counter(r.route for r in results)
     # Bursts of long prompts: the router's in-flight accounting sees the first ones queued
     # on the decode worker and sends the next ones to the prefill worker, at any CPU speed.
-    bursts = [prompts(8, 300, 400) for _ in range(3)]
-    for burst in bursts:
-        results += await asyncio.gather(*(generate(cluster.grpc_address, ids, MAX_TOKENS)
-                                          for ids in burst))
-    sent = warm + [ids for burst in bursts for ids in burst]
-    want = await asyncio.to_thread(hf_greedy, model_dir, sent, MAX_TOKENS)
-    assert [r.tokens for r in results] == want  # the route never changes a token
+    # First through the REST API, whose handler stops reading a stream at its last event:
+    # what the router learns of a request is learned before that event goes out.
+    async with httpx.AsyncClient(base_url=cluster.http_url, timeout=300) as http:
+        async def complete(ids: list[int]) -> str:
+            r = await http.post("/v1/completions", json={
+                "model": model_dir.name, "prompt": ids, "max_tokens": MAX_TOKENS,
+                "temperature": 0}, headers={"X-Pdserve-Timings": "1"})  # route + timings
+            assert r.status_code == 200, r.text
+            return str(r.json()["pdserve"]["route"])
 
-    page = (await asyncio.to_thread(httpx.get, f"{cluster.http_url}/metrics", timeout=10)).text
-    counted = {route: _metric(page, "pdserve_router_ttft_prediction_ratio_count", route) or 0.0
-               for route in ("local", "remote")}
-    routes = {route: sum(r.route == route for r in results) for route in counted}
-    # Every request placed once and served where it was placed: one first token compared.
-    assert counted == {route: float(n) for route, n in routes.items()}, (counted, routes)
+        for _ in range(2):
+            routes.update(await asyncio.gather(*(complete(ids)
+                                                 for ids in prompts(8, 300, 400))))
     assert routes["remote"] >= WINDOW, routes
-    correction = _metric(page, "pdserve_router_remote_overhead_correction_seconds")
+    correction = _metric(await metrics(), "pdserve_router_remote_overhead_correction_seconds")
     # The median miss of the measured allocation + hand-off, bounded.
     assert correction is not None and correction != 0.0 and -0.5 <= correction <= 0.5
+
+    # And through gRPC, token for token against transformers: the route changes no token.
+    burst = prompts(8, 300, 400)
+    grpc_results = await asyncio.gather(*(generate(cluster.grpc_address, ids, MAX_TOKENS)
+                                          for ids in burst))
+    results += grpc_results
+    routes.update(r.route for r in grpc_results)
+    want = await asyncio.to_thread(hf_greedy, model_dir, warm + burst, MAX_TOKENS)
+    assert [r.tokens for r in results] == want
+
+    page = await metrics()
+    counted = {route: _metric(page, "pdserve_router_ttft_prediction_ratio_count", route) or 0.0
+               for route in ("local", "remote")}
+    # Every request placed once and served where it was placed: one first token compared.
+    assert counted == {route: float(routes[route]) for route in counted}, (counted, routes)
 
 
 async def test_every_block_is_freed(cluster) -> None:
