@@ -665,6 +665,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--requests-per-worker", type=int, default=25)
     c.add_argument("--calibration", type=Path, default=None,
                    help="a validate output: use its 1p1d overheads (default: none)")
+    c.add_argument("--remote-s", type=float, default=None, metavar="SECONDS",
+                   help="the remote path's fixed cost outside the engines (dispatch, "
+                        "allocation, hand-off; default: the calibration's or 0): a "
+                        "deployment whose network the cost model's 20 ms does not know")
     c.add_argument("--out", type=Path, required=True)
     b = sub.add_parser("cost-vs-threshold", help="goodput side by side: real and simulated")
     b.add_argument("--real", type=_real, action="append", required=True)
@@ -697,6 +701,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         overheads = Overheads(transfer_s_per_token=TRANSFER_S_PER_TOKEN)
         if args.calibration:
             overheads = calibrated(json.loads(args.calibration.read_text()))
+        if args.remote_s is not None:
+            overheads = replace(overheads, remote_s=args.remote_s)
         policies = [p for p in args.policies.split(",") if p]
         if set(policies) - {*POLICIES, COST_UNCORRECTED}:
             ap.error(f"--policies: some of {', '.join((*POLICIES, COST_UNCORRECTED))}")
