@@ -576,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="ARG",
         help="one more argument for the disaggregated systems' router, repeatable "
-        "(--router-arg=--cost-calibration-window --router-arg=0)",
+        "(--router-arg=--remote-overhead-window --router-arg=0)",
     )
     s.add_argument(
         "--ucx-spin",

@@ -43,6 +43,12 @@ from router.cost import CostModel
 
 
 class RemoteOverhead:
+    @classmethod
+    def of_window(cls, window: int) -> RemoteOverhead | None:
+        """The router's learner for `--remote-overhead-window` (0: none), correcting once
+        it has 16 samples or the whole window."""
+        return cls(window, min_samples=min(16, window)) if window else None
+
     def __init__(self, window: int = 64, min_samples: int = 16, limit_s: float = 0.5):
         if window < 1 or not 1 <= min_samples <= window or limit_s < 0:
             raise ValueError(f"need 1 <= min_samples ({min_samples}) <= window ({window}) "

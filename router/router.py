@@ -101,9 +101,8 @@ class Router(AsyncResource):
                      if w.role in ("decode", "prefill")],
             metrics_registry=self.metrics_registry)
         self.admission = AdmissionController(self.config.admission)
-        window = self.config.remote_overhead_window
-        self.remote_overhead = (RemoteOverhead(window, min_samples=min(16, window))
-                                if window and self.config.policy.placement == "cost" else None)
+        self.remote_overhead = (RemoteOverhead.of_window(self.config.remote_overhead_window)
+                                if self.config.policy.placement == "cost" else None)
         self._cost = self.config.cost  # with the learned remote overhead in it
         self.metrics.gauges(in_flight=lambda: self.admission.in_flight,
                             predicted_wait_s=self.admission.predicted_wait_s,

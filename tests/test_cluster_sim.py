@@ -5,7 +5,9 @@ step-cost profile says."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,12 +18,14 @@ from bench.cluster_sim import (
     MIXED_SLO,
     Unloaded,
     calibrate,
+    record_engine,
     trace_chat,
     trace_mixed,
 )
 from bench.sim.cluster import Overheads, SimConfig, SimResult, Simulation, simulate
 from bench.sim.workers import Host, SimRequest, SimWorker, StepCost
 from pdserve.types import LatencyClass
+from router.config import RouterConfig
 
 COST = StepCost.load()
 OVERHEADS = Overheads(local_s=0.05, remote_s=0.04, step_s=0.01, transfer_s_per_token=1e-4)
@@ -279,3 +283,17 @@ def test_the_simulator_learns_the_remote_overhead_as_the_router_does(window: int
         return
     assert learner is not None and learner.samples >= 8
     assert learner.offset_s != 0.0
+
+
+def test_a_records_router_flags_set_the_simulated_learner(tmp_path: Path) -> None:
+    """validate replays a record with the router it was made with: no learned remote overhead
+    before the flag existed (no `router_extra` in its setup), the flag's value where given,
+    the router's default otherwise."""
+    def window(setup: dict[str, Any]) -> int:
+        (tmp_path / "setup.json").write_text(json.dumps({"setup": setup}))
+        return int(record_engine(tmp_path)["remote_overhead_window"])
+
+    assert window({}) == 0
+    assert window({"router_extra": "()"}) == RouterConfig().remote_overhead_window
+    assert window({"router_extra": "('--remote-overhead-window', '0')"}) == 0
+    assert window({"router_extra": "('--remote-overhead-window=8',)"}) == 8

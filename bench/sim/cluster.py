@@ -202,9 +202,8 @@ class Simulation(Clock):
         for worker_id in self.by_id:
             self.index.apply(worker_id, KVEventBatch(1, 1, c.block_size, (), snapshot=True))
         self.ledger = PlacementLedger()  # the router's in-flight accounting
-        w = c.remote_overhead_window
-        self.remote_overhead = (RemoteOverhead(w, min_samples=min(16, w))
-                                if w and c.policy == "cost" else None)
+        self.remote_overhead = (RemoteOverhead.of_window(c.remote_overhead_window)
+                                if c.policy == "cost" else None)
         self._cost = c.cost
         for d in self.decoders:
             d.on_landed = self._landed
