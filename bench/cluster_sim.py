@@ -166,13 +166,15 @@ def calibrate(unloaded: dict[str, Unloaded], cost: StepCost,
 
 def record_engine(root: Path) -> dict[str, Any]:
     """The engines' flags in a bench.goodput / bench.sim.real record's setup, as SimConfig
-    fields: the step target (before the flag existed there was none: 0, the token budget
-    alone), the KV pool (`kv_cache_mb`; bench.goodput's default 512 where a record does not
-    say) and the token budget and chunk; and the router's --remote-overhead-window."""
+    fields: the step targets (before a flag existed there was none: 0, the token budget
+    alone; the interactive one since stop 61), the KV pool (`kv_cache_mb`; bench.goodput's
+    default 512 where a record does not say) and the token budget and chunk; and the
+    router's --remote-overhead-window."""
     path = root / "setup.json"
     setup = json.loads(path.read_text()).get("setup", {}) if path.exists() else {}
     return {"remote_overhead_window": _overhead_window(setup.get("router_extra")),
             "step_target_ms": float(setup.get("step_target_ms", 0.0)),
+            "interactive_step_target_ms": float(setup.get("interactive_step_target_ms", 0.0)),
             "num_blocks": int(float(setup.get("kv_cache_mb", 512))) * 2**20 // BLOCK_BYTES,
             "max_num_batched_tokens": int(setup.get("max_num_batched_tokens", 2048)),
             "max_prefill_chunk": int(setup.get("max_prefill_chunk", 512))}

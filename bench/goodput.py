@@ -99,6 +99,7 @@ class Setup:
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int = 512
     step_target_ms: float = EngineConfig().step_target_ms
+    interactive_step_target_ms: float = EngineConfig().interactive_step_target_ms
     remote_threshold: int = 512
     max_prefill_backlog: int = 1_000_000
     router_extra: tuple[str, ...] = ()  # more router flags (--router-arg)
@@ -113,6 +114,7 @@ class Setup:
             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
             "--max-prefill-chunk", str(self.max_prefill_chunk),
             "--step-target-ms", f"{self.step_target_ms:g}",
+            "--interactive-step-target-ms", f"{self.interactive_step_target_ms:g}",
         ]  # fmt: skip
         return args + (["--model", self.model] if self.model else [])
 
@@ -563,6 +565,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-batched-tokens", type=int, default=2048)
     s.add_argument("--max-prefill-chunk", type=int, default=512)
     s.add_argument("--step-target-ms", type=float, default=EngineConfig().step_target_ms)
+    s.add_argument("--interactive-step-target-ms", type=float,
+                   default=EngineConfig().interactive_step_target_ms)
     s.add_argument("--remote-threshold", type=int, default=512)
     s.add_argument(
         "--max-prefill-backlog",
@@ -609,6 +613,7 @@ async def _main(args: argparse.Namespace) -> int:
         kv_cache_mb=args.kv_cache_mb,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_chunk=args.max_prefill_chunk, step_target_ms=args.step_target_ms,
+        interactive_step_target_ms=args.interactive_step_target_ms,
         remote_threshold=args.remote_threshold,
         max_prefill_backlog=args.max_prefill_backlog,
         router_extra=tuple(args.router_arg),

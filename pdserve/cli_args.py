@@ -168,6 +168,10 @@ ENGINE_SETTINGS = {
                               "the measured prefill rate x this, within "
                               "--max-num-batched-tokens (0: the token budget alone)",
                               ge=0, metavar="MS", group="engine"),
+    "interactive_step_target_ms": Setting(
+        "the same for a step that computes an interactive prompt: worse classes' prompt "
+        "tokens in it are cut to stay within the measured prefill rate x this (0: the "
+        "--step-target-ms budget)", ge=0, metavar="MS", group="engine"),
     "num_threads": Setting("torch intra-op threads (default: the CPUs this process may run "
                            "on)", flag="--threads", kind=int, ge=1, group="engine"),
     "device": Setting("torch device of the engine", group="engine"),

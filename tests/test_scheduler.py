@@ -8,6 +8,7 @@ from pdserve.engine.scheduler import (
     MIN_STEP_PREFILL_TOKENS,
     Scheduler,
     SchedulerOutput,
+    interactive_prompt_budget,
     step_budget,
 )
 from pdserve.engine.sequence import SeqMode, SeqStatus, Sequence
@@ -298,3 +299,44 @@ def test_step_budget_from_time() -> None:
     assert step_budget(timed, 800.0, 16) == 16 + 400
     assert step_budget(timed, 10.0, 16) == 16 + MIN_STEP_PREFILL_TOKENS
     assert step_budget(timed, 100_000.0, 16) == 2048  # a fast device: the token budget
+
+
+def test_a_step_with_an_interactive_prompt_cuts_worse_prompt_chunks() -> None:
+    s = _scheduler(max_num_batched_tokens=64, max_prefill_chunk=32)
+    s.add(_seq("batch", 60, cls=LatencyClass.BATCH))
+    s.add(_seq("stream", 4, offset=500, cls=LatencyClass.BATCH))
+    _step(s)  # batch 0..32, stream's prompt whole
+    s.add(_seq("chat", 6, offset=1000, cls=LatencyClass.INTERACTIVE))
+    # chat joins ahead of the unfinished batch prompt; the step's prompt tokens are held to
+    # 10: chat's 6, batch's chunk cut to 4; the batch stream's decode row keeps its token.
+    out = s.schedule(interactive_budget=10)
+    assert _plan(out) == [("chat", 0, 6), ("batch", 32, 4), ("stream", 4, 1)]
+    # No cut without an interactive prompt in the step, or without a budget.
+    s2 = _scheduler(max_num_batched_tokens=64, max_prefill_chunk=32)
+    s2.add(_seq("batch", 60, cls=LatencyClass.BATCH))
+    assert _plan(s2.schedule(interactive_budget=10)) == [("batch", 0, 32)]
+    s3 = _scheduler(max_num_batched_tokens=64, max_prefill_chunk=32)
+    s3.add(_seq("chat", 6, cls=LatencyClass.INTERACTIVE))
+    s3.add(_seq("batch", 60, offset=1000, cls=LatencyClass.BATCH))
+    assert _plan(s3.schedule()) == [("chat", 0, 6), ("batch", 0, 32)]
+
+
+def test_the_cut_never_shortens_an_interactive_prompt_or_admits_an_empty_chunk() -> None:
+    s = _scheduler(max_num_batched_tokens=64, max_prefill_chunk=32)
+    s.add(_seq("chat", 20, cls=LatencyClass.INTERACTIVE))
+    s.add(_seq("chat2", 8, offset=500, cls=LatencyClass.INTERACTIVE))
+    s.add(_seq("batch", 60, offset=1000, cls=LatencyClass.BATCH))
+    # Both interactive prompts take their tokens past the cut's 16; the batch prompt is not
+    # admitted (its blocks stay free) in a step with no prompt tokens left for it.
+    out = s.schedule(interactive_budget=16)
+    assert _plan(out) == [("chat", 0, 20), ("chat2", 0, 8)]
+    assert s.num_waiting == 1 and len(s.running) == 2
+
+
+def test_interactive_prompt_budget_from_time() -> None:
+    off = EngineConfig(block_size=BS, num_kv_blocks=64, interactive_step_target_ms=0.0)
+    assert interactive_prompt_budget(off, 800.0) is None
+    on = EngineConfig(block_size=BS, num_kv_blocks=64, interactive_step_target_ms=250.0)
+    assert interactive_prompt_budget(on, 0.0) is None  # no rate measured yet
+    assert interactive_prompt_budget(on, 800.0) == 200
+    assert interactive_prompt_budget(on, 10.0) == MIN_STEP_PREFILL_TOKENS

@@ -102,6 +102,7 @@ class SimConfig:
     max_prefill_chunk: int = 512
     # The engines' --step-target-ms (0: the token budget alone), by default the engine's.
     step_target_ms: float = EngineConfig().step_target_ms
+    interactive_step_target_ms: float = EngineConfig().interactive_step_target_ms
     max_num_seqs: int = 64
     # The router's --remote-overhead-window (policy cost: the fixed cost of a remote prefill
     # corrected by the median miss of its measured allocation + hand-off,
@@ -169,7 +170,9 @@ class Simulation(Clock):
         kw: dict[str, Any] = dict(num_blocks=c.num_blocks, block_size=c.block_size,
                   max_num_batched_tokens=c.max_num_batched_tokens,
                   max_prefill_chunk=c.max_prefill_chunk, max_num_seqs=c.max_num_seqs,
-                  step_target_ms=c.step_target_ms, step_overhead_s=c.overheads.step_s,
+                  step_target_ms=c.step_target_ms,
+                  interactive_step_target_ms=c.interactive_step_target_ms,
+                  step_overhead_s=c.overheads.step_s,
                   context_overhead_s=c.overheads.context_s_per_token)
         dkw = dict(kw, token_overhead_s=c.overheads.token_s)
         self.decoders = [DecodeSim(f"decode-{i:03d}", self, cost, host(),

@@ -99,6 +99,7 @@ async def _main(args: argparse.Namespace, placements: Sequence[str]) -> int:
     setup = Setup(model=args.model_path, kv_cache_mb=args.kv_cache_mb,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   max_prefill_chunk=args.max_prefill_chunk, step_target_ms=args.step_target_ms,
+                  interactive_step_target_ms=args.interactive_step_target_ms,
                   remote_threshold=args.remote_threshold,
                   max_prefill_backlog=args.max_prefill_backlog,
                   router_extra=tuple(args.router_arg),

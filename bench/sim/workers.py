@@ -23,7 +23,12 @@ from bench.engine_profile import predict
 from pdserve.control.load import WorkerLoad
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput, step_budget
+from pdserve.engine.scheduler import (
+    Scheduler,
+    SchedulerOutput,
+    interactive_prompt_budget,
+    step_budget,
+)
 from pdserve.engine.sequence import SeqMode, SeqStatus
 from pdserve.engine.sequence import Sequence as Seq
 from pdserve.engine.step_rates import StepRates
@@ -126,7 +131,8 @@ class SimWorker:
                  core: int | None = None, weight: float = 1024.0, num_blocks: int = 728,
                  block_size: int = 16, max_num_batched_tokens: int = 2048,
                  max_prefill_chunk: int = 512, max_num_seqs: int = 64,
-                 step_target_ms: float = 0.0, step_overhead_s: float = 0.0,
+                 step_target_ms: float = 0.0, interactive_step_target_ms: float = 0.0,
+                 step_overhead_s: float = 0.0,
                  token_overhead_s: float = 0.0, context_overhead_s: float = 0.0):
         self.worker_id = worker_id
         self.clock, self.cost, self.host = clock, cost, host
@@ -139,7 +145,8 @@ class SimWorker:
         self.sched = Scheduler(EngineConfig(
             block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            max_prefill_chunk=max_prefill_chunk, step_target_ms=step_target_ms), self.bm)
+            max_prefill_chunk=max_prefill_chunk, step_target_ms=step_target_ms,
+            interactive_step_target_ms=interactive_step_target_ms), self.bm)
         self.rates = StepRates()
         self.price_factor = 1.0  # the profile's price of a step, times this
         self.busy = False
@@ -159,8 +166,10 @@ class SimWorker:
         """Start the next step if idle and there is work."""
         if self.busy or not self.sched.has_work:
             return
-        out = self.sched.schedule(step_budget(  # as LLMEngine.step sets it
-            self.sched.config, self.rates.prefill_tokens_per_s, len(self.sched.running)))
+        rate = self.rates.prefill_tokens_per_s
+        out = self.sched.schedule(  # as LLMEngine.step sets it
+            step_budget(self.sched.config, rate, len(self.sched.running)),
+            interactive_prompt_budget(self.sched.config, rate))
         if not out.scheduled:
             return
         self._out = out

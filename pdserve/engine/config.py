@@ -144,6 +144,12 @@ class EngineConfig:
     # throughput; docs/BENCHMARKS.md, "A step budget set in time"). See
     # pdserve.engine.scheduler.
     step_target_ms: float = 750.0
+    # The same for a step that computes an interactive prompt: the prompt tokens of worse
+    # classes after it are cut so that the step's prompt tokens stay within the measured
+    # prefill rate x this. An interactive prompt that joins a running batch prompt's chunks
+    # then waits for its own short step, not for a 750 ms one it shares with a 512-token
+    # chunk. 0: such a step takes `step_target_ms`'s budget. See pdserve.engine.scheduler.
+    interactive_step_target_ms: float = 250.0
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
     # How weights are stored and multiplied (engine.linear): float32 (exact), bfloat16 /
@@ -164,6 +170,8 @@ class EngineConfig:
             raise InvalidRequestError("max_prefill_chunk must be in [1, max_num_batched_tokens]")
         if self.step_target_ms < 0:
             raise InvalidRequestError("step_target_ms must be >= 0")
+        if self.interactive_step_target_ms < 0:
+            raise InvalidRequestError("interactive_step_target_ms must be >= 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise InvalidRequestError("num_kv_blocks must be >= 2")
         if self.dtype not in DTYPES:

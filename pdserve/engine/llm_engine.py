@@ -18,7 +18,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import _DTYPES, ModelRunner
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.scheduler import Scheduler, step_budget
+from pdserve.engine.scheduler import Scheduler, interactive_prompt_budget, step_budget
 from pdserve.engine.sequence import SeqMode, SeqStatus, Sequence
 from pdserve.engine.stats import QUEUE_TIME_BUCKETS, DurationHistogram, EngineStats
 from pdserve.engine.step_rates import StepRates
@@ -230,8 +230,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[TokenEvent]:
-        out = self.scheduler.schedule(step_budget(
-            self.config, self.rates.prefill_tokens_per_s, len(self.scheduler.running)))
+        rate = self.rates.prefill_tokens_per_s
+        out = self.scheduler.schedule(
+            step_budget(self.config, rate, len(self.scheduler.running)),
+            interactive_prompt_budget(self.config, rate))
         self.num_preemptions += len(out.preempted)
         events = []
         for seq in out.preempted:

@@ -23,6 +23,13 @@ rate x that target. A step's length is what every running stream waits for its n
 and a burst of prompts in one long step delays all their first tokens to its end; smaller
 steps let the first prompts of a burst finish early. On a CPU that prefills ~800 tokens/s, a
 2,048-token step lasts ~2.7 s; on a GPU the same target leaves the whole token budget.
+
+A step that computes an interactive prompt is held to a shorter target of its own
+(`interactive_step_target_ms`, `interactive_prompt_budget`): the prompt tokens of worse
+classes scheduled after it are cut so that the step's prompt tokens stay within the measured
+rate x that target. The interactive prompt's first token comes at the end of its step, so a
+batch prompt's 512-token chunk in the same step would be paid by it; cut, the batch prompt
+pays one more step instead. Decode rows keep their token.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sequence import SeqMode, SeqStatus, Sequence
-from pdserve.types import FinishReason
+from pdserve.types import FinishReason, LatencyClass
 
 # The fewest prompt tokens a time-bounded step may take, so prompts progress however slow the
 # steps are measured to be.
@@ -58,6 +65,16 @@ def step_budget(config: EngineConfig, prefill_tokens_per_s: float, running: int)
     return min(cap, running + prompt)
 
 
+def interactive_prompt_budget(config: EngineConfig, prefill_tokens_per_s: float) -> int | None:
+    """The most prompt tokens of a step that computes an interactive prompt: the measured
+    prefill rate x `interactive_step_target_ms` (at least MIN_STEP_PREFILL_TOKENS). None: no
+    such limit (the target is 0, or no rate is measured yet)."""
+    if config.interactive_step_target_ms <= 0 or prefill_tokens_per_s <= 0:
+        return None
+    return max(MIN_STEP_PREFILL_TOKENS,
+               int(prefill_tokens_per_s * config.interactive_step_target_ms / 1000.0))
+
+
 @dataclass(frozen=True)
 class ScheduledSeq:
     seq: Sequence
@@ -78,6 +95,29 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class _PromptCut:
+    """One step's prompt tokens once it holds an interactive prompt's chunk: the prompt
+    chunks of worse classes after it take at most what is left of `budget` (None: no cut)."""
+
+    __slots__ = ("budget", "interactive", "tokens")
+
+    def __init__(self, budget: int | None):
+        self.budget = budget
+        self.interactive = False  # an interactive prompt's chunk is in the step
+        self.tokens = 0  # prompt tokens scheduled so far
+
+    def limit(self, seq: Sequence, n: int) -> int:
+        if (self.budget is None or not self.interactive
+                or seq.latency_class is LatencyClass.INTERACTIVE):
+            return n
+        return max(min(n, self.budget - self.tokens), 0)
+
+    def took(self, seq: Sequence, n: int) -> None:
+        self.tokens += n
+        if seq.latency_class is LatencyClass.INTERACTIVE:
+            self.interactive = True
 
 
 class Scheduler:
@@ -117,11 +157,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
 
-    def schedule(self, budget: int | None = None) -> SchedulerOutput:
-        """This step's work within `budget` tokens (default `max_num_batched_tokens`)."""
+    def schedule(self, budget: int | None = None,
+                 interactive_budget: int | None = None) -> SchedulerOutput:
+        """This step's work within `budget` tokens (default `max_num_batched_tokens`). Once
+        it holds an interactive prompt's chunk, the prompt chunks of worse classes after it
+        are cut so that the step's prompt tokens stay within `interactive_budget` (None: no
+        such cut; `interactive_prompt_budget`)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens if budget is None else budget
         chunk = self.config.max_prefill_chunk
+        cut = _PromptCut(interactive_budget)
         scheduled_ids: set[int] = set()
         # A better class than a running unfinished prompt's joins now, ahead of it.
         worst = max((seq.latency_class.priority for seq in self.running
@@ -143,7 +188,7 @@ class Scheduler:
                 decodes -= 1
                 n = 1
             else:
-                n = min(todo, chunk, max(budget - decodes, 0))
+                n = cut.limit(seq, min(todo, chunk, max(budget - decodes, 0)))
                 if n == 0:
                     i += 1
                     continue
@@ -158,17 +203,22 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             scheduled_ids.add(id(seq))
             budget -= n
+            if todo > 1:
+                cut.took(seq, n)
             i += 1
 
         while (self._waiting and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
             seq = self._waiting[0][2]
+            if cut.limit(seq, budget) == 0:
+                break  # the step holds an interactive prompt and its prompt tokens are spent
             cached = self._admit(seq)
             if cached is None:
                 break
-            n = min(seq.num_tokens - cached, chunk, budget)
+            n = cut.limit(seq, min(seq.num_tokens - cached, chunk, budget))
             out.scheduled.append(ScheduledSeq(seq, cached, n))
             budget -= n
+            cut.took(seq, n)
         return out
 
     def _admit(self, seq: Sequence) -> int | None:
