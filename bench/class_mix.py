@@ -46,12 +46,14 @@ async def one(client: RouterClient, label: str, rng: random.Random, tokens: int,
             "ttft_ms": round((first - sent) * 1e3, 1)}
 
 
-def dist(xs: list[float]) -> dict[str, float]:
+def dist(xs: list[float], digits: int = 1) -> dict[str, float]:
+    """n, median, p90 (the value at rank 0.9 n) and max of `xs`, rounded to `digits`."""
     xs = sorted(xs)
     if not xs:
         return {}
-    return {"n": len(xs), "p50": round(statistics.median(xs), 1),
-            "p90": round(xs[min(len(xs) - 1, int(0.9 * len(xs)))], 1), "max": round(xs[-1], 1)}
+    return {"n": len(xs), "p50": round(statistics.median(xs), digits),
+            "p90": round(xs[min(len(xs) - 1, int(0.9 * len(xs)))], digits),
+            "max": round(xs[-1], digits)}
 
 
 async def run(args: argparse.Namespace, commit: str) -> dict[str, Any]:

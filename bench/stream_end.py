@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import commit_id, emit
+from bench.class_mix import dist
 from bench.goodput import machine_info
 from pdserve.client import RouterClient, Sampling
 from pdserve.engine.cpu import cpu_summary
@@ -50,14 +51,6 @@ async def one(client: RouterClient, i: int, rng: random.Random, prompt_tokens: i
             "median_gap_ms": round(statistics.median(gaps[:-1]), 2) if len(gaps) > 1 else None}
 
 
-def quantiles(xs: list[float]) -> dict[str, float]:
-    xs = sorted(xs)
-    if not xs:
-        return {}
-    return {"n": len(xs), "p50": round(statistics.median(xs), 2),
-            "p90": round(xs[min(len(xs) - 1, int(0.9 * len(xs)))], 2), "max": round(xs[-1], 2)}
-
-
 async def run(args: argparse.Namespace, commit: str) -> dict[str, Any]:
     rng = random.Random(args.seed)
     sem = asyncio.Semaphore(args.concurrency)
@@ -76,10 +69,10 @@ async def run(args: argparse.Namespace, commit: str) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {**machine_info(), "cpu_summary": cpu_summary()},
         "remote": {
-            "last_gap_ms": quantiles([r["last_gap_ms"] for r in remote]),
-            "median_gap_ms": quantiles([r["median_gap_ms"] for r in remote]),
-            "last_over_median": quantiles([r["last_gap_ms"] / r["median_gap_ms"]
-                                           for r in remote]),
+            "last_gap_ms": dist([r["last_gap_ms"] for r in remote], 2),
+            "median_gap_ms": dist([r["median_gap_ms"] for r in remote], 2),
+            "last_over_median": dist([r["last_gap_ms"] / r["median_gap_ms"]
+                                      for r in remote], 2),
         },
         "routes": {k: sum(r["route"] == k for r in rows) for k in {r["route"] for r in rows}},
         "rows": rows,
