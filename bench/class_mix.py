@@ -8,7 +8,7 @@ While `--batch-concurrency` closed loops send batch-class prompts of `--batch-to
 token ids (none cached: every one is prefilled in full, remotely if the router so decides),
 `--interactive` interactive-class prompts of `--interactive-tokens` random ids arrive one
 every `--gap-s`. Each request streams 8 tokens with the `pdserve` client. Reports TTFT per
-class and route. An engine that serves its running prompts first come, first served makes
+class and route, and the requests that ended in an error (a refusal) per class. An engine that serves its running prompts first come, first served makes
 an interactive prompt that lands behind a batch prompt's chunks wait for all of them.
 Prints one JSON object (and writes it to --out) with the CPU and every request's row.
 """
@@ -25,25 +25,30 @@ from typing import Any
 
 from bench import commit_id, emit
 from bench.goodput import machine_info
-from pdserve.client import RouterClient, Sampling
+from pdserve.client import RouterClient, RouterError, Sampling
 from pdserve.engine.cpu import cpu_summary
 
 
 async def one(client: RouterClient, label: str, rng: random.Random, tokens: int,
               latency: str) -> dict[str, Any]:
+    """One request's row: its route and TTFT, or the error it ended with (a refusal:
+    ``RESOURCE_EXHAUSTED (overloaded)``)."""
     ids = [rng.randrange(1000, 40000) for _ in range(tokens)]
+    row: dict[str, Any] = {"request": label, "class": latency, "prompt_tokens": tokens}
     sent = time.perf_counter()
     first = None
     route = ""
-    async for chunk in client.generate(token_ids=ids, request_id=label,
-                                       sampling=Sampling(max_tokens=8, ignore_eos=True),
-                                       latency=latency):  # type: ignore[arg-type]
-        if first is None and chunk.token_ids:
-            first = time.perf_counter()
-        route = chunk.route or route
+    try:
+        async for chunk in client.generate(token_ids=ids, request_id=label,
+                                           sampling=Sampling(max_tokens=8, ignore_eos=True),
+                                           latency=latency):  # type: ignore[arg-type]
+            if first is None and chunk.token_ids:
+                first = time.perf_counter()
+            route = chunk.route or route
+    except RouterError as exc:
+        return {**row, "error": f"{exc.status} ({exc.code})"}
     assert first is not None
-    return {"request": label, "class": latency, "prompt_tokens": tokens, "route": route,
-            "ttft_ms": round((first - sent) * 1e3, 1)}
+    return {**row, "route": route, "ttft_ms": round((first - sent) * 1e3, 1)}
 
 
 def dist(xs: list[float], digits: int = 1) -> dict[str, float]:
@@ -68,6 +73,8 @@ async def run(args: argparse.Namespace, commit: str) -> dict[str, Any]:
                 rows.append(await one(client, f"batch-{k}-{n}", random.Random(rng.random()),
                                       args.batch_tokens, "batch"))
                 n += 1
+                if "error" in rows[-1]:
+                    await asyncio.sleep(1.0)  # refused: not a busy loop of refusals
 
         loops = [asyncio.create_task(batch_loop(k)) for k in range(args.batch_concurrency)]
         await asyncio.sleep(args.gap_s)  # the batch prompts are in the engines first
@@ -81,14 +88,19 @@ async def run(args: argparse.Namespace, commit: str) -> dict[str, Any]:
         done.set()
         await asyncio.gather(*loops)
     out: dict[str, Any] = {}
+    errors: dict[str, int] = {}
     for cls in ("interactive", "batch"):
-        for route in sorted({r["route"] for r in rows if r["class"] == cls}):
-            out[f"{cls}/{route}"] = dist([r["ttft_ms"] for r in rows
-                                          if r["class"] == cls and r["route"] == route])
+        served = [r for r in rows if r["class"] == cls and "error" not in r]
+        for route in sorted({r["route"] for r in served}):
+            out[f"{cls}/{route}"] = dist([r["ttft_ms"] for r in served if r["route"] == route])
+        for r in rows:
+            if r["class"] == cls and "error" in r:
+                key = f"{cls}: {r['error']}"
+                errors[key] = errors.get(key, 0) + 1
     return {"bench": "bench/class_mix.py", "config": {k: str(v) for k, v in vars(args).items()},
             "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "machine": {**machine_info(), "cpu_summary": cpu_summary()},
-            "ttft_ms": out, "rows": rows}
+            "ttft_ms": out, "errors": errors, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    emit(asyncio.run(run(args, commit_id())), args.out, ("commit", "ttft_ms"))
+    emit(asyncio.run(run(args, commit_id())), args.out, ("commit", "ttft_ms", "errors"))
 
 
 if __name__ == "__main__":
