@@ -8,8 +8,9 @@ While `--batch-concurrency` closed loops send batch-class prompts of `--batch-to
 token ids (none cached: every one is prefilled in full, remotely if the router so decides),
 `--interactive` interactive-class prompts of `--interactive-tokens` random ids arrive one
 every `--gap-s`. Each request streams 8 tokens with the `pdserve` client. Reports TTFT per
-class and route, and the requests that ended in an error (a refusal) per class. An engine that serves its running prompts first come, first served makes
-an interactive prompt that lands behind a batch prompt's chunks wait for all of them.
+class and route, and the requests that ended in an error (a refusal) per class. An engine
+that serves its running prompts first come, first served makes an interactive prompt that
+lands behind a batch prompt's chunks wait for all of them.
 Prints one JSON object (and writes it to --out) with the CPU and every request's row.
 """
 
