@@ -167,7 +167,7 @@ def calibrate(unloaded: dict[str, Unloaded], cost: StepCost,
 def record_engine(root: Path) -> dict[str, Any]:
     """The engines' flags in a bench.goodput / bench.sim.real record's setup, as SimConfig
     fields: the step targets (before a flag existed there was none: 0, the token budget
-    alone; the interactive one since stop 61), the KV pool (`kv_cache_mb`; bench.goodput's
+    alone; the interactive one since 60412ad), the KV pool (`kv_cache_mb`; bench.goodput's
     default 512 where a record does not say) and the token budget and chunk; and the
     router's --remote-overhead-window."""
     path = root / "setup.json"
