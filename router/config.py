@@ -13,7 +13,6 @@ nested configs' modules are imported when a config is made.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -170,9 +169,8 @@ class RouterConfig:
         5.0, "seconds a decode worker may take to reserve KV blocks for a remote prefill",
         gt=0, group=TIMEOUTS)
     prefill_timeout_s: float = setting(
-        30.0, "seconds a remote prefill may take, or its class's --ttft-deadline where that "
-        "is longer (also the decode worker's lease on the reserved blocks)", gt=0,
-        group=TIMEOUTS)
+        30.0, "seconds a remote prefill may take (also the decode worker's lease on the "
+        "reserved blocks)", gt=0, group=TIMEOUTS)
     transfer_timeout_s: float = setting(
         30.0, "seconds the KV may take to arrive after its prefill (the decode worker "
         "waits prefill + transfer timeouts in all)", gt=0, group=TIMEOUTS)
@@ -259,15 +257,6 @@ class RouterConfig:
                               transfer_timeout_s=self.transfer_timeout_s,
                               token_timeout_s=self.token_timeout_s,
                               prefill_report_wait_s=self.prefill_report_wait_s)
-
-    def remote_for(self, latency_class: LatencyClass) -> RemoteTimeouts:
-        """The remote-prefill timeouts of a request of `latency_class`: its prefill may take
-        --prefill-timeout or its class's --ttft-deadline, the longer (batch: 120 s), within
-        the request's first-token budget. A batch prompt queued behind others in the prefill
-        pool is then not prefilled a second time on its decode worker after 30 s, which in
-        an overload doubles its work and takes CPU from the prefill pool."""
-        return dataclasses.replace(self.remote, prefill_timeout_s=max(
-            self.prefill_timeout_s, self.admission.deadline_s(latency_class)))
 
 
 @dataclass(frozen=True)

@@ -433,8 +433,7 @@ class Router(AsyncResource):
             try:
                 async with contextlib.aclosing(self.liveness.watch(decode, remote_prefill(
                         req, dclient, self._channels.prefill(prefill), clock,
-                        timeouts=self.config.remote_for(req.latency_class),
-                        liveness=self.liveness,
+                        timeouts=self.config.remote, liveness=self.liveness,
                         abort_on=self._abort_on, timed=timed, budget_s=budget()),
                         lost)) as events:
                     async for ev in events:

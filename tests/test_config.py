@@ -80,18 +80,6 @@ def test_every_router_setting_is_a_flag() -> None:
     assert config.liveness == LivenessConfig() and config.remote == RemoteTimeouts()
 
 
-def test_a_remote_prefill_may_take_its_class_deadline() -> None:
-    """--prefill-timeout, or the class's --ttft-deadline where that is longer: a batch prompt
-    queued in the prefill pool is not prefilled again on its decode worker after 30 s."""
-    config = RouterConfig()
-    waits = {c: config.remote_for(c).prefill_timeout_s for c in LatencyClass}
-    assert waits == {LatencyClass.INTERACTIVE: 30.0, LatencyClass.STANDARD: 30.0,
-                     LatencyClass.BATCH: 120.0}
-    assert config.remote_for(LatencyClass.BATCH).transfer_timeout_s == config.transfer_timeout_s
-    longer = RouterConfig(prefill_timeout_s=200.0)  # the flag, where it is the longer
-    assert longer.remote_for(LatencyClass.BATCH).prefill_timeout_s == 200.0
-
-
 @pytest.mark.parametrize("fl", flags(RouterProcessConfig), ids=lambda fl: fl.option)
 def test_each_router_flag_reaches_its_field(fl: Flag) -> None:
     argv, expected = _other_value(fl)
