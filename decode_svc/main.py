@@ -21,7 +21,7 @@ from pdserve.control.kv_events import KVEventPublisher, KVEventStreams
 from pdserve.control.load import WorkerLoad
 from pdserve.control.registry import WorkerRegistry
 from pdserve.control.signing import signer_for
-from pdserve.control.workers import WorkerInfo, this_cpus, this_host
+from pdserve.control.workers import WorkerInfo, this_cpus, this_host, this_nice
 from pdserve.engine.async_engine import AsyncEngine, load_engine
 from pdserve.engine.metrics import labelled_registry
 from pdserve.engine.model_store import resolve_model
@@ -99,7 +99,7 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
                                       epoch=epoch, started_at=time.time(),
                                       ucx_address=receiver.address,
                                       descriptor_id=descriptor_id, load=load(),
-                                      host_id=this_host(), cpus=this_cpus())
+                                      host_id=this_host(), cpus=this_cpus(), nice=this_nice())
 
                     async def register() -> None:
                         await registry.register(info, config.lease_ttl_s,

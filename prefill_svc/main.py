@@ -16,7 +16,7 @@ from pdserve.control.kv_events import KVEventPublisher, KVEventStreams
 from pdserve.control.load import WorkerLoad
 from pdserve.control.registry import WorkerRegistry
 from pdserve.control.signing import signer_for
-from pdserve.control.workers import WorkerInfo, this_cpus, this_host
+from pdserve.control.workers import WorkerInfo, this_cpus, this_host, this_nice
 from pdserve.engine.async_engine import AsyncEngine, load_engine
 from pdserve.engine.metrics import labelled_registry
 from pdserve.engine.model_store import resolve_model
@@ -96,7 +96,7 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
                 info = WorkerInfo(worker_id=config.worker_id, role="prefill",
                                   grpc_address=address, model_id=engine.layout.model_id,
                                   epoch=epoch, started_at=time.time(), load=load(),
-                                  host_id=this_host(), cpus=this_cpus())
+                                  host_id=this_host(), cpus=this_cpus(), nice=this_nice())
 
                 async def register() -> None:
                     await registry.register(info, config.lease_ttl_s,

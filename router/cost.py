@@ -17,9 +17,11 @@ worker p holding c_p in its own (both from the router's KV index, router.kv_inde
                 (the same host, overlapping CPU sets: `WorkerInfo.shares_cpus`; `pdserve
                 cluster up` puts a prefill worker on every CPU at a lower priority): then
                 its compute takes the cores w's streams run on, and they stall as if w
-                computed those tokens itself; and p computes only after w's own queued
-                prompt work (w's priority), so that is in its TTFT too. On one shared host
-                a remote prefill adds no compute: it pays where p's cache holds more.
+                computed those tokens itself, by the share of the CPUs it takes from them
+                (`WorkerInfo.stall_share`: at nice 5 beside w at nice 0, a third); and p
+                computes only after w's own queued prompt work (w's priority), so that is
+                in its TTFT too. On one shared host a remote prefill adds no compute, but
+                at a lower priority it stalls w's streams less than a local one.
                 p computes what *its* cache lacks; only the blocks w lacks cross the wire.
 - either way, the stream then decodes on w: its TPOT is w's measured decode step, grown by
   `decode_row_fraction` of it for each stream more than w ran when it measured (the ones
@@ -149,13 +151,14 @@ def local_estimate(decode: WorkerLoad, uncached: int, model: CostModel, *,
 def remote_estimate(prefill: WorkerLoad, decode: WorkerLoad, uncached: int, model: CostModel,
                     *, inflight_tokens: float = 0.0, prefill_uncached: int | None = None,
                     streams: float | None = None, peer_rate: float | None = None,
-                    shares_cpus: bool = False, decode_inflight_tokens: float = 0.0
+                        shares_cpus: float = 0.0, decode_inflight_tokens: float = 0.0
                     ) -> Estimate:
     """`uncached`: prompt tokens the decode worker lacks (transferred); `prefill_uncached`:
-    the ones the prefill worker lacks (computed; default: the same); `shares_cpus`: the
-    prefill worker computes on the decode worker's CPUs, after the decode worker's own
+    the ones the prefill worker lacks (computed; default: the same); `shares_cpus` (above 0):
+    the prefill worker computes on the decode worker's CPUs, after the decode worker's own
     queued prompt work (`decode_inflight_tokens`: what this router sent it), and its streams
-    stall as if the decode worker computed those tokens."""
+    stall as if the decode worker computed those tokens, times this share of the CPUs it
+    takes from them (`WorkerInfo.stall_share`: 1 at equal priority)."""
     n = decode.running if streams is None else streams
     computed = uncached if prefill_uncached is None else prefill_uncached
     rate = model.prefill_rate(prefill, peer_rate)
@@ -168,7 +171,7 @@ def remote_estimate(prefill: WorkerLoad, decode: WorkerLoad, uncached: int, mode
     if shares_cpus:
         decode_rate = model.prefill_rate(decode, peer_rate)
         ttft += max(decode.waiting_prompt_tokens or 0.0, decode_inflight_tokens) / decode_rate
-        stall = max(0, computed - model.absorbed_tokens) / decode_rate * n
+        stall = max(0, computed - model.absorbed_tokens) / decode_rate * n * shares_cpus
     return Estimate(Route.REMOTE, ttft, stall, computed / rate, model.tpot(decode, n))
 
 

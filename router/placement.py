@@ -73,8 +73,8 @@ class _Columns:
     # that worker here (-1: none; `KVIndex.slot`, held while the index's geometry is).
     groups: tuple[tuple[int, bytes, npt.NDArray[np.intp]], ...]
     min_rate: float  # the slowest measured prefill rate (inf: none measured)
-    # Per position: (host id, CPUs) as published, for `DecodeTable.shares`.
-    hosts: tuple[tuple[str, tuple[int, ...]], ...]
+    # Per position: (host id, CPUs, nice) as published, for `DecodeTable.shares`.
+    hosts: tuple[tuple[str, tuple[int, ...], int], ...]
     # Per cost model and peer rate: the columns above with the peer rate or the model's
     # priors in place of what was not measured (computed once per table and peer rate).
     priced: dict[tuple[CostModel, float | None], _Priced] = field(default_factory=dict,
@@ -148,7 +148,7 @@ class DecodeTable:
     def __init__(self) -> None:
         self._decode = _Cached()
         self._prefill = _Cached()
-        self._shares: tuple[object, object, npt.NDArray[np.bool_] | None] = (None, None, None)
+        self._shares: tuple[object, object, Floats | None] = (None, None, None)
 
     def columns(self, decoders: Sequence[WorkerInfo], index: KVIndex,
                 listing: object = None) -> _Columns:
@@ -158,9 +158,10 @@ class DecodeTable:
                         listing: object = None) -> _Columns:
         return self._prefill.get(prefills, index, listing)
 
-    def shares(self, dcols: _Columns, pcols: _Columns) -> npt.NDArray[np.bool_] | None:
-        """[prefill position, decode position] -> whether they compete for CPUs
-        (`WorkerInfo.shares_cpus`); None where no pair does. Recomputed only when either
+    def shares(self, dcols: _Columns, pcols: _Columns) -> Floats | None:
+        """[prefill position, decode position] -> how much the prefill worker's compute
+        stalls the decode worker's streams (`WorkerInfo.stall_share`: 0 where they do not
+        compete for CPUs); None where no pair does. Recomputed only when either
         list's placements change: a heartbeat keeps its row's hosts tuple, and a rebuild
         with the same placements is compared once, then held by identity again."""
         d, p, matrix = self._shares
@@ -172,10 +173,10 @@ class DecodeTable:
 
 
 def shares_matrix(prefills: Sequence[WorkerInfo], decoders: Sequence[WorkerInfo]
-                  ) -> npt.NDArray[np.bool_] | None:
+                  ) -> Floats | None:
     """`DecodeTable.shares` computed."""
-    matrix = np.array([[p.shares_cpus(d) for d in decoders] for p in prefills],
-                      dtype=bool).reshape(len(prefills), len(decoders))
+    matrix = np.array([[p.stall_share(d) for d in decoders] for p in prefills],
+                      dtype=float).reshape(len(prefills), len(decoders))
     return matrix if matrix.any() else None
 
 
@@ -198,7 +199,7 @@ def _build(decoders: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
         prompt_waiting=prompt_waiting, queued_tokens=queued_tokens, transfer=transfer,
         min_rate=float(rate[rate != 0].min()) if rate.any() else np.inf,
         groups=tuple((bs, extra, _positions(m)) for (bs, extra), m in members.items()),
-        hosts=tuple((w.host_id, w.cpus) for w in decoders))
+        hosts=tuple((w.host_id, w.cpus, w.nice) for w in decoders))
 
 
 def _positions(members: Mapping[int, int]) -> npt.NDArray[np.intp]:
@@ -231,7 +232,7 @@ def _update_rows(cols: _Columns, workers: Sequence[WorkerInfo], changed: list[in
     for i in changed:
         if workers[i].worker_id != cols.ids[i] \
                 or workers[i].model_id != cols.workers[i].model_id \
-                or (workers[i].host_id, workers[i].cpus) != cols.hosts[i]:
+                or (workers[i].host_id, workers[i].cpus, workers[i].nice) != cols.hosts[i]:
             return None
     arrays = {name: getattr(cols, name).copy() for name in _FLOAT_COLUMNS}
     for i in changed:
@@ -346,7 +347,7 @@ def _first_from(mask: npt.NDArray[np.bool_], tiebreak: int) -> int:
 def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Columns,
                  pcached: Floats, placed: Mapping[str, int],
                  inflight_tokens: Mapping[str, float], target_s: float, model: CostModel,
-                 tiebreak: int = 0, shares: npt.NDArray[np.bool_] | None = None
+                 tiebreak: int = 0, shares: Floats | None = None
                  ) -> CostChoice:
     """router.cost's formulas (`local_estimate`, `remote_estimate`, `decide_by_cost`'s rule) over
     every candidate at once: local on each decode worker, remote on each (prefill, decode)
@@ -354,8 +355,9 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
     second; a local prefill longer than `max_local_prefill_s` only where no remote candidate
     meets `target_s`. Equal values take turns like `best_of`: the first decode worker at or
     after `tiebreak` (local before remote on one worker), and the first prefill worker from
-    the same place. `shares`: [prefill, decode] pairs that compete for CPUs
-    (`DecodeTable.shares`), whose remote prefill stalls the decode worker's streams."""
+    the same place. `shares`: per [prefill, decode] pair, how much the prefill worker's
+    compute stalls the decode worker's streams (`DecodeTable.shares`; 0: they compute
+    apart)."""
     n, m = len(dcols.ids), len(pcols.ids)
     length = float(prompt_len)
     # Decode side, per w.
@@ -389,10 +391,10 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
             stall_remote = np.zeros(n)
         else:
             # Where p computes on w's CPUs it waits for w's queued prompt work, and w's
-            # streams stall as if w computed p's tokens.
-            ttft_pw = np.where(shares, ttft_pw + (pending / rate)[None, :], ttft_pw)
-            stall_pw = np.where(shares, (np.maximum(0.0, lack - model.absorbed_tokens)[:, None]
-                                         / rate[None, :]) * streams[None, :], 0.0)
+            # streams stall as if w computed p's tokens, by p's share of the CPUs.
+            ttft_pw = np.where(shares > 0, ttft_pw + (pending / rate)[None, :], ttft_pw)
+            stall_pw = shares * ((np.maximum(0.0, lack - model.absorbed_tokens)[:, None]
+                                  / rate[None, :]) * streams[None, :])
             key = (ttft_pw + model.late_weight * np.maximum(0.0, ttft_pw - target_s)
                    + model.stall_weight * stall_pw)
             best_p = order[np.argmin(key[order], axis=0)]

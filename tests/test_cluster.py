@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from pdserve.cluster import LocalCluster
-from pdserve.control.workers import WorkerInfo, this_host
+from pdserve.control.workers import WorkerInfo, this_host, this_nice
 from pdserve.rpc import transport as gu
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from tests.helpers.cluster_util import cluster_fixture, generate, wait_blocks_free
@@ -244,4 +244,6 @@ def test_workers_publish_where_they_compute(cluster) -> None:
     assert decode.host_id == prefill.host_id == this_host() != ""
     assert decode.cpus == tuple(sorted(os.sched_getaffinity(cluster.procs["decode-0"].pid)))
     assert prefill.shares_cpus(decode)
+    assert (prefill.nice - decode.nice, decode.nice) == (cluster.prefill_nice, this_nice())
+    assert prefill.stall_share(decode) == pytest.approx(1.25 ** -cluster.prefill_nice)
 

@@ -75,17 +75,18 @@ def test_worker_info_json_roundtrip_and_validation() -> None:
 
 
 def test_worker_info_where_it_computes() -> None:
-    """host_id and cpus (for placement to price CPU sharing) round-trip, are bounded, and a
-    record without them (an older worker) reads as unknown."""
-    info = worker(host_id=this_host(), cpus=this_cpus())
+    """host_id, cpus and nice (for placement to price CPU sharing) round-trip, are bounded,
+    and a record without them (an older worker) reads as unknown (nice 0)."""
+    info = worker(host_id=this_host(), cpus=this_cpus(), nice=5)
     assert info.host_id and info.cpus and WorkerInfo.from_json(info.to_json()) == info
     assert worker(cpus=[3, 1, 1]).cpus == (1, 3)
     old = json.loads(worker().to_json())
-    del old["host_id"], old["cpus"]
+    del old["host_id"], old["cpus"], old["nice"]
     back = WorkerInfo.from_json(json.dumps(old))
-    assert (back.host_id, back.cpus) == ("", ())
+    assert (back.host_id, back.cpus, back.nice) == ("", (), 0)
     for bad in ({"host_id": "x" * 65}, {"host_id": "a b"}, {"cpus": [-1]}, {"cpus": [True]},
-                {"cpus": list(range(5000))}, {"cpus": "0-3"}):
+                {"cpus": list(range(5000))}, {"cpus": "0-3"}, {"nice": 20}, {"nice": True},
+                {"nice": "5"}):
         with pytest.raises(WorkerInfoError):
             worker(**bad)
 

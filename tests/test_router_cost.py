@@ -83,10 +83,10 @@ def test_priors_stand_in_until_workers_measure() -> None:
 
 
 def _worker(worker_id: str, role: str, load: WorkerLoad,
-            where: tuple[str, tuple[int, ...]] = ("", ())) -> WorkerInfo:
+            where: tuple[str, tuple[int, ...]] = ("", ()), nice: int = 0) -> WorkerInfo:
     return WorkerInfo(worker_id=worker_id, role=role, grpc_address="127.0.0.1:1",  # type: ignore[arg-type]
                       model_id="m", epoch=1, started_at=time.time(), load=load,
-                      host_id=where[0], cpus=where[1])
+                      host_id=where[0], cpus=where[1], nice=nice)
 
 
 def test_placement_with_the_cost_policy() -> None:
@@ -143,6 +143,7 @@ wheres = st.sampled_from([("", ()), ("h1", ()), ("h1", (0,)), ("h1", (1,)), ("h1
 @given(dloads=st.lists(loads, min_size=1, max_size=6), ploads=st.lists(loads, max_size=4),
        dwhere=st.lists(wheres, min_size=6, max_size=6),
        pwhere=st.lists(wheres, min_size=4, max_size=4),
+       pnice=st.lists(st.sampled_from([0, 5, 19, -3]), min_size=4, max_size=4),
        dheld=st.lists(st.integers(0, 8), min_size=6, max_size=6),
        pheld=st.lists(st.integers(0, 8), min_size=4, max_size=4),
        placed=st.lists(st.integers(0, 4), min_size=6, max_size=6),
@@ -153,19 +154,21 @@ wheres = st.sampled_from([("", ()), ("h1", ()), ("h1", (0,)), ("h1", (1,)), ("h1
 def test_cost_placement_takes_the_cheapest_candidate(
         dloads: list[WorkerLoad], ploads: list[WorkerLoad],
         dwhere: list[tuple[str, tuple[int, ...]]], pwhere: list[tuple[str, tuple[int, ...]]],
-        dheld: list[int],
+        pnice: list[int], dheld: list[int],
         pheld: list[int], placed: list[int], inflight: list[int], length: int, target: float,
         tiebreak: int, remote_overhead: float) -> None:
     """Over every candidate (local on each decode worker, remote on each (prefill, decode)
     pair), priced by the scalar reference (`local_estimate`, `remote_estimate`, with the
     tokens each worker lacks from the index and the router's in-flight accounting), place()
     takes one of least cost, time past the target priced, and reports its prediction's
-    numbers. A prefill worker that shares a decode worker's CPUs stalls its streams. The
+    numbers. A prefill worker that shares a decode worker's CPUs stalls its streams, by its
+    share of them at its priority. The
     remote fixed cost may carry the router's learned correction (router.calibration)."""
     model = dataclasses.replace(MODEL, remote_overhead_s=remote_overhead)
     ids = list(range(1000, 1000 + length))
     decoders = [_worker(f"d{i}", "decode", w, dwhere[i]) for i, w in enumerate(dloads)]
-    prefills = [_worker(f"p{i}", "prefill", w, pwhere[i]) for i, w in enumerate(ploads)]
+    prefills = [_worker(f"p{i}", "prefill", w, pwhere[i], pnice[i])
+                for i, w in enumerate(ploads)]
     index = _index({**{f"d{i}": dheld[i] for i in range(len(dloads))},
                     **{f"p{i}": pheld[i] for i in range(len(ploads))}}, ids)
     placed_by = {f"d{i}": placed[i] for i in range(len(dloads)) if placed[i]}
@@ -184,7 +187,7 @@ def test_cost_placement_takes_the_cheapest_candidate(
         remotes = [remote_estimate(q.load, d.load, lacks(d), model,
                                    inflight_tokens=infl[q.worker_id],
                                    prefill_uncached=lacks(q), streams=n, peer_rate=peer,
-                                   shares_cpus=q.shares_cpus(d),
+                                   shares_cpus=q.stall_share(d),
                                    decode_inflight_tokens=infl[d.worker_id])
                    for q in prefills]
         best_remote = min(remotes, key=lambda e: e.cost(model, target)) if remotes else None
@@ -215,7 +218,7 @@ def test_cost_placement_takes_the_cheapest_candidate(
         got = remote_estimate(p.prefill.load, d.load, lacks(d), model,
                               inflight_tokens=infl[p.prefill.worker_id],
                               prefill_uncached=lacks(p.prefill), streams=n,
-                              peer_rate=peer, shares_cpus=p.prefill.shares_cpus(d),
+                              peer_rate=peer, shares_cpus=p.prefill.stall_share(d),
                               decode_inflight_tokens=infl[d.worker_id])
         assert p.decision.uncached_tokens == lacks(p.prefill)
     assert (p.decision.reason == "cost_over_target") == (got.ttft_s > target) or not prefills
@@ -340,3 +343,29 @@ def test_a_prefill_worker_on_the_decode_workers_cpus_stalls_its_streams() -> Non
     assert _worker("p0", "prefill", pool, ("h1", ())).shares_cpus(d0)  # CPUs unknown
     assert not _worker("p0", "prefill", pool, ("", ())).shares_cpus(
         _worker("d1", "decode", busy, ("", ())))  # hosts unknown: nothing shared
+
+
+def test_a_lower_priority_prefill_worker_stalls_a_third_as_much() -> None:
+    """`pdserve cluster up --prefill 1 --decode 2`: the prefill worker shares the decode
+    workers' CPUs at nice 5, so it takes a quarter of a CPU both want (the kernel's weights:
+    1.25x a nice step) and the decode steps it meets take a third longer. A 250-token batch
+    prompt, eight streams running on w, the prefill worker busy with another prompt: at
+    equal priority a remote prefill stalls w's streams as much as a local one and only
+    arrives later, so local wins; at nice 5 remote stalls them a third as much and wins,
+    later to its first token but well inside the batch target."""
+    here = ("h1", (0, 1))
+    d = _worker("d0", "decode", WorkerLoad(running=8, prefill_tokens_per_s=290.0,
+                                           decode_step_s=0.03), ("h1", (0,)))
+    p0 = WorkerLoad(prefill_tokens_per_s=250.0, queued_tokens=1100.0,
+                    kv_transfer_s_per_token=1e-5)
+    ids = list(range(5000, 5250))
+    routes = {}
+    for nice in (0, 5):
+        p = _worker("p0", "prefill", p0, here, nice)
+        assert p.stall_share(d) == pytest.approx(1.0 if nice == 0 else 1.25 ** -5)
+        routes[nice] = place(ids, LatencyClass.BATCH, [d], [p], KVIndex(), {},
+                             RouterPolicy(placement="cost"), cost=MODEL,
+                             target_s=15.0).decision.route
+    assert routes == {0: Route.LOCAL, 5: Route.REMOTE}
+    assert _worker("p0", "prefill", p0, here, -3).stall_share(d) == 1.0  # at most 1
+    assert _worker("p0", "prefill", p0, ("h2", ()), 5).stall_share(d) == 0.0

@@ -43,6 +43,9 @@ class WorkerInfo:
     # opaque id of its host ("" unknown: `this_host`) and the CPUs it may run on (() unknown).
     host_id: str = ""
     cpus: tuple[int, ...] = ()
+    # Its nice value (`this_nice`): how much of a shared CPU it takes from a worker at
+    # another priority (`stall_share`).
+    nice: int = 0
 
     def __post_init__(self) -> None:
         if not self.worker_id or any(c.isspace() for c in self.worker_id):
@@ -70,6 +73,9 @@ class WorkerInfo:
             raise WorkerInfoError(f"cpus must be at most {MAX_CPUS} CPU numbers below "
                                   f"{MAX_CPUS}")
         object.__setattr__(self, "cpus", tuple(sorted(set(cpus))))
+        if isinstance(self.nice, bool) or not isinstance(self.nice, int) \
+                or not -20 <= self.nice <= 19:
+            raise WorkerInfoError(f"nice must be an integer from -20 to 19, got {self.nice!r}")
         try:
             object.__setattr__(self, "load", WorkerLoad.from_dict(self.load))
         except (WorkerLoadError, TypeError) as exc:
@@ -81,6 +87,17 @@ class WorkerInfo:
         return (bool(self.host_id) and self.host_id == other.host_id
                 and (not self.cpus or not other.cpus
                      or not set(self.cpus).isdisjoint(other.cpus)))
+
+    def stall_share(self, other: WorkerInfo) -> float:
+        """How much `other`'s work is slowed per second of CPU this worker computes: 0 where
+        they do not share CPUs (`shares_cpus`); else the scheduler's weight of this worker's
+        nice value over `other`'s (Linux CFS: each nice step is 1.25x the weight), at most 1.
+        A prefill worker at nice 5 beside a decode worker at nice 0 takes a quarter of a CPU
+        both want, so the decode steps it meets take 1.33x as long, not a whole prefill
+        chunk longer (`pdserve cluster up --prefill 1 --decode 2`, docs/BENCHMARKS.md)."""
+        if not self.shares_cpus(other):
+            return 0.0
+        return min(1.0, 1.25 ** (other.nice - self.nice))
 
     def with_load(self, load: WorkerLoad | Mapping[str, float]) -> WorkerInfo:
         return WorkerInfo(**{**self._fields(), "load": WorkerLoad.from_dict(load)})
@@ -126,8 +143,14 @@ _FIELDS = (
     "load",
     "host_id",
     "cpus",
+    "nice",
 )
 MAX_CPUS = 4096
+
+
+def this_nice() -> int:
+    """This process's nice value (what `--nice` raised it to)."""
+    return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def boot_id() -> str | None:
