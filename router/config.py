@@ -13,6 +13,7 @@ nested configs' modules are imported when a config is made.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -87,6 +88,14 @@ def _shares(specs: list[str]) -> Mapping[LatencyClass, float]:
     return shares
 
 
+def _weights(specs: list[str]) -> Mapping[LatencyClass, float]:
+    weights = _class_values(specs, "WEIGHT")
+    for cls, w in weights.items():
+        if not (w > 0 and math.isfinite(w)):
+            raise ValueError(f"the TTFT weight of {cls.value} must be > 0, got {w:g}")
+    return weights
+
+
 def _show_classes(table: Mapping[LatencyClass, float]) -> str:
     return " ".join(f"{cls.value}={value:g}" for cls, value in table.items())
 
@@ -114,6 +123,12 @@ POLICY_SETTINGS = {
         "second a candidate is predicted past it costs four more; capped by the class's "
         "--ttft-deadline)", flag="--ttft-target",
         metavar="CLASS=SECONDS", parse=_deadlines, show=_show_classes, group=ROUTING),
+    "ttft_weights": Setting(
+        "what a second of a latency class's first-token wait costs against a second of "
+        "stall or TPOT on a running stream, repeatable (--placement cost; a lower weight "
+        "makes the class wait for a prefill worker rather than stall a decode worker's "
+        "streams)", flag="--ttft-weight", metavar="CLASS=WEIGHT", parse=_weights,
+        show=_show_classes, group=ROUTING),
 }
 
 # AdmissionConfig (router.admission) fields that are flags; their defaults are its own.

@@ -36,9 +36,14 @@ any has, conservative priors stand in (a slow prefill), so early decisions do no
 over-promise.
 
 The choice, over every candidate (local on each w; remote on each w via its best p): the
-least cost = TTFT + stall_weight x (stall summed over w's running streams) + tpot_weight x
-TPOT + late_weight x (TTFT past the latency class's target: `RouterPolicy.ttft_targets_s`,
-well below the admission deadline). The target is priced, not a wall: predictions err (a
+least cost = the class's TTFT weight x (TTFT + late_weight x (TTFT past the latency
+class's target: `RouterPolicy.ttft_targets_s`, well below the admission deadline)) +
+stall_weight x (stall summed over w's running streams) + tpot_weight x TPOT. The TTFT
+weight (`RouterPolicy.ttft_weights`) is 1 but for batch prompts, whose wait is worth a
+tenth: a 1,146-token batch prompt prefilled beside four running streams on
+`pdserve cluster up --prefill 1 --decode 2` got its first token in 3 s instead of 11 s
+through the busy prefill worker, and stretched their TPOT p99 from 74-84 ms to 123-129 ms
+(docs/bench/placement_s62). The target is priced, not a wall: predictions err (a
 hard cut at the target kept every remote prefill of bench.cluster_sim's chat workload out,
 predicted at just over 1 s, and lost attainment), yet a queue far past it loses to any
 candidate near it (bench.serve_compare at c=16: a remote queue that fit the 30 s deadline
@@ -110,9 +115,11 @@ class Estimate:
     compute_s: float = 0.0  # the prefill's own compute where it runs
     tpot_s: float = 0.0  # the new stream's, on its decode worker
 
-    def cost(self, model: CostModel, target_s: float = math.inf) -> float:
-        return (self.ttft_s + model.stall_weight * self.stall_s + model.tpot_weight * self.tpot_s
-                + model.late_weight * max(0.0, self.ttft_s - target_s))
+    def cost(self, model: CostModel, target_s: float = math.inf, weight: float = 1.0
+             ) -> float:
+        """`weight`: what a second of this class's TTFT is worth (`RouterPolicy.ttft_weights`)."""
+        return (weight * (self.ttft_s + model.late_weight * max(0.0, self.ttft_s - target_s))
+                + model.stall_weight * self.stall_s + model.tpot_weight * self.tpot_s)
 
 
 def peer_prefill_rate(loads: Iterable[WorkerLoad]) -> float | None:
@@ -176,13 +183,14 @@ def remote_estimate(prefill: WorkerLoad, decode: WorkerLoad, uncached: int, mode
 
 
 def decide_by_cost(local: Estimate, remote: Estimate | None, uncached: int, target_s: float,
-                   model: CostModel) -> tuple[Decision, Estimate]:
-    """`remote` is None when no prefill worker is available."""
+                   model: CostModel, weight: float = 1.0) -> tuple[Decision, Estimate]:
+    """`remote` is None when no prefill worker is available; `weight`: the class's TTFT
+    weight (`Estimate.cost`)."""
     if remote is None:
         return Decision(Route.LOCAL, "no_prefill_worker", uncached), local
     candidates = [local, remote]
     if remote.ttft_s <= target_s and local.compute_s > model.max_local_prefill_s:
         candidates = [remote]
-    best = min(candidates, key=lambda e: e.cost(model, target_s))
+    best = min(candidates, key=lambda e: e.cost(model, target_s, weight))
     reason = f"cost_{best.route.value}" if best.ttft_s <= target_s else "cost_over_target"
     return Decision(best.route, reason, uncached), best

@@ -347,7 +347,7 @@ def _first_from(mask: npt.NDArray[np.bool_], tiebreak: int) -> int:
 def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Columns,
                  pcached: Floats, placed: Mapping[str, int],
                  inflight_tokens: Mapping[str, float], target_s: float, model: CostModel,
-                 tiebreak: int = 0, shares: Floats | None = None
+                 tiebreak: int = 0, shares: Floats | None = None, ttft_weight: float = 1.0
                  ) -> CostChoice:
     """router.cost's formulas (`local_estimate`, `remote_estimate`, `decide_by_cost`'s rule) over
     every candidate at once: local on each decode worker, remote on each (prefill, decode)
@@ -357,7 +357,7 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
     after `tiebreak` (local before remote on one worker), and the first prefill worker from
     the same place. `shares`: per [prefill, decode] pair, how much the prefill worker's
     compute stalls the decode worker's streams (`DecodeTable.shares`; 0: they compute
-    apart)."""
+    apart); `ttft_weight`: the class's price of a second of TTFT (`Estimate.cost`)."""
     n, m = len(dcols.ids), len(pcols.ids)
     length = float(prompt_len)
     # Decode side, per w.
@@ -374,7 +374,7 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
     compute_local = unc / rate
     tpot = step * (1.0 + model.decode_row_fraction
                    * np.maximum(0.0, streams + 1.0 - dcols.running))
-    cost_local = ttft_local + model.stall_weight * stall + model.tpot_weight * tpot
+    cost_local = ttft_weight * ttft_local + model.stall_weight * stall + model.tpot_weight * tpot
     # Remote: a (prefill, decode) matrix; each w's best p by cost less w's TPOT term (the
     # same for every p): by TTFT where no pair shares CPUs; equal ones from `tiebreak` on.
     if m:
@@ -395,13 +395,15 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
             ttft_pw = np.where(shares > 0, ttft_pw + (pending / rate)[None, :], ttft_pw)
             stall_pw = shares * ((np.maximum(0.0, lack - model.absorbed_tokens)[:, None]
                                   / rate[None, :]) * streams[None, :])
-            key = (ttft_pw + model.late_weight * np.maximum(0.0, ttft_pw - target_s)
+            key = (ttft_weight * (ttft_pw + model.late_weight
+                                  * np.maximum(0.0, ttft_pw - target_s))
                    + model.stall_weight * stall_pw)
             best_p = order[np.argmin(key[order], axis=0)]
             stall_remote = stall_pw[best_p, cols_n]
         ttft_remote = ttft_pw[best_p, cols_n]
-        cost_remote = ttft_remote + model.tpot_weight * tpot
-        cost_remote = cost_remote + model.late_weight * np.maximum(0.0, ttft_remote - target_s)
+        cost_remote = ttft_weight * (ttft_remote + model.late_weight
+                                     * np.maximum(0.0, ttft_remote - target_s))
+        cost_remote = cost_remote + model.tpot_weight * tpot
         if shares is not None:
             cost_remote = cost_remote + model.stall_weight * stall_remote
         # A long local prefill only where no remote candidate meets the target.
@@ -410,7 +412,8 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
     else:
         allowed_local = np.ones(n, dtype=bool)
         ttft_remote = cost_remote = np.full(n, np.inf)
-    cost_local = cost_local + model.late_weight * np.maximum(0.0, ttft_local - target_s)
+    cost_local = cost_local + ttft_weight * model.late_weight * np.maximum(
+        0.0, ttft_local - target_s)
     local_v = np.where(allowed_local, cost_local, np.inf)
     best = min(float(local_v.min()), float(cost_remote.min()))
     w = _first_from((local_v == best) | (cost_remote == best), tiebreak)
@@ -455,7 +458,8 @@ def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerIn
         pcols = table.prefill_columns(prefills, index, listing)
         cached, pcached = _cached(index, ids, cols, pcols)
         c = best_by_cost(len(ids), cols, cached, pcols, pcached, placed, inflight_tokens,
-                         target_s, cost or CostModel(), tiebreak, table.shares(cols, pcols))
+                         target_s, cost or CostModel(), tiebreak, table.shares(cols, pcols),
+                         policy.ttft_weights[latency])
         return Placement(decoders[c.decode], None if c.prefill is None else prefills[c.prefill],
                          Decision(c.route, c.reason, c.uncached_tokens, c.ttft_s),
                          int(cached[c.decode]))

@@ -15,6 +15,13 @@ from pdserve.types import LatencyClass
 # interactive (1 s) and batch (15 s), standard between them.
 DEFAULT_TTFT_TARGETS_S: Mapping[LatencyClass, float] = MappingProxyType({
     LatencyClass.INTERACTIVE: 1.0, LatencyClass.STANDARD: 3.0, LatencyClass.BATCH: 15.0})
+# Cost placement's price of a second of each class's wait for its first token (and of each
+# second past its target), against a second of TPOT or of stall on a running stream. A batch
+# prompt's wait is worth a tenth (its target is 15x interactive's): it yields to the
+# streams it would stall, so it queues for a prefill worker rather than prefill beside them
+# on their decode worker unless that queue is far past its target (router.cost).
+DEFAULT_TTFT_WEIGHTS: Mapping[LatencyClass, float] = MappingProxyType({
+    LatencyClass.INTERACTIVE: 1.0, LatencyClass.STANDARD: 1.0, LatencyClass.BATCH: 0.1})
 
 
 class Route(enum.StrEnum):
@@ -42,15 +49,23 @@ class RouterPolicy:
     # refused: a queue that fits a 30 s deadline is not a place to send a standard prompt.
     ttft_targets_s: Mapping[LatencyClass, float] = field(
         default_factory=lambda: DEFAULT_TTFT_TARGETS_S)
+    # Cost placement: what a second of each class's TTFT is worth (DEFAULT_TTFT_WEIGHTS).
+    ttft_weights: Mapping[LatencyClass, float] = field(
+        default_factory=lambda: DEFAULT_TTFT_WEIGHTS)
 
     def __post_init__(self) -> None:
         # A plain dict (not a read-only proxy): dataclasses.asdict must copy it (the router
         # benchmarks record their policy that way).
         object.__setattr__(self, "ttft_targets_s",
                            {**DEFAULT_TTFT_TARGETS_S, **self.ttft_targets_s})
+        object.__setattr__(self, "ttft_weights",
+                           {**DEFAULT_TTFT_WEIGHTS, **self.ttft_weights})
         for cls, s in self.ttft_targets_s.items():
             if not (s > 0 and math.isfinite(s)):
                 raise ValueError(f"TTFT target of {cls.value} must be > 0, got {s}")
+        for cls, w in self.ttft_weights.items():
+            if not (w > 0 and math.isfinite(w)):
+                raise ValueError(f"TTFT weight of {cls.value} must be > 0, got {w}")
 
     def ttft_target_s(self, latency_class: LatencyClass, deadline_s: float) -> float:
         """What cost placement holds a request's predicted TTFT to: its class's target,

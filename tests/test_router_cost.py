@@ -150,20 +150,22 @@ wheres = st.sampled_from([("", ()), ("h1", ()), ("h1", (0,)), ("h1", (1,)), ("h1
        inflight=st.lists(st.sampled_from([0, 0, 300, 3000]), min_size=10, max_size=10),
        length=st.integers(1, 140), target=st.sampled_from([0.3, 2.0, 30.0]),
        tiebreak=st.integers(0, 50),
-       remote_overhead=st.sampled_from([0.02, 0.08, 0.0]))
+       remote_overhead=st.sampled_from([0.02, 0.08, 0.0]),
+       weight=st.sampled_from([1.0, 0.25, 3.0]))
 def test_cost_placement_takes_the_cheapest_candidate(
         dloads: list[WorkerLoad], ploads: list[WorkerLoad],
         dwhere: list[tuple[str, tuple[int, ...]]], pwhere: list[tuple[str, tuple[int, ...]]],
         pnice: list[int], dheld: list[int],
         pheld: list[int], placed: list[int], inflight: list[int], length: int, target: float,
-        tiebreak: int, remote_overhead: float) -> None:
+        tiebreak: int, remote_overhead: float, weight: float) -> None:
     """Over every candidate (local on each decode worker, remote on each (prefill, decode)
     pair), priced by the scalar reference (`local_estimate`, `remote_estimate`, with the
     tokens each worker lacks from the index and the router's in-flight accounting), place()
     takes one of least cost, time past the target priced, and reports its prediction's
     numbers. A prefill worker that shares a decode worker's CPUs stalls its streams, by its
     share of them at its priority. The
-    remote fixed cost may carry the router's learned correction (router.calibration)."""
+    remote fixed cost may carry the router's learned correction (router.calibration); the
+    class's TTFT weight scales its TTFT and lateness."""
     model = dataclasses.replace(MODEL, remote_overhead_s=remote_overhead)
     ids = list(range(1000, 1000 + length))
     decoders = [_worker(f"d{i}", "decode", w, dwhere[i]) for i, w in enumerate(dloads)]
@@ -190,7 +192,8 @@ def test_cost_placement_takes_the_cheapest_candidate(
                                    shares_cpus=q.stall_share(d),
                                    decode_inflight_tokens=infl[d.worker_id])
                    for q in prefills]
-        best_remote = min(remotes, key=lambda e: e.cost(model, target)) if remotes else None
+        best_remote = min(remotes, key=lambda e: e.cost(model, target, weight)) \
+            if remotes else None
         allowed = not (best_remote is not None and best_remote.ttft_s <= target
                        and local.compute_s > model.max_local_prefill_s)
         if allowed:
@@ -199,12 +202,13 @@ def test_cost_placement_takes_the_cheapest_candidate(
             cands.append((e, d.worker_id, None, lacks(q)))
 
     def objective(c: tuple[Estimate, str, str | None, int]) -> float:
-        return c[0].cost(model, target)
+        return c[0].cost(model, target, weight)
 
     best = min(map(objective, cands))
 
     p = place(ids, LatencyClass.STANDARD, decoders, prefills, index, placed_by,
-              RouterPolicy(placement="cost"), cost=model, target_s=target,
+              RouterPolicy(placement="cost", ttft_weights={LatencyClass.STANDARD: weight}),
+              cost=model, target_s=target,
               inflight_tokens=infl, tiebreak=tiebreak)
     d = p.decode
     assert p.cached_tokens == length - lacks(d)
@@ -369,3 +373,32 @@ def test_a_lower_priority_prefill_worker_stalls_a_third_as_much() -> None:
     assert routes == {0: Route.LOCAL, 5: Route.REMOTE}
     assert _worker("p0", "prefill", p0, here, -3).stall_share(d) == 1.0  # at most 1
     assert _worker("p0", "prefill", p0, ("h2", ()), 5).stall_share(d) == 0.0
+
+
+def test_a_batch_prompt_waits_for_the_prefill_worker_rather_than_stall_streams() -> None:
+    """`pdserve cluster up --prefill 1 --decode 2` at 1.2 req/s (docs/bench/placement_s62):
+    the prefill worker busy with two 1,146-token batch prompts, a third arrives at a decode
+    worker running four streams. Remote is predicted past the batch target (15 s), local in
+    4 s; priced like an interactive prompt's (weight 1) the wait loses to the stall and the
+    prompt is prefilled beside the streams. At the batch weight (a tenth) it queues for
+    the prefill worker (31 s, within its 120 s deadline), unless that queue is three times as
+    long; an interactive prompt of that length goes local."""
+    d = _worker("d0", "decode", WorkerLoad(running=4, prefill_tokens_per_s=290.0,
+                                           decode_step_s=0.06), ("h1", (0,)))
+    p = _worker("p0", "prefill", WorkerLoad(prefill_tokens_per_s=110.0, queued_tokens=2292.0,
+                                            kv_transfer_s_per_token=1e-5), ("h1", (0, 1)), 5)
+    ids = list(range(7000, 8146))
+
+    def route(cls: LatencyClass, **weights: float) -> Route:
+        policy = RouterPolicy(placement="cost", ttft_weights={
+            LatencyClass(k): v for k, v in weights.items()})
+        return place(ids, cls, [d], [p], KVIndex(), {}, policy, cost=MODEL,
+                     target_s=policy.ttft_target_s(cls, 120.0)).decision.route
+
+    assert route(LatencyClass.BATCH, batch=1.0) is Route.LOCAL
+    assert route(LatencyClass.BATCH) is Route.REMOTE  # the default: a tenth
+    p = p.with_load(dataclasses.replace(p.load, queued_tokens=3 * 2292.0))
+    assert route(LatencyClass.BATCH) is Route.LOCAL
+    assert route(LatencyClass.INTERACTIVE) is Route.LOCAL
+    with pytest.raises(ValueError, match="TTFT weight of batch"):
+        RouterPolicy(ttft_weights={LatencyClass.BATCH: 0.0})
