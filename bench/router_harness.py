@@ -317,6 +317,8 @@ class Cluster:
         argv = [sys.executable, "-m", "pdserve.cli", "router", "--port", str(self.grpc_port),
                 "--http-port", str(self.http_port), "--namespace", self.namespace,
                 "--host", "127.0.0.1", "--model", str(self.model_dir), "--no-admission",
+                # as every record of this harness measured it (cost is the default now)
+                "--placement", "threshold",
                 "--log-level", self.cfg.router_log_level,
                 *([] if self.cfg.worker_sessions else ["--no-worker-sessions"])]
         # A session of its own: with --autogroup-nice it gets the same priority as the

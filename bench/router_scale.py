@@ -579,7 +579,9 @@ def bench_decisions(cfg: Config, core: int | None) -> tuple[dict[str, Any], list
     print(f"[1] corpus: {len(corpus.conversations)} conversations, {corpus.distinct_blocks} "
           f"distinct blocks ({time.perf_counter() - t0:.1f} s); {len(timed)} timed requests, "
           f"mean {sum(map(len, timed)) / len(timed):.0f} tokens", flush=True)
-    policy = RouterPolicy()
+    # Threshold placement, as every record of this harness measured it (cost became the
+    # router's default later; its decisions are not measured here yet).
+    policy = RouterPolicy(placement="threshold")
     results: list[dict[str, Any]] = []
     memory: list[dict[str, Any]] = []
     split: dict[str, Any] = {}
@@ -1008,7 +1010,8 @@ def run_policy(name: str, reqs: Sequence[ChatRequest], cfg: Config, inflight: in
     was placed, its worker's events reach the index `lag` decisions after."""
     sim = Sim(cfg.hit_workers, cfg.hit_blocks_per_worker)
     rng = random.Random(seed)
-    policy = RouterPolicy()
+    # "index": the decode worker by load + cache affinity, as the records measured it
+    policy = RouterPolicy(placement="threshold")
     prefills = [WorkerInfo(worker_id="prefill-000", role="prefill",
                            grpc_address="127.0.0.1:30000", model_id=MODEL_ID, epoch=1,
                            started_at=time.time())]

@@ -53,7 +53,7 @@ def measure(timeout_ms: str, requests: int) -> dict[str, Any]:
 
     c = LocalCluster(prefill=1, decode=1, model=str(resolve_model(None, progress=False)),
                      extra_worker_args=("--kv-cache-mb", "256"),
-                     router_args=("--remote-threshold", "64"),
+                     router_args=("--placement", "threshold", "--remote-threshold", "64"),
                      env={"PDSERVE_UCX_EPOLL_TIMEOUT_MS": timeout_ms})
     c.start(timeout_s=300)
     try:

@@ -40,9 +40,11 @@ class RouterPolicy:
     batch_backlog_fraction: float = 0.5
     # Weight of cache affinity against load when picking a decode worker.
     affinity_weight: float = 2.0
-    # Local vs remote prefill: "threshold" (the rule above) or "cost" (router.cost: predicted
-    # TTFT and decode stall from the workers' measured rates).
-    placement: Literal["threshold", "cost"] = "threshold"
+    # Which workers, and local vs remote prefill: "cost" (router.cost: predicted TTFT, decode
+    # stall and TPOT from the workers' measured rates; the default since it won or tied
+    # everywhere it was measured, docs/BENCHMARKS.md "Router placement") or "threshold" (the
+    # rule above, the decode worker by load + cache affinity).
+    placement: Literal["threshold", "cost"] = "cost"
     # Cost placement: the first-token time each latency class aims for. A candidate's
     # predicted TTFT past it is priced (router.cost, `late_weight`). Below the admission
     # deadline (router.admission), which is what a request may wait at most before it is

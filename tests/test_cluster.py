@@ -25,7 +25,8 @@ pytestmark = pytest.mark.timeout(900)
 
 
 cluster = cluster_fixture(kv_cache_mb=192,
-                          router_args=("--remote-threshold", str(REMOTE_THRESHOLD)))
+                          router_args=("--placement", "threshold",
+                                       "--remote-threshold", str(REMOTE_THRESHOLD)))
 
 
 def _addr(cluster: LocalCluster, name: str) -> str:
@@ -157,7 +158,8 @@ async def test_blocks_return_to_initial(cluster) -> None:
 def own_cluster(model_dir) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
     with LocalCluster(prefill=1, decode=1, model=str(model_dir),
                       extra_worker_args=("--threads", "1", "--kv-cache-mb", "192"),
-                      router_args=("--remote-threshold", str(REMOTE_THRESHOLD))) as c:
+                      router_args=("--placement", "threshold",
+                                   "--remote-threshold", str(REMOTE_THRESHOLD))) as c:
         yield c
 
 

@@ -27,7 +27,7 @@ MAX_TOKENS = 8
 pytestmark = pytest.mark.timeout(900)
 
 cluster = cluster_fixture(kv_cache_mb=64, prefill=1, decode=DECODE,
-                          router_args=("--remote-threshold", "64"))
+                          router_args=("--placement", "threshold", "--remote-threshold", "64"))
 
 
 def _conversations(seed: int) -> list[list[int]]:

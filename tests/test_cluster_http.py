@@ -37,7 +37,8 @@ pytestmark = pytest.mark.timeout(900)
 cluster = cluster_fixture(kv_cache_mb=192,
                           # These tests are about labels and routes, not deadlines: a loaded
                           # CI machine must not turn a slow interactive prefill into a 503.
-                          router_args=("--remote-threshold", str(REMOTE_THRESHOLD),
+                          router_args=("--placement", "threshold",
+                                       "--remote-threshold", str(REMOTE_THRESHOLD),
                                        "--ttft-deadline", "interactive=60"))
 
 

@@ -47,7 +47,8 @@ REMOTE_THRESHOLD = 16
 
 cluster = cluster_fixture(kv_cache_mb=128, cluster_secret=SECRET,
                           env={"PDSERVE_API_KEY": API_KEY, "PDSERVE_LOG_LEVEL": "INFO"},
-                          router_args=("--remote-threshold", str(REMOTE_THRESHOLD)))
+                          router_args=("--placement", "threshold",
+                                       "--remote-threshold", str(REMOTE_THRESHOLD)))
 
 
 def _addr(cluster: LocalCluster, name: str) -> str:

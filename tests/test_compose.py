@@ -327,6 +327,11 @@ def compose_processes(compose_redis: int, model_dir: Path, tmp_path_factory
     try:
         for name, svc in _pdserve_services().items():
             argv, ports = _local_argv(svc["command"], namespace)
+            if svc["command"][1] == "router":
+                # Threshold placement, so the test knows a long prompt's route: cost
+                # placement (the default) prefills a cold prompt where it is cheapest, and
+                # with every process on this host's CPUs that is the decode worker.
+                argv += ["--placement", "threshold"]
             service_env = _service_env(svc, COMPOSE_ENV)
             service_env["PDSERVE_REDIS_URL"] = service_env["PDSERVE_REDIS_URL"].replace(
                 "@redis:6379/", f"@127.0.0.1:{compose_redis}/")

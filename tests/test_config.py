@@ -151,8 +151,8 @@ def test_a_bad_combination_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
 
 def test_cluster_up_passes_every_router_setting_on() -> None:
     argv = ["--token-timeout", "7.0", "--max-migrations", "0", "--no-admission",
-            "--ttft-deadline", "interactive=3", "--placement", "cost",
-            "--ttft-target", "standard=2",
+            "--ttft-deadline", "interactive=3", "--placement", "threshold",
+            "--ttft-target", "standard=2", "--ttft-weight", "batch=0.5",
             "--stall-probe-after", "2.5", "--directory-poll", "0.5"]
     up = _parse("cluster", "up", *argv)
     passed = to_argv(flags(RouterConfig), up)
@@ -162,7 +162,8 @@ def test_cluster_up_passes_every_router_setting_on() -> None:
     assert router == from_args(RouterConfig, up)
     assert (router.token_timeout_s, router.max_migrations, router.admission.enabled,
             router.policy.placement, router.stall_probe_s, router.directory_poll_s) == \
-        (7.0, 0, False, "cost", 2.5, 0.5)
+        (7.0, 0, False, "threshold", 2.5, 0.5)
+    assert router.policy.ttft_weights[LatencyClass.BATCH] == 0.5
     # Cost placement's target per class: its own, never past the admission deadline.
     assert (router.ttft_target_s(LatencyClass.STANDARD),
             router.ttft_target_s(LatencyClass.INTERACTIVE),

@@ -36,7 +36,7 @@ SHORT = "Say hi."
 
 
 cluster = cluster_fixture(kv_cache_mb=128, cluster_secret=SECRET,
-                          router_args=("--remote-threshold", "16"))
+                          router_args=("--placement", "threshold", "--remote-threshold", "16"))
 
 
 class _Trap(grpc.GenericRpcHandler):

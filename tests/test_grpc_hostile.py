@@ -101,7 +101,9 @@ async def serve_cluster(redis_url: str, model_dir: Path, gate: GatedTokenizer, r
     from pdserve.v1 import router_pb2_grpc
     from prefill_svc.main import PrefillConfig, run_prefill
     from router.clients import WorkerChannels
+    from router.config import RouterConfig
     from router.main import RouterProcessConfig
+    from router.policy import RouterPolicy
     from router.router import Router
     from router.servicer import RouterServicer
 
@@ -131,6 +133,8 @@ async def serve_cluster(redis_url: str, model_dir: Path, gate: GatedTokenizer, r
         async with (WorkerRegistry.from_url(redis_url, namespace=namespace) as registry,
                     Router(registry, gate, model_name=model_dir.name,
                            max_model_len=max_model_len, poll_s=0.1,
+                           # the remote-path tests need a known route: 256 tokens, remote
+                           config=RouterConfig(policy=RouterPolicy(placement="threshold")),
                            channels=WorkerChannels(interceptors=rpcs.interceptors)) as router):
             # As run_router builds it (there with the tokenizer it loads itself).
             server = gu.new_server(max_message_bytes=RouterProcessConfig.max_request_bytes)

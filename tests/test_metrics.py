@@ -203,7 +203,8 @@ async def test_the_page_rendered_in_steps_is_generate_latests() -> None:
 
 
 cluster = cluster_fixture(kv_cache_mb=192,
-                          router_args=("--remote-threshold", str(REMOTE_THRESHOLD),
+                          router_args=("--placement", "threshold",
+                                       "--remote-threshold", str(REMOTE_THRESHOLD),
                                        "--api-key", KEY))
 
 

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.timeout(900)
 
 
 cluster = cluster_fixture(kv_cache_mb=192,
-                          router_args=("--remote-threshold", str(REMOTE_THRESHOLD)))
+                          router_args=("--placement", "threshold",
+                                       "--remote-threshold", str(REMOTE_THRESHOLD)))
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,8 @@ async def test_an_int8_cluster_serves_remote_and_local(model_dir: Path) -> None:
     text = "Tell me about the history of the printing press in Europe. " * 6
     with LocalCluster(prefill=1, decode=1, model=str(model_dir),
                       extra_worker_args=("--dtype", "int8", "--kv-cache-mb", "64"),
-                      router_args=("--remote-threshold", "16")) as cluster:
+                      router_args=("--placement", "threshold",
+                                   "--remote-threshold", "16")) as cluster:
         sampling = Sampling(max_tokens=12, ignore_eos=True)
         async with RouterClient(cluster.grpc_address, timeout_s=120) as client:
             remote = await client.complete(text=text, sampling=sampling)

@@ -65,7 +65,8 @@ WORKERS = ("decode-0", "prefill-0")
 
 cluster = cluster_fixture(kv_cache_mb=128, cluster_secret=SECRET, tls=True,
                           env={"PDSERVE_API_KEY": API_KEY},
-                          router_args=("--remote-threshold", str(REMOTE_THRESHOLD)),
+                          router_args=("--placement", "threshold",
+                                       "--remote-threshold", str(REMOTE_THRESHOLD)),
                           start_timeout_s=600)  # a loaded 2-core machine takes over 300 s
 
 

@@ -43,7 +43,8 @@ REMOTE_THRESHOLD = 64
 
 
 cluster = cluster_fixture(decode=2, kv_cache_mb=128, threads=None,
-                          router_args=("--remote-threshold", str(REMOTE_THRESHOLD)))
+                          router_args=("--placement", "threshold",
+                                       "--remote-threshold", str(REMOTE_THRESHOLD)))
 
 
 def _counter(url: str, name: str, **labels: str) -> float:

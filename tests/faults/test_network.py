@@ -70,7 +70,7 @@ async def test_prefill_worker_behind_a_faulty_link(veth: Veth, tmp_path: Path, m
     router = c.router
     try:
         c.start([("decode", "decode-0", False), ("prefill", "prefill-0", True)],
-                router_args=("--remote-threshold", "1"))
+                router_args=("--placement", "threshold", "--remote-threshold", "1"))
         await c.wait_ready()
         prefill_port, redis_port = c.ports["prefill-0"], c.redis_port
         roles = {w["worker_id"]: w for w in await router_workers(c.http)}

@@ -56,7 +56,8 @@ async def net(veth: Veth, tmp_path_factory: pytest.TempPathFactory,
     c = NetCluster(veth, tmp_path_factory.mktemp("net_decode"), model_dir)
     try:
         c.start([("prefill", "prefill-0", False), ("decode", "decode-0", False),
-                 ("decode", VICTIM, True)], router_args=("--remote-threshold", "1"))
+                 ("decode", VICTIM, True)], router_args=("--placement", "threshold",
+                                                         "--remote-threshold", "1"))
         await c.wait_ready()
         yield c
     finally:

@@ -288,7 +288,8 @@ def test_redis_kill_and_restart_under_streams(tmp_path: Path, model_dir: Path) -
     try:
         with LocalCluster(prefill=1, decode=1, model=str(model_dir),
                           redis_url=f"redis://127.0.0.1:{redis.port}/0",
-                          router_args=("--remote-threshold", "1")) as cluster:
+                          router_args=("--placement", "threshold",
+                                       "--remote-threshold", "1")) as cluster:
             url = f"{cluster.http_url}/v1/completions"
             ref = httpx.post(url, json=body, timeout=300).json()["choices"][0]["text"]
             pids = {n: p.pid for n, p in cluster.procs.items()}

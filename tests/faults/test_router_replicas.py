@@ -17,7 +17,8 @@ from tests.helpers.cluster_util import cluster_fixture, wait_blocks_free
 pytestmark = [pytest.mark.timeout(900)]
 
 
-cluster = cluster_fixture(kv_cache_mb=96, threads=None, router_args=("--remote-threshold", "64"))
+cluster = cluster_fixture(kv_cache_mb=96, threads=None, router_args=("--placement", "threshold",
+                                                                     "--remote-threshold", "64"))
 
 
 @pytest.fixture(scope="module")
