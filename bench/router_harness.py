@@ -148,6 +148,9 @@ class Config:
     # The router's local requests on one Session call per worker (its default); False runs
     # it with --no-worker-sessions, a Generate call per request.
     worker_sessions: bool = True
+    # The router's --placement: threshold, as every record before stop 62 measured it (cost
+    # became the router's default then).
+    placement: str = "threshold"
     verify_index: bool = True
     model: str = "default"
     autogroup_nice: int | None = None
@@ -317,8 +320,7 @@ class Cluster:
         argv = [sys.executable, "-m", "pdserve.cli", "router", "--port", str(self.grpc_port),
                 "--http-port", str(self.http_port), "--namespace", self.namespace,
                 "--host", "127.0.0.1", "--model", str(self.model_dir), "--no-admission",
-                # as every record of this harness measured it (cost is the default now)
-                "--placement", "threshold",
+                "--placement", self.cfg.placement,
                 "--log-level", self.cfg.router_log_level,
                 *([] if self.cfg.worker_sessions else ["--no-worker-sessions"])]
         # A session of its own: with --autogroup-nice it gets the same priority as the
@@ -1127,6 +1129,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paired", type=int, default=None,
                    help="requests each way in the paired phase (0: none; needs the direct "
                    "phase)")
+    p.add_argument("--placement", choices=("threshold", "cost"), default=None,
+                   help="the router's --placement (default threshold, as the records were "
+                   "made; the router's own default is cost)")
     p.add_argument("--no-worker-sessions", action="store_true",
                    help="run the router with --no-worker-sessions (a Generate call per "
                    "request to a decode worker)")
@@ -1141,7 +1146,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = QUICK if args.quick else Config()
     over = {k: getattr(args, k) for k in ("index_blocks", "time_scale", "light_rate",
                                           "light_s", "saturate_s", "concurrency", "paired",
-                                          "router_log_level")
+                                          "router_log_level", "placement")
             if getattr(args, k) is not None}
     if args.workers:
         over["workers"] = tuple(args.workers)
