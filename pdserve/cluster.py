@@ -159,6 +159,11 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float, what: 
     raise TimeoutError(f"{what} did not open port {port} within {timeout_s:.0f}s")
 
 
+# The nice value `cluster up` gives prefill workers, which share every CPU with the decode
+# workers (--prefill-nice): what they publish (`WorkerInfo.nice`), and bench.sim models.
+DEFAULT_PREFILL_NICE = 5
+
+
 class LocalCluster:
     """Redis (private unless a URL is given), router, N prefill and M decode workers, as
     child processes listening on `host` (127.0.0.1; a process refuses any other address
@@ -194,7 +199,7 @@ class LocalCluster:
                  extra_prefill_args: tuple[str, ...] = (),
                  extra_decode_args: tuple[str, ...] = (), log_dir: Path | None = None,
                  namespace: str | None = None, env: dict[str, str] | None = None,
-                 place_workers: bool = True, prefill_nice: int = 5,
+                 place_workers: bool = True, prefill_nice: int = DEFAULT_PREFILL_NICE,
                  cluster_secret: str | None = None, host: str = "127.0.0.1",
                  tls: bool = False):
         self.host = host

@@ -28,7 +28,13 @@ from pdserve.cli_args import (
     positive_int,
     tls_client_files,
 )
-from pdserve.cluster import LocalCluster, new_cluster_secret, redact_url, stream_completion
+from pdserve.cluster import (
+    DEFAULT_PREFILL_NICE,
+    LocalCluster,
+    new_cluster_secret,
+    redact_url,
+    stream_completion,
+)
 from pdserve.services_cli import Adder, add_router_flags, config_error, served_name
 from pdserve.settings import add_flags, flags, from_args, to_argv
 
@@ -219,7 +225,7 @@ def register(sub: Any, add: Adder) -> None:
     g.add_argument("--port", type=int, default=50051, help="router gRPC port")
     g.add_argument("--demo", default=None, help="send this prompt, print the answer, stop")
     g.add_argument("--max-tokens", type=int, default=64, help="tokens the --demo answer may use")
-    g.add_argument("--prefill-nice", type=int, default=5,
+    g.add_argument("--prefill-nice", type=int, default=DEFAULT_PREFILL_NICE,
                    help="nice value of prefill workers, which share every CPU with the decode "
                    "workers at a lower priority")
     g.add_argument("--ready-timeout", type=float, default=300.0,

@@ -158,7 +158,7 @@ def local_estimate(decode: WorkerLoad, uncached: int, model: CostModel, *,
 def remote_estimate(prefill: WorkerLoad, decode: WorkerLoad, uncached: int, model: CostModel,
                     *, inflight_tokens: float = 0.0, prefill_uncached: int | None = None,
                     streams: float | None = None, peer_rate: float | None = None,
-                        shares_cpus: float = 0.0, decode_inflight_tokens: float = 0.0
+                    shares_cpus: float = 0.0, decode_inflight_tokens: float = 0.0
                     ) -> Estimate:
     """`uncached`: prompt tokens the decode worker lacks (transferred); `prefill_uncached`:
     the ones the prefill worker lacks (computed; default: the same); `shares_cpus` (above 0):

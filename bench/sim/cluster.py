@@ -37,6 +37,7 @@ from bench.sim.workers import (
     StepCost,
     load_corun,
 )
+from pdserve.cluster import DEFAULT_PREFILL_NICE
 from pdserve.control.workers import WorkerInfo
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_events import KVEventBatch
@@ -56,7 +57,6 @@ POLICIES: tuple[Policy, ...] = ("threshold", "cost", "least-loaded", "random", "
 # to core i, prefill unpinned at nice 5).
 Sharing = Literal["own", "1p1d", "cluster-up"]
 NICE_5 = 335.0  # CFS weight of nice 5 (nice 0: 1024)
-CLUSTER_UP_PREFILL_NICE = 5  # what `pdserve cluster up`'s prefill worker publishes
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ class Simulation(Clock):
             grpc_address=f"127.0.0.1:{20000 + i}", model_id=MODEL_ID, epoch=1, started_at=0.0,
             load=w.load(), host_id=f"host-{hosts.index(w.host)}",
             cpus=tuple(range(w.host.cores)) if w.core is None else (w.core,),
-            nice=CLUSTER_UP_PREFILL_NICE if c.sharing == "cluster-up"
+            nice=DEFAULT_PREFILL_NICE if c.sharing == "cluster-up"
             and isinstance(w, PrefillSim) else 0)
             for i, w in enumerate(self.by_id.values())}
         # One index for both roles, as the router keeps it: prefill workers publish too.
