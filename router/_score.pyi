@@ -8,3 +8,12 @@ _Floats = npt.NDArray[np.float64]
 def best(running: _Floats, waiting: _Floats, memory: _Floats, cached: _Floats,
          ids: tuple[str, ...], placed: Mapping[str, int], weight: float,
          tiebreak: int) -> int: ...
+
+def best_cost(length: float, dcached: _Floats, running: _Floats, prompt_waiting: _Floats,
+              rate: _Floats, step: _Floats, dids: tuple[str, ...], pcached: _Floats,
+              queued: _Floats, prate: _Floats, transfer: _Floats, pids: tuple[str, ...],
+              placed: Mapping[str, int], inflight: Mapping[str, float],
+              shares: _Floats | None, absorbed: float, row_fraction: float,
+              stall_weight: float, tpot_weight: float, late_weight: float, overhead: float,
+              max_local_s: float, target_s: float, ttft_weight: float,
+              tiebreak: int) -> tuple[int, int, bool, float, float]: ...

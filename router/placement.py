@@ -38,12 +38,16 @@ from router.kv_index import KVIndex, spread
 from router.policy import Decision, Route, RouterPolicy, decide_route
 
 _NONE: Mapping[str, float] = {}
+_DEFAULT_COST = CostModel()
 Floats = npt.NDArray[np.float64]
 _native_best: Callable[..., int] | None
-try:  # router/_score.c, where setup.py could build it: best_of's arithmetic in one C loop
+_native_cost: Callable[..., tuple[int, int, bool, float, float]] | None
+try:  # router/_score.c, where setup.py could build it: best_of's and best_by_cost's
+    # arithmetic in C loops
     from router._score import best as _native_best
-except ImportError:  # pragma: no cover - the numpy path below gives the same choices
-    _native_best = None
+    from router._score import best_cost as _native_cost
+except ImportError:  # pragma: no cover - the numpy paths below give the same choices
+    _native_best = _native_cost = None
 
 
 @dataclass(frozen=True)
@@ -77,20 +81,22 @@ class _Columns:
     hosts: tuple[tuple[str, tuple[int, ...], int], ...]
     # Per cost model and peer rate: the columns above with the peer rate or the model's
     # priors in place of what was not measured (computed once per table and peer rate).
-    priced: dict[tuple[CostModel, float | None], _Priced] = field(default_factory=dict,
-                                                                  compare=False)
+    # Keyed by the model's identity (hashing its fields costs more than a lookup), the model
+    # held beside its prices so that no other model can take its id.
+    priced: dict[tuple[int, float | None], tuple[CostModel, _Priced]] = field(
+        default_factory=dict, compare=False)
 
     def prices(self, model: CostModel, peer_rate: float | None = None) -> _Priced:
         """`peer_rate`: router.cost.peer_prefill_rate over every candidate, both roles."""
-        got = self.priced.get((model, peer_rate))
-        if got is None:
-            got = self.priced[model, peer_rate] = _Priced(
-                rate=np.where(self.rate != 0, self.rate,
-                              peer_rate or model.prior_prefill_tokens_per_s),
-                step=np.where(self.step != 0, self.step, model.prior_decode_step_s),
-                transfer=np.where(self.transfer != 0, self.transfer,
-                                  model.prior_transfer_s_per_token),
-                queued=self.queued_tokens + self.prompt_waiting)
+        held = self.priced.get((id(model), peer_rate))
+        if held is not None and held[0] is model:
+            return held[1]
+        got = _Priced(
+            rate=np.where(self.rate != 0, self.rate, peer_rate or model.prior_prefill_tokens_per_s),
+            step=np.where(self.step != 0, self.step, model.prior_decode_step_s),
+            transfer=np.where(self.transfer != 0, self.transfer, model.prior_transfer_s_per_token),
+            queued=self.queued_tokens + self.prompt_waiting)
+        self.priced[id(model), peer_rate] = (model, got)
         return got
 
 
@@ -357,15 +363,44 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
     after `tiebreak` (local before remote on one worker), and the first prefill worker from
     the same place. `shares`: per [prefill, decode] pair, how much the prefill worker's
     compute stalls the decode worker's streams (`DecodeTable.shares`; 0: they compute
-    apart); `ttft_weight`: the class's price of a second of TTFT (`Estimate.cost`)."""
-    n, m = len(dcols.ids), len(pcols.ids)
+    apart); `ttft_weight`: the class's price of a second of TTFT (`Estimate.cost`).
+    In C where router/_score.c was built (the same floats, operation for operation)."""
     length = float(prompt_len)
+    peer = min(dcols.min_rate, pcols.min_rate)
+    peer_rate = None if peer == np.inf else peer
+    dp, pp = dcols.prices(model, peer_rate), pcols.prices(model, peer_rate)
+    if _native_cost is not None and isinstance(placed, dict) \
+            and isinstance(inflight_tokens, dict):
+        w, p, local, ttft, cost = _native_cost(
+            length, dcached, dcols.running, dcols.prompt_waiting, dp.rate, dp.step, dcols.ids,
+            pcached, pp.queued, pp.rate, pp.transfer, pcols.ids, placed, inflight_tokens,
+            shares, float(model.absorbed_tokens), model.decode_row_fraction,
+            model.stall_weight, model.tpot_weight, model.late_weight, model.remote_overhead_s,
+            model.max_local_prefill_s, target_s, ttft_weight, tiebreak)
+        route = Route.LOCAL if local else Route.REMOTE
+        prefilled = dcached[w] if local else pcached[p]
+        return CostChoice(w, p if p >= 0 else None, route, _cost_reason(route, p >= 0,
+                                                                         ttft > target_s),
+                          ttft, cost, int(max(0.0, length - prefilled)))
+    return _best_by_cost_numpy(length, dcols, dcached, dp, pcols, pcached, pp, placed,
+                               inflight_tokens, target_s, model, tiebreak, shares, ttft_weight)
+
+
+def _cost_reason(route: Route, any_prefill: bool, over: bool) -> str:
+    if not any_prefill:
+        return "no_prefill_worker"
+    return "cost_over_target" if over else f"cost_{route.value}"
+
+
+def _best_by_cost_numpy(length: float, dcols: _Columns, dcached: Floats, dp: _Priced,
+                        pcols: _Columns, pcached: Floats, pp: _Priced,
+                        placed: Mapping[str, int], inflight_tokens: Mapping[str, float],
+                        target_s: float, model: CostModel, tiebreak: int,
+                        shares: Floats | None, ttft_weight: float) -> CostChoice:
+    n, m = len(dcols.ids), len(pcols.ids)
     # Decode side, per w.
     unc = np.maximum(0.0, length - dcached)
     streams = _streams(dcols, placed)
-    peer = min(dcols.min_rate, pcols.min_rate)
-    peer_rate = None if peer == np.inf else peer
-    dp = dcols.prices(model, peer_rate)
     rate, step = dp.rate, dp.step
     pending = dcols.prompt_waiting if not inflight_tokens else np.maximum(
         dcols.prompt_waiting, _inflight(dcols, inflight_tokens))
@@ -379,7 +414,6 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
     # same for every p): by TTFT where no pair shares CPUs; equal ones from `tiebreak` on.
     if m:
         lack = np.maximum(0.0, length - pcached)
-        pp = pcols.prices(model, peer_rate)
         ppending = pp.queued if not inflight_tokens else np.maximum(
             pp.queued, _inflight(pcols, inflight_tokens))
         ttft_pw = ((((ppending + lack) / pp.rate)[:, None] + unc[None, :] * pp.transfer[:, None])
@@ -420,12 +454,7 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
     route = Route.LOCAL if local_v[w] == best else Route.REMOTE
     over = (ttft_local if route is Route.LOCAL else ttft_remote)[w] > target_s
     p = int(best_p[w]) if m else None
-    if not m:
-        reason = "no_prefill_worker"
-    elif over:
-        reason = "cost_over_target"
-    else:
-        reason = f"cost_{route.value}"
+    reason = _cost_reason(route, bool(m), bool(over))
     if route is Route.LOCAL:
         return CostChoice(w, p, route, reason, float(ttft_local[w]), float(cost_local[w]),
                           int(unc[w]))
@@ -458,7 +487,7 @@ def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerIn
         pcols = table.prefill_columns(prefills, index, listing)
         cached, pcached = _cached(index, ids, cols, pcols)
         c = best_by_cost(len(ids), cols, cached, pcols, pcached, placed, inflight_tokens,
-                         target_s, cost or CostModel(), tiebreak, table.shares(cols, pcols),
+                         target_s, cost or _DEFAULT_COST, tiebreak, table.shares(cols, pcols),
                          policy.ttft_weights[latency])
         return Placement(decoders[c.decode], None if c.prefill is None else prefills[c.prefill],
                          Decision(c.route, c.reason, c.uncached_tokens, c.ttft_s),

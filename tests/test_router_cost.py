@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import time
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,6 +16,7 @@ from pdserve.control.workers import WorkerInfo
 from pdserve.engine.block_manager import block_hashes
 from pdserve.kv_events import KVEventBatch, KVOp
 from pdserve.types import LatencyClass
+from router import placement
 from router.cost import (
     CostModel,
     Estimate,
@@ -25,7 +27,7 @@ from router.cost import (
 )
 from router.kv_index import KVIndex
 from router.ledger import PlacementLedger
-from router.placement import place
+from router.placement import DecodeTable, best_by_cost, place
 from router.policy import Route, RouterPolicy
 
 MODEL = CostModel()
@@ -229,6 +231,67 @@ def test_cost_placement_takes_the_cheapest_candidate(
     assert objective((got, "", None, 0)) == pytest.approx(best, rel=1e-9, abs=1e-12)
     if not prefills:
         assert p.decision.route is Route.LOCAL and p.decision.reason == "no_prefill_worker"
+
+
+def test_the_c_cost_choice_equals_the_numpy_one_exactly() -> None:
+    """router/_score.c's best_cost (the router's hot path) against best_by_cost's numpy:
+    the same positions, route, reason and floats to the last bit, on random columns with
+    many equal costs (ties take turns from `tiebreak` alike), CPU shares or none, the
+    router's placed and in-flight counts, and without prefill workers."""
+    pytest.importorskip("router._score")
+    rng = np.random.default_rng(18)
+    for case in range(3000):
+        n, m = int(rng.integers(1, 9)), int(rng.integers(0, 5))
+        decoders = [_worker(f"d{i}", "decode", _random_load(rng), ("", ())) for i in range(n)]
+        prefills = [_worker(f"p{i}", "prefill", _random_load(rng), ("", ())) for i in range(m)]
+        table, index = DecodeTable(), KVIndex()
+        dcols, pcols = table.columns(decoders, index), table.prefill_columns(prefills, index)
+        length = int(rng.choice([1, 16, 64, 300, 2000]))
+        dcached = rng.choice([0, 16, 64, 320], size=n).astype(float)
+        pcached = rng.choice([0, 16, 320], size=m).astype(float)
+        placed = {f"d{i}": int(rng.integers(1, 5)) for i in range(n) if rng.random() < 0.4}
+        inflight = collections.Counter({w: int(rng.choice([100, 3000]))
+                                        for w in [*dcols.ids, *pcols.ids] if rng.random() < 0.3})
+        shares = None if m == 0 or rng.random() < 0.5 else \
+            rng.choice([0.0, 0.0, 1.0, 0.512], size=(m, n))
+        model = dataclasses.replace(MODEL, remote_overhead_s=float(rng.choice([0.0, 0.02])))
+        target, weight = float(rng.choice([0.3, 2.0, 30.0])), float(rng.choice([1.0, 0.1]))
+        tiebreak = int(rng.integers(0, 100))
+        got = best_by_cost(length, dcols, dcached, pcols, pcached, placed, inflight, target,
+                           model, tiebreak, shares, weight)
+        peer = min(dcols.min_rate, pcols.min_rate)
+        peer_rate = None if peer == np.inf else peer
+        want = placement._best_by_cost_numpy(
+            float(length), dcols, dcached, dcols.prices(model, peer_rate), pcols, pcached,
+            pcols.prices(model, peer_rate), placed, inflight, target, model, tiebreak, shares,
+            weight)
+        assert got == want, case
+
+
+def _random_load(rng: np.random.Generator) -> WorkerLoad:
+    return WorkerLoad(running=int(rng.integers(0, 4)), queued_tokens=int(rng.choice([0, 500])),
+                      prefill_tokens_per_s=float(rng.choice([0.0, 300.0, 1000.0])),
+                      decode_step_s=float(rng.choice([0.0, 0.03])),
+                      waiting_prompt_tokens=float(rng.choice([0.0, 700.0])),
+                      kv_transfer_s_per_token=float(rng.choice([0.0, 1e-3])))
+
+
+def test_the_c_cost_choice_checks_its_input() -> None:
+    """Wrong buffers are refused, not read past their end."""
+    from router._score import best_cost
+    one, two = np.ones(1), np.ones(2)
+
+    def call(pcached: np.ndarray, shares: object = None) -> object:
+        return best_cost(1.0, one, one, one, one, one, ("d",), pcached, two, two, two,
+                         ("p", "q"), {}, {}, shares, *[1.0] * 9, 0)
+
+    assert call(two)[:2] == (0, 0)  # one decode worker; equal prefill workers: the first
+    with pytest.raises(ValueError, match="pcached"):
+        call(one)
+    with pytest.raises(ValueError, match="shares"):
+        call(two, np.ones(3))
+    with pytest.raises(TypeError, match="float64"):
+        call(two, np.ones(2, dtype=np.float32))
 
 
 def test_the_prefill_worker_is_priced_by_what_its_own_cache_lacks() -> None:
