@@ -5,10 +5,12 @@ not produced its first token yet ("pending") and the prompt tokens they carry. A
 wait is predicted as the work ahead of it divided by the rate the cluster has been delivering
 first tokens at:
 
-    predicted_wait_s = (pending work ahead + prefill workers' queued tokens) / work_rate
+    predicted_wait_s = (pending work ahead + prefill workers' other queued tokens) / work_rate
 
 "Ahead" follows the workers' schedulers, which serve the more urgent latency class first: an
 interactive request waits only for pending interactive work, a batch request for all of it.
+Prefill workers' queued tokens count past what this router has in flight there
+(`external_backlog`: another router's work, whose class it does not know).
 A request's work is its prompt tokens plus `request_overhead_tokens` (a short prompt still
 costs a pass). `work_rate` starts from the predictor placement uses (router.cost): the
 cluster's prefill capacity, the sum of each worker's measured prefill rate from its
@@ -34,7 +36,7 @@ controller is plain Python and holds no locks: the router calls it from one even
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -48,6 +50,17 @@ DEFAULT_TTFT_DEADLINES_S: Mapping[LatencyClass, float] = MappingProxyType({
 # Share of `max_in_flight` each class may fill: the lower classes hit their cap first.
 DEFAULT_CLASS_SHARE: Mapping[LatencyClass, float] = MappingProxyType({
     LatencyClass.INTERACTIVE: 1.0, LatencyClass.STANDARD: 0.9, LatencyClass.BATCH: 0.75})
+
+
+def external_backlog(queued: Iterable[tuple[str, float]], own: Mapping[str, float]) -> float:
+    """Prompt tokens prefill workers queue that this router did not send them (another
+    router's work), from each worker's (id, queued tokens) and what this router has in flight
+    there (its ledger): its own is in the controller's pending work already, by class.
+    Counted in full, a router's own batch prompts queued at a prefill worker made every
+    interactive prompt wait for them in the prediction, though it would not wait for them
+    where it is served (docs/bench/placement_s63/flood: a batch flood on 1P1D refused all
+    ten interactive prompts)."""
+    return sum(max(0.0, q - own.get(w, 0.0)) for w, q in queued)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from pdserve.errors import (
 )
 from pdserve.types import FinishReason, GenerateRequest, StageTimings, TokenEvent
 from router import placement
-from router.admission import AdmissionController, Ticket
+from router.admission import AdmissionController, Ticket, external_backlog
 from router.calibration import RemoteOverhead
 from router.clients import (
     DecodeClient,
@@ -83,7 +83,7 @@ class Router(AsyncResource):
         # Admission's view of the cluster (prefill backlog, prefill capacity), from the
         # loads the directory holds: recomputed when it polled, not per request.
         self._capacity_key: tuple[int, bool] | None = None
-        self._capacity: tuple[float, float] = (0.0, 0.0)
+        self._capacity: tuple[tuple[tuple[str, float], ...], float] = ((), 0.0)
         # request id -> the id it runs under on its decode worker, where they differ
         self._worker_ids: dict[str, str] = {}
         self._watch: asyncio.Task[None] | None = None
@@ -245,7 +245,8 @@ class Router(AsyncResource):
 
     def admit(self, req: GenerateRequest) -> Ticket:
         """Admission control (`router.admission`): a ticket, or OverloadedError (counted)."""
-        backlog, capacity = self._admission_view()
+        queued, capacity = self._admission_view()
+        backlog = external_backlog(queued, self.ledger.inflight_tokens)
         try:
             return self.admission.decide(req.latency_class, len(req.prompt_token_ids),
                                          time.monotonic(), backlog, capacity)
@@ -256,16 +257,17 @@ class Router(AsyncResource):
                      retry_after_s=exc.retry_after_s)
             raise
 
-    def _admission_view(self) -> tuple[float, float]:
-        """(prompt tokens queued on prefill workers, the cluster's prefill tokens/s) from the
-        workers' last loads. They move only when the directory polls, so this is computed
-        once per poll, not per request (O(workers) in Python)."""
+    def _admission_view(self) -> tuple[tuple[tuple[str, float], ...], float]:
+        """(each prefill worker's id and queued prompt tokens, the cluster's prefill tokens/s)
+        from the workers' last loads. They move only when the directory polls, so this is
+        computed once per poll, not per request (O(workers) in Python)."""
         key = (self.directory.generation, self.directory.expired)
         if key != self._capacity_key:
             workers = [w for w in self.directory.snapshot().values()
                        if w.role in ("prefill", "decode")]
-            backlog = sum(w.load.queued_tokens for w in workers if w.role == "prefill")
-            self._capacity = (backlog, prefill_capacity(
+            queued = tuple((w.worker_id, w.load.queued_tokens) for w in workers
+                           if w.role == "prefill" and w.load.queued_tokens)
+            self._capacity = (queued, prefill_capacity(
                 (w.load for w in workers), self.config.cost or CostModel()))
             self._capacity_key = key
         return self._capacity

@@ -29,7 +29,12 @@ from pdserve.errors import (
 from pdserve.gateway.errors import from_pdserve
 from pdserve.rpc.errors import RETRY_AFTER_KEY, _error_metadata, status_for
 from pdserve.types import LatencyClass
-from router.admission import AdmissionConfig, AdmissionController, parse_deadlines
+from router.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    external_backlog,
+    parse_deadlines,
+)
 from router.cost import CostModel, prefill_capacity
 from tests.helpers.cluster_util import cluster_fixture, generate, wait_blocks_free
 
@@ -73,6 +78,25 @@ def test_batch_is_shed_before_interactive() -> None:
     assert adm.predicted_wait_s(INT) == pytest.approx(5.0)
     adm.decide(S, 1000, now=0.0)  # 5 s of interactive work is ahead of it, not the batch
     assert adm.predicted_wait_s(B) == pytest.approx(145.0)
+
+
+def test_a_routers_own_batch_queued_at_prefill_workers_is_not_ahead_of_interactive() -> None:
+    """The batch flood of docs/bench/placement_s63/flood: batch prompts this router sent sit
+    in the prefill worker's queue. They are the router's own pending work (by class), so
+    the prefill worker's queued tokens count only past what the router has in flight there:
+    another router's work. Counted in full they were ahead of every interactive prompt."""
+    adm = _controller()  # 100 tokens/s
+    for _ in range(12):
+        adm.decide(B, 1000, now=0.0)
+    own = {"p0": 12 * 1000.0}  # the router's ledger: charged to the prefill worker
+    queued = [("p0", 12 * 1000.0), ("p1", 500.0)]  # p1: another router's prompt
+    backlog = external_backlog(queued, own)
+    assert backlog == 500.0
+    adm.decide(INT, 400, now=0.0, external_backlog_tokens=backlog)  # 5 s ahead: admitted
+    with pytest.raises(OverloadedError):  # the queue counted in full: 129 s ahead
+        adm.decide(INT, 400, now=0.0, external_backlog_tokens=external_backlog(queued, {}))
+    # A heartbeat older than the ledger (the queue drained since) counts nothing negative.
+    assert external_backlog([("p0", 100.0)], {"p0": 1100.0}) == 0.0
 
 
 def test_in_flight_cap_fills_batch_first() -> None:
