@@ -144,25 +144,25 @@ static inline double pos(double x) { return x > 0.0 ? x : 0.0; }  /* np.maximum(
 /* best_cost(length, dcached, running, prompt_waiting, rate, step, dids,
  *             pcached, queued, prate, transfer, pids, placed, inflight, shares,
  *             absorbed, row_fraction, stall_weight, tpot_weight, late_weight, overhead,
- *             max_local_s, target_s, ttft_weight, timeout_s, tiebreak)
+ *             max_local_s, target_s, ttft_weight, tiebreak)
  *
  * Decode columns (n each: tokens cached, running streams, prompt tokens waiting, priced
  * prefill rate and decode step; ids), prefill columns (m each: tokens cached, priced backlog,
  * rate and transfer seconds per token; ids), `placed` and `inflight` dicts by worker id,
  * `shares` None or an m x n float64 buffer, then CostModel's numbers, the class's target
- * and TTFT weight, the remote prefill timeout. Returns (decode position, prefill position or -1 without prefill
+ * and TTFT weight. Returns (decode position, prefill position or -1 without prefill
  * workers, whether local, the chosen candidate's TTFT and cost). */
 static PyObject *best_cost(PyObject *self, PyObject *args) {
     double length, absorbed, row_fraction, stall_w, tpot_w, late_w, overhead, max_local;
-    double target, ttft_w, timeout;
+    double target, ttft_w;
     PyObject *objs[9], *dids, *pids, *placed, *inflight, *shares_obj;
     Py_ssize_t tiebreak;
-    if (!PyArg_ParseTuple(args, "dOOOOOO!OOOOO!O!O!Oddddddddddn", &length, &objs[0], &objs[1],
+    if (!PyArg_ParseTuple(args, "dOOOOOO!OOOOO!O!O!Odddddddddn", &length, &objs[0], &objs[1],
                           &objs[2], &objs[3], &objs[4], &PyTuple_Type, &dids, &objs[5],
                           &objs[6], &objs[7], &objs[8], &PyTuple_Type, &pids, &PyDict_Type,
                           &placed, &PyDict_Type, &inflight, &shares_obj, &absorbed,
                           &row_fraction, &stall_w, &tpot_w, &late_w, &overhead, &max_local,
-                          &target, &ttft_w, &timeout, &tiebreak))
+                          &target, &ttft_w, &tiebreak))
         return NULL;
     static const char *names[10] = {"dcached", "running", "prompt_waiting", "rate", "step",
                                     "pcached", "queued", "prate", "transfer", "shares"};
@@ -224,18 +224,13 @@ static PyObject *best_cost(PyObject *self, PyObject *args) {
             for (Py_ssize_t k = 0; k < m; k++) {
                 Py_ssize_t p = pstart + k < m ? pstart + k : pstart + k - m;
                 double t = ((head[p] + u * transfer[p]) + overhead) + step[w];
-                double key, st = 0.0;
+                double key = t, st = 0.0;
                 if (with_shares) {
                     double sh = shares[p * n + w];
                     if (sh > 0.0) t = t + pending[w] / rate[w];
                     st = sh * ((pos(lack[p] - absorbed) / rate[w]) * streams[w]);
+                    key = ttft_w * (t + late_w * pos(t - target)) + stall_w * st;
                 }
-                if (t > timeout) {  /* the fallback: w's own prefill, `timeout` late */
-                    t = timeout + tl;
-                    st = stall;
-                }
-                if (with_shares) key = ttft_w * (t + late_w * pos(t - target)) + stall_w * st;
-                else key = t;
                 if (bp < 0 || key < bkey) {
                     bp = p;
                     bkey = key;
@@ -246,8 +241,8 @@ static PyObject *best_cost(PyObject *self, PyObject *args) {
             best_p[w] = (double)bp;
             cr = ttft_w * (tr + late_w * pos(tr - target));
             cr = cr + tpot_w * tpot;
-            cr = cr + stall_w * bstall;
-            allowed = !(tr <= (target < timeout ? target : timeout) && compute > max_local);
+            if (with_shares) cr = cr + stall_w * bstall;
+            allowed = !(tr <= target && compute > max_local);
         }
         cost_l = cost_l + ttft_w * late_w * pos(tl - target);
         ttft_l[w] = tl;
@@ -281,8 +276,7 @@ static PyMethodDef methods[] = {
     {"best_cost", best_cost, METH_VARARGS,
      "best_cost(length, dcached, running, prompt_waiting, rate, step, dids, pcached, queued, "
      "prate, transfer, pids, placed, inflight, shares, absorbed, row_fraction, stall_weight, "
-     "tpot_weight, late_weight, overhead, max_local_s, target_s, ttft_weight, timeout_s, "
-     "tiebreak) -> "
+     "tpot_weight, late_weight, overhead, max_local_s, target_s, ttft_weight, tiebreak) -> "
      "(decode, prefill, local, ttft, cost): router.placement.best_by_cost's choice."},
     {NULL, NULL, 0, NULL},
 };

@@ -15,5 +15,5 @@ def best_cost(length: float, dcached: _Floats, running: _Floats, prompt_waiting:
               placed: Mapping[str, int], inflight: Mapping[str, float],
               shares: _Floats | None, absorbed: float, row_fraction: float,
               stall_weight: float, tpot_weight: float, late_weight: float, overhead: float,
-              max_local_s: float, target_s: float, ttft_weight: float, timeout_s: float,
+              max_local_s: float, target_s: float, ttft_weight: float,
               tiebreak: int) -> tuple[int, int, bool, float, float]: ...

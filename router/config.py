@@ -254,21 +254,6 @@ class RouterConfig:
         return self.policy.ttft_target_s(latency_class,
                                          self.admission.deadline_s(latency_class))
 
-    def first_token_limit_s(self, latency_class: LatencyClass) -> float:
-        """How long a request waits for its first token, every attempt together: the first
-        token timeout, and for an admitted request its class's deadline x the deadline
-        factor."""
-        adm = self.admission
-        if not adm.enabled:
-            return self.first_token_timeout_s
-        return min(self.first_token_timeout_s,
-                   adm.deadline_s(latency_class) * adm.first_token_deadline_factor)
-
-    def remote_timeout_s(self, latency_class: LatencyClass) -> float:
-        """How long a remote prefill of this class may take before the router prefills it
-        locally (router.remote): what cost placement prices a remote queue against."""
-        return min(self.prefill_timeout_s, self.first_token_limit_s(latency_class))
-
     @property
     def liveness(self) -> LivenessConfig:
         from router.liveness import LivenessConfig

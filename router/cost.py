@@ -182,32 +182,14 @@ def remote_estimate(prefill: WorkerLoad, decode: WorkerLoad, uncached: int, mode
     return Estimate(Route.REMOTE, ttft, stall, computed / rate, model.tpot(decode, n))
 
 
-def as_fallback(remote: Estimate, local: Estimate, timeout_s: float = math.inf) -> Estimate:
-    """`remote` as the router will serve it: a remote prefill predicted past `timeout_s`
-    (the router's `--prefill-timeout`) times out and the decode worker prefills the prompt
-    itself (router.remote), so it is priced as that local prefill `timeout_s` late, with
-    its stall. It never costs less than `local` on the same decode worker: cost placement
-    does not queue a prompt where it will not be served in time. In a batch flood on 1P1D
-    (docs/bench/placement_s62/flood) 16 of 27 batch prompts waited 30 s at the prefill
-    worker and then were prefilled locally all the same."""
-    if remote.ttft_s <= timeout_s:
-        return remote
-    return Estimate(Route.REMOTE, timeout_s + local.ttft_s, local.stall_s, local.compute_s,
-                    remote.tpot_s)
-
-
 def decide_by_cost(local: Estimate, remote: Estimate | None, uncached: int, target_s: float,
-                   model: CostModel, weight: float = 1.0, timeout_s: float = math.inf
-                   ) -> tuple[Decision, Estimate]:
+                   model: CostModel, weight: float = 1.0) -> tuple[Decision, Estimate]:
     """`remote` is None when no prefill worker is available; `weight`: the class's TTFT
-    weight (`Estimate.cost`); `timeout_s`: the router's remote prefill timeout
-    (`as_fallback`)."""
+    weight (`Estimate.cost`)."""
     if remote is None:
         return Decision(Route.LOCAL, "no_prefill_worker", uncached), local
-    remote = as_fallback(remote, local, timeout_s)
     candidates = [local, remote]
-    if remote.ttft_s <= min(target_s, timeout_s) \
-            and local.compute_s > model.max_local_prefill_s:
+    if remote.ttft_s <= target_s and local.compute_s > model.max_local_prefill_s:
         candidates = [remote]
     best = min(candidates, key=lambda e: e.cost(model, target_s, weight))
     reason = f"cost_{best.route.value}" if best.ttft_s <= target_s else "cost_over_target"

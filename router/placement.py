@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -354,8 +353,8 @@ def _first_from(mask: npt.NDArray[np.bool_], tiebreak: int) -> int:
 def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Columns,
                  pcached: Floats, placed: Mapping[str, int],
                  inflight_tokens: Mapping[str, float], target_s: float, model: CostModel,
-                 tiebreak: int = 0, shares: Floats | None = None, ttft_weight: float = 1.0,
-                 timeout_s: float = math.inf) -> CostChoice:
+                 tiebreak: int = 0, shares: Floats | None = None, ttft_weight: float = 1.0
+                 ) -> CostChoice:
     """router.cost's formulas (`local_estimate`, `remote_estimate`, `decide_by_cost`'s rule) over
     every candidate at once: local on each decode worker, remote on each (prefill, decode)
     pair: the least cost, a predicted TTFT past `target_s` priced at `model.late_weight` per
@@ -364,10 +363,8 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
     after `tiebreak` (local before remote on one worker), and the first prefill worker from
     the same place. `shares`: per [prefill, decode] pair, how much the prefill worker's
     compute stalls the decode worker's streams (`DecodeTable.shares`; 0: they compute
-    apart); `ttft_weight`: the class's price of a second of TTFT (`Estimate.cost`);
-    `timeout_s`: the router's remote prefill timeout, past which a remote candidate is
-    priced as the local prefill it falls back to (`router.cost.as_fallback`). In C where
-    router/_score.c was built (the same floats, operation for operation)."""
+    apart); `ttft_weight`: the class's price of a second of TTFT (`Estimate.cost`).
+    In C where router/_score.c was built (the same floats, operation for operation)."""
     length = float(prompt_len)
     peer = min(dcols.min_rate, pcols.min_rate)
     peer_rate = None if peer == np.inf else peer
@@ -379,15 +376,14 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
             pcached, pp.queued, pp.rate, pp.transfer, pcols.ids, placed, inflight_tokens,
             shares, float(model.absorbed_tokens), model.decode_row_fraction,
             model.stall_weight, model.tpot_weight, model.late_weight, model.remote_overhead_s,
-            model.max_local_prefill_s, target_s, ttft_weight, timeout_s, tiebreak)
+            model.max_local_prefill_s, target_s, ttft_weight, tiebreak)
         route = Route.LOCAL if local else Route.REMOTE
         prefilled = dcached[w] if local else pcached[p]
         return CostChoice(w, p if p >= 0 else None, route, _cost_reason(route, p >= 0,
                                                                          ttft > target_s),
                           ttft, cost, int(max(0.0, length - prefilled)))
     return _best_by_cost_numpy(length, dcols, dcached, dp, pcols, pcached, pp, placed,
-                               inflight_tokens, target_s, model, tiebreak, shares, ttft_weight,
-                               timeout_s)
+                               inflight_tokens, target_s, model, tiebreak, shares, ttft_weight)
 
 
 def _cost_reason(route: Route, any_prefill: bool, over: bool) -> str:
@@ -400,8 +396,7 @@ def _best_by_cost_numpy(length: float, dcols: _Columns, dcached: Floats, dp: _Pr
                         pcols: _Columns, pcached: Floats, pp: _Priced,
                         placed: Mapping[str, int], inflight_tokens: Mapping[str, float],
                         target_s: float, model: CostModel, tiebreak: int,
-                        shares: Floats | None, ttft_weight: float, timeout_s: float
-                        ) -> CostChoice:
+                        shares: Floats | None, ttft_weight: float) -> CostChoice:
     n, m = len(dcols.ids), len(pcols.ids)
     # Decode side, per w.
     unc = np.maximum(0.0, length - dcached)
@@ -425,34 +420,28 @@ def _best_by_cost_numpy(length: float, dcols: _Columns, dcached: Floats, dp: _Pr
                    + model.remote_overhead_s) + step[None, :]
         order = np.arange(tiebreak, tiebreak + m) % m  # argmin takes the first minimum
         cols_n = np.arange(n)
-        stall_pw: Floats | None = None
-        if shares is not None:
+        if shares is None:
+            best_p = order[np.argmin(ttft_pw[order], axis=0)]
+            stall_remote = np.zeros(n)
+        else:
             # Where p computes on w's CPUs it waits for w's queued prompt work, and w's
             # streams stall as if w computed p's tokens, by p's share of the CPUs.
             ttft_pw = np.where(shares > 0, ttft_pw + (pending / rate)[None, :], ttft_pw)
             stall_pw = shares * ((np.maximum(0.0, lack - model.absorbed_tokens)[:, None]
                                   / rate[None, :]) * streams[None, :])
-        # Past the remote timeout: w's own prefill that much later (router.cost.as_fallback).
-        late = ttft_pw > timeout_s
-        if late.any():
-            ttft_pw = np.where(late, timeout_s + ttft_local[None, :], ttft_pw)
-            stall_pw = np.where(late, stall[None, :], 0.0 if stall_pw is None else stall_pw)
-        if shares is None:
-            key = ttft_pw
-        else:
-            assert stall_pw is not None
             key = (ttft_weight * (ttft_pw + model.late_weight
                                   * np.maximum(0.0, ttft_pw - target_s))
                    + model.stall_weight * stall_pw)
-        best_p = order[np.argmin(key[order], axis=0)]
-        stall_remote = np.zeros(n) if stall_pw is None else stall_pw[best_p, cols_n]
+            best_p = order[np.argmin(key[order], axis=0)]
+            stall_remote = stall_pw[best_p, cols_n]
         ttft_remote = ttft_pw[best_p, cols_n]
         cost_remote = ttft_weight * (ttft_remote + model.late_weight
                                      * np.maximum(0.0, ttft_remote - target_s))
         cost_remote = cost_remote + model.tpot_weight * tpot
-        cost_remote = cost_remote + model.stall_weight * stall_remote
-        # A long local prefill only where a remote candidate meets the target in time.
-        allowed_local = ~((ttft_remote <= min(target_s, timeout_s))
+        if shares is not None:
+            cost_remote = cost_remote + model.stall_weight * stall_remote
+        # A long local prefill only where no remote candidate meets the target.
+        allowed_local = ~((ttft_remote <= target_s)
                           & (compute_local > model.max_local_prefill_s))
     else:
         allowed_local = np.ones(n, dtype=bool)
@@ -478,8 +467,7 @@ def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerIn
           prefills: Sequence[WorkerInfo], index: KVIndex, placed: Mapping[str, int],
           policy: RouterPolicy, *, cost: CostModel | None = None, target_s: float = 30.0,
           inflight_tokens: Mapping[str, float] = _NONE, tiebreak: int = 0,
-          table: DecodeTable | None = None, listing: object = None,
-          remote_timeout_s: float = math.inf) -> Placement:
+          table: DecodeTable | None = None, listing: object = None) -> Placement:
     """`decoders` must not be empty. `placed`: requests this router placed per decode worker
     and not finished; heartbeats lag a burst by up to a second, so those count as running
     too, or a burst would all go to the worker that looked idlest at the last heartbeat.
@@ -500,7 +488,7 @@ def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerIn
         cached, pcached = _cached(index, ids, cols, pcols)
         c = best_by_cost(len(ids), cols, cached, pcols, pcached, placed, inflight_tokens,
                          target_s, cost or _DEFAULT_COST, tiebreak, table.shares(cols, pcols),
-                         policy.ttft_weights[latency], remote_timeout_s)
+                         policy.ttft_weights[latency])
         return Placement(decoders[c.decode], None if c.prefill is None else prefills[c.prefill],
                          Decision(c.route, c.reason, c.uncached_tokens, c.ttft_s),
                          int(cached[c.decode]))

@@ -211,8 +211,7 @@ class Router(AsyncResource):
                             target_s=self.config.ttft_target_s(req.latency_class),
                             inflight_tokens=self.ledger.inflight_tokens,
                             tiebreak=next(self._tiebreak), table=self._decode_table,
-                            listing=listing,
-                            remote_timeout_s=self.config.remote_timeout_s(req.latency_class))
+                            listing=listing)
         self.ledger.place(req.request_id, p.decode.worker_id)  # before any await
         # Its prompt is pending work where it is prefilled until its first token.
         where = p.prefill if p.decision.route is Route.REMOTE else p.decode
@@ -298,8 +297,12 @@ class Router(AsyncResource):
         remotely as usual) and the stream continues after them, with nothing repeated or
         missed; greedy and seeded sampling continue as the interrupted stream would have."""
         clock = StageClock(time.monotonic())
-        # An admitted request does not wait far past its class's deadline.
-        first_token_timeout_s = self.config.first_token_limit_s(req.latency_class)
+        cfg = self.config
+        adm = cfg.admission
+        first_token_timeout_s = cfg.first_token_timeout_s
+        if adm.enabled:  # an admitted request does not wait far past its class's deadline
+            first_token_timeout_s = min(first_token_timeout_s, adm.deadline_s(
+                req.latency_class) * adm.first_token_deadline_factor)
         first_token_by = clock.started + first_token_timeout_s  # across every attempt
         tried: set[str] = set()
         streamed: list[int] = []  # output token ids the client has
@@ -376,7 +379,7 @@ class Router(AsyncResource):
                 failed = (decode.worker_id, exc)
                 if not streamed:
                     retries += 1
-                    if retries >= self.config.max_decode_attempts:
+                    if retries >= cfg.max_decode_attempts:
                         if isinstance(exc, PdserveError):
                             raise
                         # A worker call past its deadline: the worker is busy or gone, not
@@ -387,7 +390,7 @@ class Router(AsyncResource):
                     continue
                 self._abort_on(self._channels.decode(decode),
                                self._worker_ids.get(req.request_id, req.request_id))
-                if migrations >= self.config.max_migrations:
+                if migrations >= cfg.max_migrations:
                     log.warning("migration_exhausted", request_id=req.request_id,
                                 migrations=migrations, error=describe(exc))
                     raise CapacityError(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import time
 
 import numpy as np
@@ -18,12 +17,9 @@ from pdserve.engine.block_manager import block_hashes
 from pdserve.kv_events import KVEventBatch, KVOp
 from pdserve.types import LatencyClass
 from router import placement
-from router.admission import AdmissionConfig
-from router.config import RouterConfig
 from router.cost import (
     CostModel,
     Estimate,
-    as_fallback,
     decide_by_cost,
     local_estimate,
     peer_prefill_rate,
@@ -32,7 +28,7 @@ from router.cost import (
 from router.kv_index import KVIndex
 from router.ledger import PlacementLedger
 from router.placement import DecodeTable, best_by_cost, place
-from router.policy import Decision, Route, RouterPolicy
+from router.policy import Route, RouterPolicy
 
 MODEL = CostModel()
 DECODE = WorkerLoad(running=8, prefill_tokens_per_s=1000.0, decode_step_s=0.03)
@@ -157,14 +153,13 @@ wheres = st.sampled_from([("", ()), ("h1", ()), ("h1", (0,)), ("h1", (1,)), ("h1
        length=st.integers(1, 140), target=st.sampled_from([0.3, 2.0, 30.0]),
        tiebreak=st.integers(0, 50),
        remote_overhead=st.sampled_from([0.02, 0.08, 0.0]),
-       weight=st.sampled_from([1.0, 0.25, 3.0]),
-       timeout=st.sampled_from([math.inf, math.inf, 0.5, 3.0]))
+       weight=st.sampled_from([1.0, 0.25, 3.0]))
 def test_cost_placement_takes_the_cheapest_candidate(
         dloads: list[WorkerLoad], ploads: list[WorkerLoad],
         dwhere: list[tuple[str, tuple[int, ...]]], pwhere: list[tuple[str, tuple[int, ...]]],
         pnice: list[int], dheld: list[int],
         pheld: list[int], placed: list[int], inflight: list[int], length: int, target: float,
-        tiebreak: int, remote_overhead: float, weight: float, timeout: float) -> None:
+        tiebreak: int, remote_overhead: float, weight: float) -> None:
     """Over every candidate (local on each decode worker, remote on each (prefill, decode)
     pair), priced by the scalar reference (`local_estimate`, `remote_estimate`, with the
     tokens each worker lacks from the index and the router's in-flight accounting), place()
@@ -172,8 +167,7 @@ def test_cost_placement_takes_the_cheapest_candidate(
     numbers. A prefill worker that shares a decode worker's CPUs stalls its streams, by its
     share of them at its priority. The
     remote fixed cost may carry the router's learned correction (router.calibration); the
-    class's TTFT weight scales its TTFT and lateness; a remote candidate predicted past the
-    router's remote timeout is priced as the local prefill it falls back to."""
+    class's TTFT weight scales its TTFT and lateness."""
     model = dataclasses.replace(MODEL, remote_overhead_s=remote_overhead)
     ids = list(range(1000, 1000 + length))
     decoders = [_worker(f"d{i}", "decode", w, dwhere[i]) for i, w in enumerate(dloads)]
@@ -194,16 +188,15 @@ def test_cost_placement_takes_the_cheapest_candidate(
         n = max(d.load.running, placed_by.get(d.worker_id, 0))
         local = local_estimate(d.load, lacks(d), model, inflight_tokens=infl[d.worker_id],
                                streams=n, peer_rate=peer)
-        remotes = [as_fallback(remote_estimate(q.load, d.load, lacks(d), model,
-                                               inflight_tokens=infl[q.worker_id],
-                                               prefill_uncached=lacks(q), streams=n,
-                                               peer_rate=peer, shares_cpus=q.stall_share(d),
-                                               decode_inflight_tokens=infl[d.worker_id]),
-                               local, timeout)
+        remotes = [remote_estimate(q.load, d.load, lacks(d), model,
+                                   inflight_tokens=infl[q.worker_id],
+                                   prefill_uncached=lacks(q), streams=n, peer_rate=peer,
+                                   shares_cpus=q.stall_share(d),
+                                   decode_inflight_tokens=infl[d.worker_id])
                    for q in prefills]
         best_remote = min(remotes, key=lambda e: e.cost(model, target, weight)) \
             if remotes else None
-        allowed = not (best_remote is not None and best_remote.ttft_s <= min(target, timeout)
+        allowed = not (best_remote is not None and best_remote.ttft_s <= target
                        and local.compute_s > model.max_local_prefill_s)
         if allowed:
             cands.append((local, d.worker_id, None, lacks(d)))
@@ -218,13 +211,13 @@ def test_cost_placement_takes_the_cheapest_candidate(
     p = place(ids, LatencyClass.STANDARD, decoders, prefills, index, placed_by,
               RouterPolicy(placement="cost", ttft_weights={LatencyClass.STANDARD: weight}),
               cost=model, target_s=target,
-              inflight_tokens=infl, tiebreak=tiebreak, remote_timeout_s=timeout)
+              inflight_tokens=infl, tiebreak=tiebreak)
     d = p.decode
     assert p.cached_tokens == length - lacks(d)
     n = max(d.load.running, placed_by.get(d.worker_id, 0))
-    got = local_estimate(d.load, lacks(d), model, inflight_tokens=infl[d.worker_id],
-                         streams=n, peer_rate=peer)
     if p.decision.route is Route.LOCAL:
+        got = local_estimate(d.load, lacks(d), model, inflight_tokens=infl[d.worker_id],
+                             streams=n, peer_rate=peer)
         assert p.decision.uncached_tokens == lacks(d)
     else:
         assert p.prefill is not None
@@ -233,7 +226,6 @@ def test_cost_placement_takes_the_cheapest_candidate(
                               prefill_uncached=lacks(p.prefill), streams=n,
                               peer_rate=peer, shares_cpus=p.prefill.stall_share(d),
                               decode_inflight_tokens=infl[d.worker_id])
-        assert got.ttft_s <= timeout  # a remote prefill that will time out is never chosen
         assert p.decision.uncached_tokens == lacks(p.prefill)
     assert (p.decision.reason == "cost_over_target") == (got.ttft_s > target) or not prefills
     assert objective((got, "", None, 0)) == pytest.approx(best, rel=1e-9, abs=1e-12)
@@ -245,7 +237,7 @@ def test_the_c_cost_choice_equals_the_numpy_one_exactly() -> None:
     """router/_score.c's best_cost (the router's hot path) against best_by_cost's numpy:
     the same positions, route, reason and floats to the last bit, on random columns with
     many equal costs (ties take turns from `tiebreak` alike), CPU shares or none, the
-    router's placed and in-flight counts, remote timeouts, and without prefill workers."""
+    router's placed and in-flight counts, and without prefill workers."""
     pytest.importorskip("router._score")
     rng = np.random.default_rng(18)
     for case in range(3000):
@@ -265,15 +257,14 @@ def test_the_c_cost_choice_equals_the_numpy_one_exactly() -> None:
         model = dataclasses.replace(MODEL, remote_overhead_s=float(rng.choice([0.0, 0.02])))
         target, weight = float(rng.choice([0.3, 2.0, 30.0])), float(rng.choice([1.0, 0.1]))
         tiebreak = int(rng.integers(0, 100))
-        timeout = float(rng.choice([math.inf, 1.0, 4.0]))
         got = best_by_cost(length, dcols, dcached, pcols, pcached, placed, inflight, target,
-                           model, tiebreak, shares, weight, timeout)
+                           model, tiebreak, shares, weight)
         peer = min(dcols.min_rate, pcols.min_rate)
         peer_rate = None if peer == np.inf else peer
         want = placement._best_by_cost_numpy(
             float(length), dcols, dcached, dcols.prices(model, peer_rate), pcols, pcached,
             pcols.prices(model, peer_rate), placed, inflight, target, model, tiebreak, shares,
-            weight, timeout)
+            weight)
         assert got == want, case
 
 
@@ -292,7 +283,7 @@ def test_the_c_cost_choice_checks_its_input() -> None:
 
     def call(pcached: np.ndarray, shares: object = None) -> object:
         return best_cost(1.0, one, one, one, one, one, ("d",), pcached, two, two, two,
-                         ("p", "q"), {}, {}, shares, *[1.0] * 10, 0)
+                         ("p", "q"), {}, {}, shares, *[1.0] * 9, 0)
 
     assert call(two)[:2] == (0, 0)  # one decode worker; equal prefill workers: the first
     with pytest.raises(ValueError, match="pcached"):
@@ -474,33 +465,3 @@ def test_a_batch_prompt_waits_for_the_prefill_worker_rather_than_stall_streams()
     assert route(LatencyClass.INTERACTIVE) is Route.LOCAL
     with pytest.raises(ValueError, match="TTFT weight of batch"):
         RouterPolicy(ttft_weights={LatencyClass.BATCH: 0.0})
-
-
-def test_a_remote_queue_past_the_prefill_timeout_is_priced_as_its_fallback() -> None:
-    """The batch flood of docs/bench/placement_s62/flood: 1P1D, the prefill worker's queue
-    ~40 s deep. At the batch weight the stall of a local prefill costs more than the wait,
-    so without a timeout the prompt queues there; but the router gives a remote prefill
-    `--prefill-timeout` (30 s), then prefills it locally all the same. Priced as that, the
-    prompt is prefilled locally at once; a queue that clears in time still wins."""
-    d = _worker("d0", "decode", WorkerLoad(running=4, prefill_tokens_per_s=290.0,
-                                           decode_step_s=0.06), ("h1", (0,)))
-    p = _worker("p0", "prefill", WorkerLoad(prefill_tokens_per_s=110.0, queued_tokens=3300.0,
-                                            kv_transfer_s_per_token=1e-5), ("h1", (1,)), 5)
-    ids = list(range(7000, 8100))
-    config = RouterConfig(policy=RouterPolicy(placement="cost"))
-    timeout = config.remote_timeout_s(LatencyClass.BATCH)
-    assert timeout == config.prefill_timeout_s == 30.0
-
-    def place_batch(timeout_s: float) -> Decision:
-        return place(ids, LatencyClass.BATCH, [d], [p], KVIndex(), {}, config.policy,
-                     cost=MODEL, target_s=config.ttft_target_s(LatencyClass.BATCH),
-                     remote_timeout_s=timeout_s).decision
-
-    assert place_batch(math.inf).route is Route.REMOTE
-    assert place_batch(math.inf).predicted_ttft_s > timeout  # 40 s: it would time out
-    assert place_batch(timeout).route is Route.LOCAL
-    p = p.with_load(dataclasses.replace(p.load, queued_tokens=1000.0))  # 19 s
-    assert place_batch(timeout).route is Route.REMOTE
-    # An admitted request's first-token limit bounds its remote attempt too.
-    strict = RouterConfig(admission=AdmissionConfig(first_token_deadline_factor=1.0))
-    assert strict.remote_timeout_s(LatencyClass.INTERACTIVE) == 10.0
