@@ -186,15 +186,15 @@ static PyObject *best_cost(PyObject *self, PyObject *args) {
     const double *queued = cols[6].view.buf, *prate = cols[7].view.buf;
     const double *transfer = cols[8].view.buf;
     const double *shares = with_shares ? cols[9].view.buf : NULL;
-    buf = PyMem_Malloc((size_t)(8 * n + 3 * m) * sizeof(double));
+    buf = PyMem_Malloc((size_t)(7 * n + 3 * m) * sizeof(double));
     if (buf == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    double *streams = buf, *pending = buf + n, *unc = buf + 2 * n, *ttft_l = buf + 3 * n;
-    double *local_v = buf + 4 * n, *ttft_r = buf + 5 * n, *cost_r = buf + 6 * n;
-    double *best_p = buf + 7 * n;  /* positions, as doubles */
-    double *ppending = buf + 8 * n, *lack = ppending + m, *head = lack + m;
+    double *streams = buf, *pending = buf + n, *ttft_l = buf + 2 * n;
+    double *local_v = buf + 3 * n, *ttft_r = buf + 4 * n, *cost_r = buf + 5 * n;
+    double *best_p = buf + 6 * n;  /* positions, as doubles */
+    double *ppending = buf + 7 * n, *lack = ppending + m, *head = lack + m;
     if (at_least(running, dids, placed, streams) < 0 ||
         at_least(waiting, dids, inflight, pending) < 0 ||
         at_least(queued, pids, inflight, ppending) < 0)
@@ -208,7 +208,6 @@ static PyObject *best_cost(PyObject *self, PyObject *args) {
     double best = INFINITY;
     for (Py_ssize_t w = 0; w < n; w++) {
         double u = pos(length - dcached[w]);
-        unc[w] = u;
         double tl = (pending[w] + u) / rate[w] + step[w];
         double stall = pos(u - absorbed) / rate[w] * streams[w];
         double compute = u / rate[w];
