@@ -7,6 +7,7 @@ import random
 import sys
 from dataclasses import replace
 
+import router.placement
 from bench.router_scale import (
     Config,
     assign_blocks,
@@ -18,14 +19,13 @@ from bench.router_scale import (
     time_place,
     worker_ids,
 )
-import router.placement
 from router.placement import DecodeTable
+from router.policy import RouterPolicy
 
 # The router passes its one cost model to every place(); called without one, place() at
 # 8e5b9f8 built a CostModel per call (and so priced the columns again per call).
 _MODEL = router.placement.CostModel()
 router.placement.CostModel = lambda: _MODEL  # type: ignore[assignment,misc]
-from router.policy import RouterPolicy
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 cfg = replace(Config(), index_blocks=1_000_000)
