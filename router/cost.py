@@ -21,7 +21,13 @@ worker p holding c_p in its own (both from the router's KV index, router.kv_inde
                 (`WorkerInfo.stall_share`: at nice 5 beside w at nice 0, a third); and p
                 computes only after w's own queued prompt work (w's priority), so that is
                 in its TTFT too. On one shared host a remote prefill adds no compute, but
-                at a lower priority it stalls w's streams less than a local one.
+                at a lower priority it stalls w's streams less than a local one. Where
+                every CPU p may use is wanted by a busy worker beside it (decode workers
+                running streams or prefilling), p computes at the share of a CPU the
+                kernel gives it there (`WorkerInfo.cpu_share_beside`: a quarter at nice 5
+                beside nice 0), unless its measured rate already was (`cpu_factor`): on
+                `pdserve cluster up`'s 1P2D layout, two decode workers each running a
+                stream held a 120-token prompt on the prefill worker 1.4 s, not 0.3.
                 p computes what *its* cache lacks; only the blocks w lacks cross the wire.
 - either way, the stream then decodes on w: its TPOT is w's measured decode step, grown by
   `decode_row_fraction` of it for each stream more than w ran when it measured (the ones
@@ -141,6 +147,21 @@ def prefill_capacity(loads: Iterable[WorkerLoad], model: CostModel) -> float:
     return sum(model.prefill_rate(load, peer) for load in loads)
 
 
+def cpu_factor(measured_share: float | None, cpus: int, beside_busy: Iterable[float]
+               ) -> float:
+    """What a prefill worker's measured rate is multiplied by for the CPUs it will find now
+    (at most 1): `cpus`, how many CPUs it may run on (0: unknown, nothing is assumed);
+    `beside_busy`, the share of a CPU it gets beside each busy worker that competes for
+    them (`WorkerInfo.cpu_share_beside`). With fewer of those than its CPUs, one is free and
+    it runs at its measured rate; else at the best of those shares, over the share it had
+    while it measured (`WorkerLoad.prefill_cpu_share`; unknown: all of its CPUs), so a rate
+    measured beside the same busy workers is not slowed twice."""
+    shares = list(beside_busy)
+    if not cpus or len(shares) < cpus:
+        return 1.0
+    return min(1.0, max(shares) / (measured_share or 1.0))
+
+
 def local_estimate(decode: WorkerLoad, uncached: int, model: CostModel, *,
                    inflight_tokens: float = 0.0, streams: float | None = None,
                    peer_rate: float | None = None) -> Estimate:
@@ -158,17 +179,18 @@ def local_estimate(decode: WorkerLoad, uncached: int, model: CostModel, *,
 def remote_estimate(prefill: WorkerLoad, decode: WorkerLoad, uncached: int, model: CostModel,
                     *, inflight_tokens: float = 0.0, prefill_uncached: int | None = None,
                     streams: float | None = None, peer_rate: float | None = None,
-                    shares_cpus: float = 0.0, decode_inflight_tokens: float = 0.0
-                    ) -> Estimate:
+                    shares_cpus: float = 0.0, decode_inflight_tokens: float = 0.0,
+                    rate_factor: float = 1.0) -> Estimate:
     """`uncached`: prompt tokens the decode worker lacks (transferred); `prefill_uncached`:
     the ones the prefill worker lacks (computed; default: the same); `shares_cpus` (above 0):
     the prefill worker computes on the decode worker's CPUs, after the decode worker's own
     queued prompt work (`decode_inflight_tokens`: what this router sent it), and its streams
     stall as if the decode worker computed those tokens, times this share of the CPUs it
-    takes from them (`WorkerInfo.stall_share`: 1 at equal priority)."""
+    takes from them (`WorkerInfo.stall_share`: 1 at equal priority); `rate_factor`: the
+    prefill worker's rate for the CPUs it will find (`cpu_factor`)."""
     n = decode.running if streams is None else streams
     computed = uncached if prefill_uncached is None else prefill_uncached
-    rate = model.prefill_rate(prefill, peer_rate)
+    rate = model.prefill_rate(prefill, peer_rate) * rate_factor
     pending = max(prefill.queued_tokens + (prefill.waiting_prompt_tokens or 0.0),
                   inflight_tokens)
     transfer = uncached * (prefill.kv_transfer_s_per_token or model.prior_transfer_s_per_token)

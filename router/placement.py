@@ -73,6 +73,7 @@ class _Columns:
     prompt_waiting: Floats  # prompt tokens the engine has still to prefill
     queued_tokens: Floats  # prompt tokens queued before the engine (prefill workers)
     transfer: Floats  # KV transfer seconds per token (prefill workers)
+    cpu_share: Floats  # of its CPUs while it measured its prefill rate (0: not published)
     # Per block geometry (block size, model id) the index knows: index slot -> position of
     # that worker here (-1: none; `KVIndex.slot`, held while the index's geometry is).
     groups: tuple[tuple[int, bytes, npt.NDArray[np.intp]], ...]
@@ -154,7 +155,8 @@ class DecodeTable:
     def __init__(self) -> None:
         self._decode = _Cached()
         self._prefill = _Cached()
-        self._shares: tuple[object, object, Floats | None] = (None, None, None)
+        self._shares: tuple[object, object, Floats | None, _Beside | None] = (
+            None, None, None, None)
 
     def columns(self, decoders: Sequence[WorkerInfo], index: KVIndex,
                 listing: object = None) -> _Columns:
@@ -170,12 +172,54 @@ class DecodeTable:
         compete for CPUs); None where no pair does. Recomputed only when either
         list's placements change: a heartbeat keeps its row's hosts tuple, and a rebuild
         with the same placements is compared once, then held by identity again."""
-        d, p, matrix = self._shares
+        return self._placements(dcols, pcols)[2]
+
+    def beside(self, dcols: _Columns, pcols: _Columns) -> _Beside | None:
+        """Which decode workers compete for each prefill worker's CPUs, and the share of a
+        CPU it gets beside each (`_Beside`); None where none do. Held like `shares`."""
+        return self._placements(dcols, pcols)[3]
+
+    def _placements(self, dcols: _Columns, pcols: _Columns
+                    ) -> tuple[object, object, Floats | None, _Beside | None]:
+        d, p, _, _ = held = self._shares
         if d is not dcols.hosts or p is not pcols.hosts:
             if d != dcols.hosts or p != pcols.hosts:
-                matrix = shares_matrix(pcols.workers, dcols.workers)
-            self._shares = (dcols.hosts, pcols.hosts, matrix)
-        return matrix
+                held = (dcols.hosts, pcols.hosts, shares_matrix(pcols.workers, dcols.workers),
+                        _beside(pcols.workers, dcols.workers))
+            self._shares = held = (dcols.hosts, pcols.hosts, held[2], held[3])
+        return held
+
+
+@dataclass(frozen=True)
+class _Beside:
+    """Per [prefill, decode] position: whether they compete for CPUs, and the share of a CPU
+    the prefill worker gets beside that decode worker busy (`WorkerInfo.cpu_share_beside`);
+    per prefill position, how many CPUs it may run on (0: unknown)."""
+
+    competes: npt.NDArray[np.bool_]
+    share: Floats
+    cpus: Floats
+
+
+def _beside(prefills: Sequence[WorkerInfo], decoders: Sequence[WorkerInfo]) -> _Beside | None:
+    shape = (len(prefills), len(decoders))
+    competes = np.array([[p.shares_cpus(d) for d in decoders] for p in prefills],
+                        dtype=bool).reshape(shape)
+    if not competes.any():
+        return None
+    share = np.array([[p.cpu_share_beside(d) for d in decoders] for p in prefills],
+                     dtype=float).reshape(shape)
+    return _Beside(competes, share, np.array([len(p.cpus) for p in prefills], dtype=float))
+
+
+def cpu_factors(beside: _Beside, pcols: _Columns, busy: npt.NDArray[np.bool_]) -> Floats:
+    """router.cost.cpu_factor for every prefill worker at once: `busy`, per decode position,
+    whether it computes now (streams running or prompt work pending)."""
+    mask = beside.competes & busy[None, :]
+    starved = (beside.cpus > 0) & (mask.sum(axis=1) >= beside.cpus)
+    best = np.where(mask, beside.share, 0.0).max(axis=1, initial=0.0)
+    measured = np.where(pcols.cpu_share > 0, pcols.cpu_share, 1.0)
+    return np.where(starved, np.minimum(1.0, best / measured), 1.0)
 
 
 def shares_matrix(prefills: Sequence[WorkerInfo], decoders: Sequence[WorkerInfo]
@@ -191,8 +235,8 @@ def _build(decoders: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
     ids = tuple(w.worker_id for w in decoders)
     rows = np.array([_row(w.load) for w in decoders], dtype=np.float64).reshape(
         len(decoders), len(_FLOAT_COLUMNS))
-    (running, waiting, memory, rate, step, prompt_waiting, queued_tokens,
-     transfer) = (np.ascontiguousarray(rows[:, k]) for k in range(len(_FLOAT_COLUMNS)))
+    (running, waiting, memory, rate, step, prompt_waiting, queued_tokens, transfer,
+     cpu_share) = (np.ascontiguousarray(rows[:, k]) for k in range(len(_FLOAT_COLUMNS)))
     geometry = index.geometry()
     members: dict[tuple[int, bytes], dict[int, int]] = {}  # slot -> position
     for i, w in enumerate(decoders):
@@ -203,7 +247,7 @@ def _build(decoders: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
         workers=tuple(decoders), ids=ids,
         running=running, waiting=waiting, memory=memory, rate=rate, step=step,
         prompt_waiting=prompt_waiting, queued_tokens=queued_tokens, transfer=transfer,
-        min_rate=float(rate[rate != 0].min()) if rate.any() else np.inf,
+        cpu_share=cpu_share, min_rate=float(rate[rate != 0].min()) if rate.any() else np.inf,
         groups=tuple((bs, extra, _positions(m)) for (bs, extra), m in members.items()),
         hosts=tuple((w.host_id, w.cpus, w.nice) for w in decoders))
 
@@ -223,11 +267,11 @@ def _row(load: WorkerLoad) -> tuple[float, ...]:
             0.5 * load.free_blocks / total if total else 0.0,
             load.prefill_tokens_per_s or 0.0, load.decode_step_s or 0.0,
             load.waiting_prompt_tokens or 0.0, load.queued_tokens or 0.0,
-            load.kv_transfer_s_per_token or 0.0)
+            load.kv_transfer_s_per_token or 0.0, load.prefill_cpu_share or 0.0)
 
 
 _FLOAT_COLUMNS = ("running", "waiting", "memory", "rate", "step", "prompt_waiting",
-                  "queued_tokens", "transfer")
+                  "queued_tokens", "transfer", "cpu_share")
 
 
 def _update_rows(cols: _Columns, workers: Sequence[WorkerInfo], changed: list[int]
@@ -353,8 +397,8 @@ def _first_from(mask: npt.NDArray[np.bool_], tiebreak: int) -> int:
 def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Columns,
                  pcached: Floats, placed: Mapping[str, int],
                  inflight_tokens: Mapping[str, float], target_s: float, model: CostModel,
-                 tiebreak: int = 0, shares: Floats | None = None, ttft_weight: float = 1.0
-                 ) -> CostChoice:
+                 tiebreak: int = 0, shares: Floats | None = None, ttft_weight: float = 1.0,
+                 beside: _Beside | None = None) -> CostChoice:
     """router.cost's formulas (`local_estimate`, `remote_estimate`, `decide_by_cost`'s rule) over
     every candidate at once: local on each decode worker, remote on each (prefill, decode)
     pair: the least cost, a predicted TTFT past `target_s` priced at `model.late_weight` per
@@ -363,12 +407,22 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
     after `tiebreak` (local before remote on one worker), and the first prefill worker from
     the same place. `shares`: per [prefill, decode] pair, how much the prefill worker's
     compute stalls the decode worker's streams (`DecodeTable.shares`; 0: they compute
-    apart); `ttft_weight`: the class's price of a second of TTFT (`Estimate.cost`).
+    apart); `ttft_weight`: the class's price of a second of TTFT (`Estimate.cost`);
+    `beside`: which decode workers compete for each prefill worker's CPUs
+    (`DecodeTable.beside`): a prefill worker whose every CPU a busy one wants computes at
+    its share of a CPU (router.cost.cpu_factor).
     In C where router/_score.c was built (the same floats, operation for operation)."""
     length = float(prompt_len)
     peer = min(dcols.min_rate, pcols.min_rate)
     peer_rate = None if peer == np.inf else peer
     dp, pp = dcols.prices(model, peer_rate), pcols.prices(model, peer_rate)
+    if beside is not None:
+        pending = dcols.prompt_waiting if not inflight_tokens else np.maximum(
+            dcols.prompt_waiting, _inflight(dcols, inflight_tokens))
+        factors = cpu_factors(beside, pcols, (_streams(dcols, placed) > 0) | (pending > 0))
+        if (factors < 1.0).any():
+            pp = _Priced(rate=pp.rate * factors, step=pp.step, transfer=pp.transfer,
+                         queued=pp.queued)
     if _native_cost is not None and isinstance(placed, dict) \
             and isinstance(inflight_tokens, dict):
         w, p, local, ttft, cost = _native_cost(
@@ -488,7 +542,7 @@ def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerIn
         cached, pcached = _cached(index, ids, cols, pcols)
         c = best_by_cost(len(ids), cols, cached, pcols, pcached, placed, inflight_tokens,
                          target_s, cost or _DEFAULT_COST, tiebreak, table.shares(cols, pcols),
-                         policy.ttft_weights[latency])
+                         policy.ttft_weights[latency], table.beside(cols, pcols))
         return Placement(decoders[c.decode], None if c.prefill is None else prefills[c.prefill],
                          Decision(c.route, c.reason, c.uncached_tokens, c.ttft_s),
                          int(cached[c.decode]))

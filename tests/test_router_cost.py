@@ -20,6 +20,7 @@ from router import placement
 from router.cost import (
     CostModel,
     Estimate,
+    cpu_factor,
     decide_by_cost,
     local_estimate,
     peer_prefill_rate,
@@ -133,7 +134,8 @@ loads = st.builds(
     prefill_tokens_per_s=st.sampled_from([0.0, 300.0, 1000.0, 1500.0]),
     decode_step_s=st.sampled_from([0.0, 0.03, 0.1]),
     waiting_prompt_tokens=st.sampled_from([None, 0.0, 700.0]),
-    kv_transfer_s_per_token=st.sampled_from([None, 0.0, 1e-5, 1e-3]))
+    kv_transfer_s_per_token=st.sampled_from([None, 0.0, 1e-5, 1e-3]),
+    prefill_cpu_share=st.sampled_from([None, 0.0, 0.25, 1.0]))
 
 
 # Where a worker computes: unknown, or a host with a CPU set (("h1", ()): every CPU of h1).
@@ -165,7 +167,8 @@ def test_cost_placement_takes_the_cheapest_candidate(
     tokens each worker lacks from the index and the router's in-flight accounting), place()
     takes one of least cost, time past the target priced, and reports its prediction's
     numbers. A prefill worker that shares a decode worker's CPUs stalls its streams, by its
-    share of them at its priority. The
+    share of them at its priority, and where busy workers want every CPU it has, computes
+    at its share of one (`cpu_factor`). The
     remote fixed cost may carry the router's learned correction (router.calibration); the
     class's TTFT weight scales its TTFT and lateness."""
     model = dataclasses.replace(MODEL, remote_overhead_s=remote_overhead)
@@ -183,6 +186,15 @@ def test_cost_placement_takes_the_cheapest_candidate(
     def lacks(w: WorkerInfo) -> int:
         return max(0, length - 16 * held.get(w.worker_id, 0))
 
+    def busy(d: WorkerInfo) -> bool:
+        return (max(d.load.running, placed_by.get(d.worker_id, 0)) > 0
+                or max(d.load.waiting_prompt_tokens or 0.0, infl[d.worker_id]) > 0)
+
+    def factor(q: WorkerInfo) -> float:
+        return cpu_factor(q.load.prefill_cpu_share, len(q.cpus),
+                          [q.cpu_share_beside(d) for d in decoders
+                           if q.shares_cpus(d) and busy(d)])
+
     cands: list[tuple[Estimate, str, str | None, int]] = []
     for d in decoders:
         n = max(d.load.running, placed_by.get(d.worker_id, 0))
@@ -192,7 +204,8 @@ def test_cost_placement_takes_the_cheapest_candidate(
                                    inflight_tokens=infl[q.worker_id],
                                    prefill_uncached=lacks(q), streams=n, peer_rate=peer,
                                    shares_cpus=q.stall_share(d),
-                                   decode_inflight_tokens=infl[d.worker_id])
+                                   decode_inflight_tokens=infl[d.worker_id],
+                                   rate_factor=factor(q))
                    for q in prefills]
         best_remote = min(remotes, key=lambda e: e.cost(model, target, weight)) \
             if remotes else None
@@ -225,7 +238,8 @@ def test_cost_placement_takes_the_cheapest_candidate(
                               inflight_tokens=infl[p.prefill.worker_id],
                               prefill_uncached=lacks(p.prefill), streams=n,
                               peer_rate=peer, shares_cpus=p.prefill.stall_share(d),
-                              decode_inflight_tokens=infl[d.worker_id])
+                              decode_inflight_tokens=infl[d.worker_id],
+                              rate_factor=factor(p.prefill))
         assert p.decision.uncached_tokens == lacks(p.prefill)
     assert (p.decision.reason == "cost_over_target") == (got.ttft_s > target) or not prefills
     assert objective((got, "", None, 0)) == pytest.approx(best, rel=1e-9, abs=1e-12)
@@ -465,3 +479,36 @@ def test_a_batch_prompt_waits_for_the_prefill_worker_rather_than_stall_streams()
     assert route(LatencyClass.INTERACTIVE) is Route.LOCAL
     with pytest.raises(ValueError, match="TTFT weight of batch"):
         RouterPolicy(ttft_weights={LatencyClass.BATCH: 0.0})
+
+
+def test_a_prefill_worker_whose_cpus_busy_decode_workers_want_is_priced_at_its_share() -> None:
+    """`pdserve cluster up --prefill 1 --decode 2`: the decode workers pinned to CPU 0 and 1,
+    the prefill worker on both at nice 5. With a stream running on each decode worker, a
+    short interactive prompt sent remote got a quarter of a CPU: 1.4 s for 122 tokens where
+    it takes 0.3 s on a free one (docs/bench/placement_s64). Priced at that share it stays
+    local; with a third CPU free the prefill worker runs there and remote wins as before;
+    a rate the prefill worker measured beside the same busy workers (`prefill_cpu_share`)
+    is already slow and is not slowed again."""
+    busy = WorkerLoad(running=1, prefill_tokens_per_s=450.0, decode_step_s=0.045)
+    ids = list(range(9000, 9122))
+
+    def route(cpus: tuple[int, ...], measured_share: float | None = None) -> Route:
+        pool = WorkerLoad(prefill_tokens_per_s=450.0, kv_transfer_s_per_token=1e-4,
+                          prefill_cpu_share=measured_share)
+        decoders = [_worker("d0", "decode", busy, ("h1", (0,))),
+                    _worker("d1", "decode", busy, ("h1", (1,)))]
+        prefills = [_worker("p0", "prefill", pool, ("h1", cpus), 5)]
+        return place(ids, LatencyClass.INTERACTIVE, decoders, prefills, KVIndex(), {},
+                     RouterPolicy(placement="cost"), cost=MODEL, target_s=1.0).decision.route
+
+    assert route((0, 1, 2)) is Route.REMOTE
+    assert route((0, 1)) is Route.LOCAL
+    assert route((0, 1), measured_share=0.25) is Route.REMOTE
+    p0 = _worker("p0", "prefill", PREFILL, ("h1", (0, 1)), 5)
+    d0 = _worker("d0", "decode", busy, ("h1", (0,)))
+    assert p0.cpu_share_beside(d0) == pytest.approx(1 / (1 + 1.25 ** 5))
+    assert _worker("p1", "prefill", PREFILL, ("h2", ()), 5).cpu_share_beside(d0) == 1.0
+    assert cpu_factor(None, 2, [0.25]) == 1.0  # one CPU is free
+    assert cpu_factor(None, 2, [0.25, 0.5]) == 0.5  # it runs beside the lighter claim
+    assert cpu_factor(0.25, 2, [0.25, 0.25]) == 1.0
+    assert cpu_factor(None, 0, [0.25]) == 1.0  # its CPUs unknown: nothing assumed

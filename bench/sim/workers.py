@@ -154,6 +154,7 @@ class SimWorker:
         self.steps = 0
         self._out: SchedulerOutput | None = None
         self._left = 0.0  # work (seconds at full speed) left in the current step
+        self._work = 0.0  # the current step's work: the CPU seconds it gets (`StepRates`)
         self._speed = 1.0
         self._since = 0.0
         self._started = 0.0
@@ -181,6 +182,7 @@ class SimWorker:
                       + self.context_overhead_s * context
                       + self.price_factor * self.cost.step_s(
                           [(s.start, s.num_new_tokens) for s in out.scheduled]))
+        self._work = self._left
         self._started = self._since = self.clock.now
         self.busy = True
         self._reshare()
@@ -211,7 +213,7 @@ class SimWorker:
         self.sched.postprocess(out)
         prefill_tokens = sum(s.num_new_tokens for s in out.scheduled
                              if s.start < s.seq.num_prompt_tokens)
-        self.rates.observe(self.clock.now - self._started, prefill_tokens)
+        self.rates.observe(self.clock.now - self._started, prefill_tokens, self._work)
         sampled = [s.seq for s in out.scheduled
                    if s.start + s.num_new_tokens == s.seq.num_tokens]
         self.on_step(sampled)
@@ -231,6 +233,7 @@ class SimWorker:
             free_blocks=self.bm.num_free_blocks, total_blocks=self.bm.num_blocks,
             prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
             decode_step_s=self.rates.decode_step_s,
+            prefill_cpu_share=self.rates.prefill_cpu_share,
             waiting_prompt_tokens=self.sched.waiting_prompt_tokens,
             engine_running=len(self.sched.running), engine_waiting=self.sched.num_waiting)
 

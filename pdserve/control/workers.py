@@ -99,6 +99,14 @@ class WorkerInfo:
             return 0.0
         return min(1.0, 1.25 ** (other.nice - self.nice))
 
+    def cpu_share_beside(self, other: WorkerInfo) -> float:
+        """The share of a CPU this worker gets where `other`, busy, wants it too: the two
+        scheduler weights' (1.25x a nice step), so a prefill worker at nice 5 beside a decode
+        worker at nice 0 gets a quarter; 1 where they do not share CPUs (`shares_cpus`)."""
+        if not self.shares_cpus(other):
+            return 1.0
+        return 1.0 / (1.0 + 1.25 ** (self.nice - other.nice))
+
     def with_load(self, load: WorkerLoad | Mapping[str, float]) -> WorkerInfo:
         return WorkerInfo(**{**self._fields(), "load": WorkerLoad.from_dict(load)})
 

@@ -67,6 +67,9 @@ class LLMEngine:
         self.num_preemptions = 0
         self.queue_time = DurationHistogram(QUEUE_TIME_BUCKETS)
         self.rates = StepRates()
+        # The CPU a step gets is counted for the whole process (torch's threads and the
+        # worker's own), per thread of torch's: a step alone on free CPUs is ~1.
+        self._threads = max(1, torch.get_num_threads())
 
     @classmethod
     def from_dir(cls, model_dir: Path, config: EngineConfig | None = None) -> LLMEngine:
@@ -112,6 +115,7 @@ class LLMEngine:
             prefix_cache_hits=self.block_manager.prefix_hit_tokens,
             prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
             decode_step_s=self.rates.decode_step_s,
+            prefill_cpu_share=self.rates.prefill_cpu_share,
             waiting_prompt_tokens=s.waiting_prompt_tokens,
             queue_time=self.queue_time.snapshot())
 
@@ -242,7 +246,7 @@ class LLMEngine:
                 events.append(self._finish(seq, FinishReason.LENGTH))
         if not out.scheduled:
             return events
-        now = time.monotonic()
+        now, cpu = time.monotonic(), time.process_time()
         for s in out.scheduled:
             if not s.seq.first_scheduled:
                 s.seq.first_scheduled = now
@@ -257,7 +261,8 @@ class LLMEngine:
             tokens, logprobs = self.sampler.sample(logits, seqs, self._constraint(seqs))
             for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True):
                 events.append(self._process_token(seq, tok, lp))
-        self.rates.observe(time.monotonic() - now, prefill_tokens)
+        self.rates.observe(time.monotonic() - now, prefill_tokens,
+                           (time.process_time() - cpu) / self._threads)
         return events
 
     def fail_all(self, message: str) -> list[TokenEvent]:

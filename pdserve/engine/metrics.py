@@ -83,6 +83,10 @@ ENGINE_METRICS: tuple[EngineMetric, ...] = (
     EngineMetric("pdserve_engine_decode_step_seconds", "gauge",
                  "Seconds of a step that prefilled nothing (moving average; 0: none yet).",
                  lambda s: s.decode_step_s, "decode_step_s"),
+    EngineMetric("pdserve_engine_prefill_cpu_share", "gauge",
+                 "Share of its CPUs the engine had in steps that prefilled: CPU seconds over "
+                 "wall seconds per thread (moving average; 0: none yet).",
+                 lambda s: s.prefill_cpu_share, "prefill_cpu_share"),
     EngineMetric("pdserve_engine_waiting_prompt_tokens", "gauge",
                  "Prompt tokens admitted and not computed yet.",
                  lambda s: s.waiting_prompt_tokens, "waiting_prompt_tokens"),
