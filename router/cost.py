@@ -25,7 +25,8 @@ worker p holding c_p in its own (both from the router's KV index, router.kv_inde
                 every CPU p may use is wanted by a busy worker beside it (decode workers
                 running streams or prefilling), p computes at the share of a CPU the
                 kernel gives it there (`WorkerInfo.cpu_share_beside`: a quarter at nice 5
-                beside nice 0), unless its measured rate already was (`cpu_factor`): on
+                beside nice 0) for `contention_horizon_s`, then at its measured rate,
+                unless that rate was measured at the share already (`cpu_factor`): on
                 `pdserve cluster up`'s 1P2D layout, two decode workers each running a
                 stream held a 120-token prompt on the prefill worker 1.4 s, not 0.3.
                 p computes what *its* cache lacks; only the blocks w lacks cross the wire.
@@ -98,6 +99,11 @@ class CostModel:
     # that meets it, about the stall cost of a 200-token local prefill on 12 running
     # streams on a 2-core Zen 3 (2 x 12 x 0.51 s).
     late_weight: float = 4.0
+    # Seconds the workers busy now are expected to stay busy: a prefill worker whose CPUs
+    # they want computes that long at its share of a CPU (`cpu_factor`), then at its measured
+    # rate. About an interactive stream's life (~40 tokens at ~50 ms): a 120-token prompt
+    # is priced at the share throughout, a 1,146-token batch prompt mostly at its rate.
+    contention_horizon_s: float = 2.0
 
     def prefill_rate(self, load: WorkerLoad, peer_rate: float | None = None) -> float:
         """`load`'s measured rate; if it measured none, `peer_rate` (`peer_prefill_rate`),
@@ -162,6 +168,14 @@ def cpu_factor(measured_share: float | None, cpus: int, beside_busy: Iterable[fl
     return min(1.0, max(shares) / (measured_share or 1.0))
 
 
+def contended_factor(factor: float, work_s: float, horizon_s: float) -> float:
+    """The rate factor for `work_s` seconds of compute (at the measured rate) that runs at
+    `factor` (`cpu_factor`) for the first `horizon_s` seconds, then at the full rate."""
+    if factor >= 1.0 or work_s <= factor * horizon_s:
+        return factor
+    return work_s / (horizon_s + work_s - factor * horizon_s)
+
+
 def local_estimate(decode: WorkerLoad, uncached: int, model: CostModel, *,
                    inflight_tokens: float = 0.0, streams: float | None = None,
                    peer_rate: float | None = None) -> Estimate:
@@ -187,12 +201,15 @@ def remote_estimate(prefill: WorkerLoad, decode: WorkerLoad, uncached: int, mode
     queued prompt work (`decode_inflight_tokens`: what this router sent it), and its streams
     stall as if the decode worker computed those tokens, times this share of the CPUs it
     takes from them (`WorkerInfo.stall_share`: 1 at equal priority); `rate_factor`: the
-    prefill worker's rate for the CPUs it will find (`cpu_factor`)."""
+    prefill worker's rate for the CPUs it finds now (`cpu_factor`), for as long as
+    `model.contention_horizon_s` (`contended_factor`)."""
     n = decode.running if streams is None else streams
     computed = uncached if prefill_uncached is None else prefill_uncached
-    rate = model.prefill_rate(prefill, peer_rate) * rate_factor
+    rate = model.prefill_rate(prefill, peer_rate)
     pending = max(prefill.queued_tokens + (prefill.waiting_prompt_tokens or 0.0),
                   inflight_tokens)
+    rate *= contended_factor(rate_factor, (pending + computed) / rate,
+                             model.contention_horizon_s)
     transfer = uncached * (prefill.kv_transfer_s_per_token or model.prior_transfer_s_per_token)
     ttft = ((pending + computed) / rate + transfer + model.remote_overhead_s
             + model.decode_step(decode))

@@ -421,6 +421,14 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
             dcols.prompt_waiting, _inflight(dcols, inflight_tokens))
         factors = cpu_factors(beside, pcols, (_streams(dcols, placed) > 0) | (pending > 0))
         if (factors < 1.0).any():
+            # For the seconds the busy workers are expected to stay so (`contended_factor`).
+            queued = pp.queued if not inflight_tokens else np.maximum(
+                pp.queued, _inflight(pcols, inflight_tokens))
+            work = (queued + np.maximum(0.0, length - pcached)) / pp.rate
+            horizon = model.contention_horizon_s
+            with np.errstate(divide="ignore", invalid="ignore"):
+                factors = np.where((factors >= 1.0) | (work <= factors * horizon), factors,
+                                   work / (horizon + work - factors * horizon))
             pp = _Priced(rate=pp.rate * factors, step=pp.step, transfer=pp.transfer,
                          queued=pp.queued)
     if _native_cost is not None and isinstance(placed, dict) \

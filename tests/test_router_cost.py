@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 
 import numpy as np
@@ -20,6 +21,7 @@ from router import placement
 from router.cost import (
     CostModel,
     Estimate,
+    contended_factor,
     cpu_factor,
     decide_by_cost,
     local_estimate,
@@ -488,22 +490,40 @@ def test_a_prefill_worker_whose_cpus_busy_decode_workers_want_is_priced_at_its_s
     it takes 0.3 s on a free one (docs/bench/placement_s64). Priced at that share it stays
     local; with a third CPU free the prefill worker runs there and remote wins as before;
     a rate the prefill worker measured beside the same busy workers (`prefill_cpu_share`)
-    is already slow and is not slowed again."""
+    is already slow and is not slowed again. A 1,146-token batch prompt is slowed only for
+    the seconds the busy workers are expected to stay so (`contention_horizon_s`): it
+    still goes remote rather than hold a decode worker's CPU for seconds."""
     busy = WorkerLoad(running=1, prefill_tokens_per_s=450.0, decode_step_s=0.045)
-    ids = list(range(9000, 9122))
 
-    def route(cpus: tuple[int, ...], measured_share: float | None = None) -> Route:
-        pool = WorkerLoad(prefill_tokens_per_s=450.0, kv_transfer_s_per_token=1e-4,
+    def placed(cpus: tuple[int, ...], measured_share: float | None = None, n: int = 122,
+               cls: LatencyClass = LatencyClass.INTERACTIVE, rate: float = 450.0,
+               model: CostModel = MODEL) -> placement.Placement:
+        ids = list(range(9000, 9000 + n))
+        pool = WorkerLoad(prefill_tokens_per_s=rate, kv_transfer_s_per_token=1e-4,
                           prefill_cpu_share=measured_share)
         decoders = [_worker("d0", "decode", busy, ("h1", (0,))),
                     _worker("d1", "decode", busy, ("h1", (1,)))]
         prefills = [_worker("p0", "prefill", pool, ("h1", cpus), 5)]
-        return place(ids, LatencyClass.INTERACTIVE, decoders, prefills, KVIndex(), {},
-                     RouterPolicy(placement="cost"), cost=MODEL, target_s=1.0).decision.route
+        policy = RouterPolicy(placement="cost")
+        return place(ids, cls, decoders, prefills, KVIndex(), {}, policy, cost=model,
+                     target_s=policy.ttft_target_s(cls, 120.0))
+
+    def route(cpus: tuple[int, ...], measured_share: float | None = None) -> Route:
+        return placed(cpus, measured_share).decision.route
 
     assert route((0, 1, 2)) is Route.REMOTE
     assert route((0, 1)) is Route.LOCAL
     assert route((0, 1), measured_share=0.25) is Route.REMOTE
+    batch = placed((0, 1), n=1146, cls=LatencyClass.BATCH, rate=260.0)
+    throughout = placed((0, 1), n=1146, cls=LatencyClass.BATCH, rate=260.0,
+                        model=dataclasses.replace(MODEL, contention_horizon_s=math.inf))
+    assert batch.decision.route is Route.REMOTE
+    assert batch.decision.predicted_ttft_s is not None
+    assert throughout.decision.predicted_ttft_s is not None
+    assert batch.decision.predicted_ttft_s < 7.0 < 17.0 < throughout.decision.predicted_ttft_s
+    assert contended_factor(0.25, 0.3, 2.0) == 0.25  # within the horizon: the share
+    assert contended_factor(0.25, 4.5, 2.0) == pytest.approx(4.5 / 6.0)
+    assert contended_factor(1.0, 4.5, 2.0) == 1.0
     p0 = _worker("p0", "prefill", PREFILL, ("h1", (0, 1)), 5)
     d0 = _worker("d0", "decode", busy, ("h1", (0,)))
     assert p0.cpu_share_beside(d0) == pytest.approx(1 / (1 + 1.25 ** 5))
