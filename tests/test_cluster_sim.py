@@ -268,6 +268,22 @@ def test_prefill_probes_calibrate_the_prefill_side_from_a_real_record() -> None:
     assert best["mean_squared_log_ratio"] == min(p["mean_squared_log_ratio"] for p in points)
 
 
+def test_kv_that_outlasts_the_decode_workers_lease_falls_back_to_a_local_prefill() -> None:
+    """A remote prefill whose KV has not landed when the decode worker's lease (the router's
+    --prefill-timeout) runs out is given up, wherever it is (queued at the prefill worker's
+    gate, computing, or sending), and prefilled on the decode worker, as the router does:
+    every request still ends with its tokens and no block is left held on either worker."""
+    batch = [SimRequest(f"b{i}", 0.1 * i, tuple(range(1000 + 7 * i, 2200 + 7 * i)), 4,
+                        LatencyClass.BATCH) for i in range(8)]
+    leased = run(reqs=batch, remote_lease_s=3.0)
+    unleased = run(reqs=batch, remote_lease_s=0.0)
+    assert unleased.routes == {"remote": 8}
+    assert leased.routes.get("fallback", 0) > 0
+    assert sum(leased.routes.values()) == 8
+    for res in (leased, unleased):
+        assert res.summary.overall.num_ok == 8 and res.leaked_blocks == 0
+
+
 @pytest.mark.parametrize("window", [0, 8])
 def test_the_simulator_learns_the_remote_overhead_as_the_router_does(window: int) -> None:
     """bench.sim.cluster feeds the router's own RemoteOverhead with each remote request's

@@ -109,6 +109,10 @@ class SimConfig:
     # corrected by the median miss of its measured allocation + hand-off,
     # router.calibration); 0: off.
     remote_overhead_window: int = RouterConfig().remote_overhead_window
+    # The router's --prefill-timeout: the decode worker's lease on blocks reserved for a
+    # remote prefill. KV that has not landed by then fails the transfer, and the router
+    # prefills the prompt on the decode worker instead (route "fallback"); 0: no lease.
+    remote_lease_s: float = RouterConfig().prefill_timeout_s
     heartbeat_s: float = 1.0
     event_lag_s: float = 0.05  # publisher (<= 20 ms batches) + XREAD + apply
     # Stop this long after the last arrival even if requests are left (reported unfinished):
@@ -312,12 +316,28 @@ class Simulation(Clock):
                 self.ledger.charge(req.rid, prefill.worker_id, decision.uncached_tokens)
                 self.at(self.now + o.remote_s,
                         functools.partial(prefill.submit, req, seq.num_cached_tokens, decode))
+                if self.config.remote_lease_s:
+                    self.at(self.now + self.config.remote_lease_s, functools.partial(
+                        self._lease_over, req, p, decode, prefill, decision.uncached_tokens))
                 return
             p.route = "fallback"
         p.route = p.route or "local"
         self.ledger.charge(req.rid, decode.worker_id, decision.uncached_tokens)
 
         self.at(self.now + o.local_s, functools.partial(decode.add_local, req))
+
+    def _lease_over(self, req: SimRequest, p: Progress, decode: DecodeSim,
+                    prefill: PrefillSim, uncached: int) -> None:
+        """The decode worker's lease on `req`'s blocks ran out: unless its KV landed, the
+        transfer fails, the router cancels the prefill and prefills on the decode worker."""
+        if not decode.awaits_kv(req.rid):
+            return
+        prefill.cancel(req.rid)
+        decode.cancel_remote(req.rid)
+        p.route, p.prefill = "fallback", ""
+        self.ledger.charge(req.rid, decode.worker_id, uncached)
+        self.at(self.now + self.config.overheads.local_s,
+                functools.partial(decode.add_local, req))
 
     # ------------------------------------------------------------------ the client
 

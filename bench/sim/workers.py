@@ -295,6 +295,15 @@ class DecodeSim(SimWorker):
         self.seqs[req.rid] = seq
         return seq
 
+    def awaits_kv(self, rid: str) -> bool:
+        """`rid`'s blocks are reserved and its KV has not landed."""
+        return rid in self.sched.awaiting_kv and rid not in self._admits
+
+    def cancel_remote(self, rid: str) -> None:
+        """Free the blocks reserved for `rid`'s KV (its lease ran out before the KV landed)."""
+        seq = self.seqs.pop(rid)
+        self.sched.finish(seq, FinishReason.ABORT)
+
     def kv_landed(self, rid: str) -> None:
         """The KV and the first token arrived: admitted at the engine's next command turn."""
         if self.on_landed is not None:
@@ -353,6 +362,9 @@ class PrefillSim(SimWorker):
         self.queued_tokens = 0
         self.measured_transfer_s_per_token = 0.0
         self._jobs: dict[str, tuple[SimRequest, int, DecodeSim]] = {}
+        self._queued: dict[str, tuple[SimRequest, int, DecodeSim]] = {}  # at the gate
+        self._seqs: dict[str, Seq] = {}  # in its engine
+        self._dropped: set[str] = set()  # cancelled while computing or sending
 
     @property
     def active(self) -> int:
@@ -360,21 +372,60 @@ class PrefillSim(SimWorker):
 
     def submit(self, req: SimRequest, skip_tokens: int, decode: DecodeSim) -> None:
         """`skip_tokens`: the prompt's leading tokens the decode worker has cached."""
-        if self.gate.try_enter(req.latency_class.priority, (req, skip_tokens, decode)):
+        waiter = (req, skip_tokens, decode)
+        if self.gate.try_enter(req.latency_class.priority, waiter):
             self._start(req, skip_tokens, decode)
         else:
+            self._queued[req.rid] = waiter
             self.queued_tokens += len(req.ids)
 
     def _start(self, req: SimRequest, skip: int, decode: DecodeSim) -> None:
         self._jobs[req.rid] = (req, skip, decode)
-        self.sched.add(_seq(req, self.clock.now, SeqMode.PREFILL_ONLY, max_tokens=1))
+        seq = self._seqs[req.rid] = _seq(req, self.clock.now, SeqMode.PREFILL_ONLY,
+                                         max_tokens=1)
+        self.sched.add(seq)
         self.kick()
 
+    def cancel(self, rid: str) -> None:
+        """The router gave `rid` up (its decode worker's lease ran out; `Simulation`): it
+        leaves the gate's queue, or its engine after the step that runs it, or its KV is
+        not delivered; its slot goes to the next waiter."""
+        if (waiter := self._queued.pop(rid, None)) is not None:
+            self.gate.remove(waiter)
+            self.queued_tokens -= len(waiter[0].ids)
+            return
+        self._dropped.add(rid)
+        self._try_abort(rid)
+
+    def _try_abort(self, rid: str) -> None:
+        """Abort `rid` in its engine, unless it is gone or the running step computes it (then
+        `on_step` tries again after that step)."""
+        if rid not in self._jobs or (self.busy and self._out is not None and any(
+                s.seq.request_id == rid for s in self._out.scheduled)):
+            return
+        req, _, _ = self._jobs.pop(rid)
+        self._dropped.discard(rid)
+        self.sched.finish(self._seqs.pop(rid), FinishReason.ABORT)
+        self._leave(req)
+        self.kick()
+
+    def _leave(self, req: SimRequest) -> None:
+        """`req` gives its gate slot back: the next waiters start."""
+        for nreq, nskip, ndecode in self.gate.release(req.latency_class.priority):
+            self._queued.pop(nreq.rid, None)
+            self.queued_tokens -= len(nreq.ids)
+            self._start(nreq, nskip, ndecode)
+
     def on_step(self, sampled: list[Seq]) -> None:
+        done = {s.request_id for s in sampled}
+        for rid in [r for r in self._dropped if r in self._jobs and r not in done]:
+            # cancelled while its chunk computed: out once this step's turn is over
+            self.clock.at(self.clock.now, functools.partial(self._try_abort, rid))
         for seq in sampled:
             seq.append_token(0)
             self.sched.finish(seq, FinishReason.LENGTH)  # held: its blocks are kept
             self.cached_tokens[seq.request_id] = seq.num_cached_tokens
+            self._seqs.pop(seq.request_id, None)
             req, skip, decode = self._jobs.pop(seq.request_id)
             tokens = max(1, len(req.ids) - skip)
             seconds = tokens * self.transfer_s_per_token
@@ -389,10 +440,11 @@ class PrefillSim(SimWorker):
             self.sched.release(seq)
         rate, old = seconds / tokens, self.measured_transfer_s_per_token
         self.measured_transfer_s_per_token = rate if old == 0.0 else old + 0.2 * (rate - old)
-        for nreq, nskip, ndecode in self.gate.release(req.latency_class.priority):
-            self.queued_tokens -= len(nreq.ids)
-            self._start(nreq, nskip, ndecode)
-        decode.kv_landed(req.rid)
+        self._leave(req)
+        if req.rid in self._dropped:
+            self._dropped.discard(req.rid)
+        else:
+            decode.kv_landed(req.rid)
 
     def load(self) -> WorkerLoad:
         base = self.base_load()
