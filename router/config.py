@@ -186,6 +186,11 @@ class RouterConfig:
     prefill_timeout_s: float = setting(
         30.0, "seconds a remote prefill may take (also the decode worker's lease on the "
         "reserved blocks)", gt=0, group=TIMEOUTS)
+    max_prefill_timeout_s: float = setting(
+        120.0, "seconds a remote prefill may take when the prefill worker's queue, at its "
+        "measured rate, predicts longer than --prefill-timeout: the lease then covers "
+        "1.5x the prediction, up to this (a decode worker caps leases at its own "
+        "--max-alloc-lease, 120 s by default)", gt=0, group=TIMEOUTS)
     transfer_timeout_s: float = setting(
         30.0, "seconds the KV may take to arrive after its prefill (the decode worker "
         "waits prefill + transfer timeouts in all)", gt=0, group=TIMEOUTS)
@@ -269,6 +274,7 @@ class RouterConfig:
 
         return RemoteTimeouts(allocate_timeout_s=self.allocate_timeout_s,
                               prefill_timeout_s=self.prefill_timeout_s,
+                              max_prefill_timeout_s=self.max_prefill_timeout_s,
                               transfer_timeout_s=self.transfer_timeout_s,
                               token_timeout_s=self.token_timeout_s,
                               prefill_report_wait_s=self.prefill_report_wait_s)

@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.control.load import WorkerLoad
 from pdserve.errors import CapacityError, ErrorCode, PdserveError, RemotePrefillFailed
 from pdserve.types import GenerateRequest, PrefillReport, TokenEvent
 from router.clients import DecodeClient, PrefillClient
@@ -22,22 +23,55 @@ from router.timings import StageClock
 class RemoteTimeouts:
     allocate_timeout_s: float = 5.0
     prefill_timeout_s: float = 30.0
+    # The most a queue predicted past prefill_timeout_s stretches it to (`prefill_lease_s`).
+    max_prefill_timeout_s: float = 120.0
     transfer_timeout_s: float = 30.0
     token_timeout_s: float = 60.0  # between two tokens of a running stream
     prefill_report_wait_s: float = 0.1  # at a stream's end, for the prefill worker's timings
 
 
+# A remote prefill's lease covers this much more than its predicted wait and compute.
+LEASE_HEADROOM = 1.5
+
+
+def prefill_lease_s(timeouts: RemoteTimeouts, expected_s: float | None) -> float:
+    """How long a remote prefill may take (the prefill call's deadline and the decode
+    worker's lease on the blocks its KV goes to): `prefill_timeout_s`, or where the prefill
+    worker's queue ahead of it and its own compute are predicted to take longer
+    (`expected_s`), LEASE_HEADROOM x that, up to `max_prefill_timeout_s`. Past the lease the
+    transfer fails and the prompt is prefilled again on the decode worker: a lease shorter
+    than the queue would throw the prefill worker's work away."""
+    base = timeouts.prefill_timeout_s
+    if not expected_s or expected_s * LEASE_HEADROOM <= base:
+        return base
+    return min(expected_s * LEASE_HEADROOM, max(base, timeouts.max_prefill_timeout_s))
+
+
+def prefill_wait_s(load: WorkerLoad, sent_tokens: float) -> float | None:
+    """Seconds until a prefill worker has computed what waits there, a request just placed
+    on it included: the larger of its last published queue (`load`) and the prompt tokens
+    one router sent it and has no first token for (`sent_tokens`: its
+    `PlacementLedger.inflight_tokens`), at its measured rate; None where it measured none."""
+    rate = load.prefill_tokens_per_s
+    if not rate:
+        return None
+    return max(load.queued_tokens + (load.waiting_prompt_tokens or 0.0), sent_tokens) / rate
+
+
 async def remote_prefill(req: GenerateRequest, decode: DecodeClient, prefill: PrefillClient,
                          clock: StageClock, *, timeouts: RemoteTimeouts, liveness: Liveness,
                          abort_on: Callable[[DecodeClient, str], None], timed: bool = True,
-                         budget_s: float | None = None) -> AsyncGenerator[TokenEvent, None]:
+                         budget_s: float | None = None, expected_s: float | None = None
+                         ) -> AsyncGenerator[TokenEvent, None]:
     """The request's events through a remote prefill. RemotePrefillFailed before the first
     token means: prefill locally. `budget_s` caps the prefill and KV waits (the request's
-    first-token deadline); `timed`: this attempt's stages go into `clock`."""
+    first-token deadline); `expected_s`: the prefill worker's predicted wait and compute
+    for it (`prefill_lease_s`); `timed`: this attempt's stages go into `clock`."""
     cfg = timeouts
-    prefill_timeout_s = min(cfg.prefill_timeout_s, budget_s or cfg.prefill_timeout_s)
-    kv_wait_s = min(cfg.prefill_timeout_s + cfg.transfer_timeout_s,
-                    budget_s or cfg.prefill_timeout_s + cfg.transfer_timeout_s)
+    lease_s = prefill_lease_s(cfg, expected_s)
+    prefill_timeout_s = min(lease_s, budget_s or lease_s)
+    kv_wait_s = min(lease_s + cfg.transfer_timeout_s,
+                    budget_s or lease_s + cfg.transfer_timeout_s)
     decode_lost = liveness.lost_future(decode.worker_id)
     prefill_lost = liveness.lost_future(prefill.worker_id)
     # One stream on the decode worker: its first message is the allocation, then it decodes

@@ -49,7 +49,7 @@ from router.liveness import Liveness
 from router.metrics import RouterMetrics
 from router.placement import DecodeTable
 from router.policy import Decision, Route
-from router.remote import describe, remote_prefill
+from router.remote import describe, prefill_wait_s, remote_prefill
 from router.timings import StageClock
 
 log = structlog.get_logger(__name__)
@@ -221,6 +221,11 @@ class Router(AsyncResource):
         return p.decode, p.prefill, p.decision
 
     # ------------------------------------------------------------------ generation
+
+    def _prefill_wait_s(self, prefill: WorkerInfo) -> float | None:
+        """`router.remote.prefill_wait_s` with what this router sent the prefill worker."""
+        return prefill_wait_s(prefill.load, self.ledger.inflight_tokens.get(prefill.worker_id,
+                                                                            0.0))
 
     def _first_token(self, decision: Decision, observed_s: float) -> None:
         """A first token on the route its placement chose: against cost placement's
@@ -436,8 +441,8 @@ class Router(AsyncResource):
                 async with contextlib.aclosing(self.liveness.watch(decode, remote_prefill(
                         req, dclient, self._channels.prefill(prefill), clock,
                         timeouts=self.config.remote, liveness=self.liveness,
-                        abort_on=self._abort_on, timed=timed, budget_s=budget()),
-                        lost)) as events:
+                        abort_on=self._abort_on, timed=timed, budget_s=budget(),
+                        expected_s=self._prefill_wait_s(prefill)), lost)) as events:
                     async for ev in events:
                         yield self._tag(ev, route, clock, decode, prefill)
                 return
