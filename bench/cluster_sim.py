@@ -350,10 +350,12 @@ def metrics_of(summary: Any) -> dict[str, dict[str, float | None]]:
 def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
              streaming: Path | None = None,
              corun: dict[tuple[str, str], float] | None = None,
-             probes: dict[str, Path] | None = None) -> dict[str, Any]:
+             probes: dict[str, Path] | None = None, fixed_lease: bool = False
+             ) -> dict[str, Any]:
     """Each real run's requests replayed in the simulator of its layout; `corun`: the
     two-busy-cores slowdown table (bench.sim.workers.load_corun; {}: none); `probes`: per
-    layout, a bench.sim.real prefill output that calibrates the prefill side."""
+    layout, a bench.sim.real prefill output that calibrates the prefill side; `fixed_lease`:
+    the records' router gave every remote prefill --prefill-timeout (before 4c19bbe)."""
     rows = []
     calib: dict[str, Any] = {}
     for root, layout in reals:
@@ -388,6 +390,8 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
             for path in sorted((root / system).glob("rate_*.json")):
                 reqs, rec = trace_from_record(path, seed)
                 cfg = layout_config(layout, engine, policy, overheads, seed, corun or {})
+                if fixed_lease:
+                    cfg = replace(cfg, max_remote_lease_s=cfg.remote_lease_s)
                 slo = SLO(**{**rec["config"]["slo"],
                              "per_class": tuple(map(tuple, rec["config"]["slo"]["per_class"]))})
                 sim = simulate(cfg, reqs, slo, cost)
@@ -656,6 +660,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="DIR:LAYOUT, a bench.sim.real prefill output: the prefill worker's "
                         "speed, KV transfer, slowdown beside a computing decode worker and "
                         "CPU weight on that layout")
+    v.add_argument("--fixed-lease", action="store_true",
+                   help="the records' router leased every remote prefill --prefill-timeout "
+                        "(routers before 4c19bbe), not the prefill queue's prediction")
     v.add_argument("--out", type=Path, required=True)
     c = sub.add_parser("compare", help="policies at scale")
     c.add_argument("--workers", default="8,16,64,256")
@@ -686,7 +693,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "validate":
         record.update(validate(args.real, cost, args.seed, args.streaming,
                                load_corun(args.corun) if args.corun else {},
-                               {layout: path for path, layout in args.prefill_probe}))
+                               {layout: path for path, layout in args.prefill_probe},
+                               fixed_lease=args.fixed_lease))
         record["corun"] = str(args.corun) if args.corun else None
         print(validation_table(record))
         print(json.dumps(record["within_15pct"], indent=1))

@@ -49,6 +49,7 @@ from router.cost import CostModel
 from router.kv_index import KVIndex
 from router.ledger import PlacementLedger
 from router.policy import Decision, Route, RouterPolicy, decide_route
+from router.remote import RemoteTimeouts, prefill_lease_s, prefill_wait_s
 
 Policy = Literal["threshold", "cost", "least-loaded", "random", "round-robin"]
 POLICIES: tuple[Policy, ...] = ("threshold", "cost", "least-loaded", "random", "round-robin")
@@ -109,10 +110,14 @@ class SimConfig:
     # corrected by the median miss of its measured allocation + hand-off,
     # router.calibration); 0: off.
     remote_overhead_window: int = RouterConfig().remote_overhead_window
-    # The router's --prefill-timeout: the decode worker's lease on blocks reserved for a
-    # remote prefill. KV that has not landed by then fails the transfer, and the router
-    # prefills the prompt on the decode worker instead (route "fallback"); 0: no lease.
+    # The router's --prefill-timeout and --max-prefill-timeout: the decode worker's lease on
+    # blocks reserved for a remote prefill, stretched to cover the prefill worker's queue as
+    # the router does (router.remote.prefill_lease_s; a ceiling at the floor: routers before
+    # 4c19bbe, whose lease was --prefill-timeout). KV that has not landed by then fails the
+    # transfer, and the router prefills the prompt on the decode worker (route "fallback");
+    # 0: no lease.
     remote_lease_s: float = RouterConfig().prefill_timeout_s
+    max_remote_lease_s: float = RouterConfig().max_prefill_timeout_s
     heartbeat_s: float = 1.0
     event_lag_s: float = 0.05  # publisher (<= 20 ms batches) + XREAD + apply
     # Stop this long after the last arrival even if requests are left (reported unfinished):
@@ -317,7 +322,12 @@ class Simulation(Clock):
                 self.at(self.now + o.remote_s,
                         functools.partial(prefill.submit, req, seq.num_cached_tokens, decode))
                 if self.config.remote_lease_s:
-                    self.at(self.now + self.config.remote_lease_s, functools.partial(
+                    lease = prefill_lease_s(
+                        RemoteTimeouts(prefill_timeout_s=self.config.remote_lease_s,
+                                       max_prefill_timeout_s=self.config.max_remote_lease_s),
+                        prefill_wait_s(prefill_info.load, self.ledger.inflight_tokens.get(
+                            prefill.worker_id, 0.0)))
+                    self.at(self.now + lease, functools.partial(
                         self._lease_over, req, p, decode, prefill, decision.uncached_tokens))
                 return
             p.route = "fallback"
