@@ -318,6 +318,13 @@ SYSTEMS = {
     "1p1d": (("disaggregated", "threshold"), ("disaggregated-cost", "cost")),
     "1p2d": (("1p2d", "threshold"), ("1p2d-cost", "cost")),
 }
+# A remote prefill's lease, by the router and decode workers that made a record.
+LEASES = {
+    "fixed": "--prefill-timeout (routers before 4c19bbe)",
+    "stretched": "stretched to cover the prefill queue's prediction, ending at its first "
+                 "deadline (4c19bbe)",
+    "renewed": "stretched, then renewed by each part of the KV that lands (since)",
+}
 
 
 def _pcts(g: GroupSummary | None) -> dict[str, float | None]:
@@ -350,12 +357,12 @@ def metrics_of(summary: Any) -> dict[str, dict[str, float | None]]:
 def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
              streaming: Path | None = None,
              corun: dict[tuple[str, str], float] | None = None,
-             probes: dict[str, Path] | None = None, fixed_lease: bool = False
+             probes: dict[str, Path] | None = None, lease: str = "renewed"
              ) -> dict[str, Any]:
     """Each real run's requests replayed in the simulator of its layout; `corun`: the
     two-busy-cores slowdown table (bench.sim.workers.load_corun; {}: none); `probes`: per
-    layout, a bench.sim.real prefill output that calibrates the prefill side; `fixed_lease`:
-    the records' router gave every remote prefill --prefill-timeout (before 4c19bbe)."""
+    layout, a bench.sim.real prefill output that calibrates the prefill side; `lease`: the
+    records' router and decode workers' rule for a remote prefill's lease (`LEASES`)."""
     rows = []
     calib: dict[str, Any] = {}
     for root, layout in reals:
@@ -390,8 +397,9 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
             for path in sorted((root / system).glob("rate_*.json")):
                 reqs, rec = trace_from_record(path, seed)
                 cfg = layout_config(layout, engine, policy, overheads, seed, corun or {})
-                if fixed_lease:
+                if lease == "fixed":
                     cfg = replace(cfg, max_remote_lease_s=cfg.remote_lease_s)
+                cfg = replace(cfg, lease_renews=lease == "renewed")
                 slo = SLO(**{**rec["config"]["slo"],
                              "per_class": tuple(map(tuple, rec["config"]["slo"]["per_class"]))})
                 sim = simulate(cfg, reqs, slo, cost)
@@ -660,9 +668,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="DIR:LAYOUT, a bench.sim.real prefill output: the prefill worker's "
                         "speed, KV transfer, slowdown beside a computing decode worker and "
                         "CPU weight on that layout")
-    v.add_argument("--fixed-lease", action="store_true",
-                   help="the records' router leased every remote prefill --prefill-timeout "
-                        "(routers before 4c19bbe), not the prefill queue's prediction")
+    v.add_argument("--lease", choices=LEASES, default="renewed",
+                   help="the records' rule for a remote prefill's lease: " + "; ".join(
+                       f"{k}: {v}" for k, v in LEASES.items()))
+    v.add_argument("--fixed-lease", dest="lease", action="store_const", const="fixed",
+                   help="the same as --lease fixed")
     v.add_argument("--out", type=Path, required=True)
     c = sub.add_parser("compare", help="policies at scale")
     c.add_argument("--workers", default="8,16,64,256")
@@ -694,7 +704,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         record.update(validate(args.real, cost, args.seed, args.streaming,
                                load_corun(args.corun) if args.corun else {},
                                {layout: path for path, layout in args.prefill_probe},
-                               fixed_lease=args.fixed_lease))
+                               lease=args.lease))
         record["corun"] = str(args.corun) if args.corun else None
         print(validation_table(record))
         print(json.dumps(record["within_15pct"], indent=1))

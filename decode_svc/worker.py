@@ -140,10 +140,12 @@ class DecodeWorker:
         return self._reserving + sum(len(p.slot.block_ids)
                                      for p in self._pending.values())
 
-    async def allocate_remote(self, req: GenerateRequest, lease_s: float | None = None
-                              ) -> KVDestination:
+    async def allocate_remote(self, req: GenerateRequest, lease_s: float | None = None, *,
+                              renew_until_s: float | None = None) -> KVDestination:
         """Reserve blocks for `req`'s KV. The lease is `lease_s` (None or 0: the default),
-        at most `max_alloc_lease_s`; CapacityError when the blocks cannot be had now."""
+        at most `max_alloc_lease_s`; with `renew_until_s`, each part of the KV that lands
+        renews it, up to that long after now (at most `max_kv_wait_s`). CapacityError when
+        the blocks cannot be had now."""
         self._admit()
         need = -(-len(req.token_ids) // self.block_size)
         if self.pending_kv_blocks + need > self.max_pending_kv_blocks:
@@ -160,7 +162,10 @@ class DecodeWorker:
         skip = alloc.num_cached_tokens // self.block_size
         lease = min(lease_s or self.alloc_lease_s, self.max_alloc_lease_s)
         try:
-            expectation = self.receiver.expect(transfer_id, alloc.block_ids[skip:], lease)
+            renew_until = None if renew_until_s is None else \
+                max(lease, min(renew_until_s, self.max_kv_wait_s))
+            expectation = self.receiver.expect(transfer_id, alloc.block_ids[skip:], lease,
+                                               max_s=renew_until)
         except BaseException:
             await self.engine.abort(req.request_id)
             raise
@@ -244,10 +249,11 @@ class DecodeWorker:
                                     ) -> AsyncGenerator[KVDestination | TokenEvent, None]:
         """A remote prefill in one stream: first the allocation (`allocate_remote`: where the
         prefill worker writes, to be handed on), then the request's events (`generate_remote`:
-        from the KV's arrival on, at most `timeout_s` after the allocation). However the
-        consumer leaves, the allocation is fenced and freed unless the request was admitted
-        (then closing the stream aborts it, as for `generate`)."""
-        slot = await self.allocate_remote(req, lease_s)
+        from the KV's arrival on, at most `timeout_s` after the allocation). The lease is
+        renewed by each part of the KV that lands, within `timeout_s`. However the consumer
+        leaves, the allocation is fenced and freed unless the request was admitted (then
+        closing the stream aborts it, as for `generate`)."""
+        slot = await self.allocate_remote(req, lease_s, renew_until_s=timeout_s)
         try:
             yield slot
         except BaseException:  # closed or cancelled before the claim: nothing else frees it

@@ -13,7 +13,9 @@ Lifecycle of one transfer, keyed by `transfer_id`:
 A transfer may come in parts (a write marked ``"part": true``): the prefill worker sends each
 computed chunk while the next one computes. Only the last write (no ``part``; it carries the
 notice) completes it, so a transfer whose last part never comes is never visible; a part that
-fails fails the transfer. The parts come one at a time, from the writer of the first.
+fails fails the transfer. The parts come one at a time, from the writer of the first. A part
+that lands renews the transfer's timeout (a writer that keeps making progress is not cut off
+at a deadline sized for a guess), up to the transfer's `max_s`.
 
 The fence: a transfer is only reported finished (its `Expectation` resolves or raises, or
 `cancel()` returns) once no byte can land in its blocks any more. For an ACTIVE transfer
@@ -189,17 +191,20 @@ class KVReceiver(AsyncResource):
     # ------------------------------------------------------------------ decode-side API
 
     def expect(
-        self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float
+        self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float, *,
+        max_s: float | None = None
     ) -> Expectation:
-        """Allow one writer to fill `dst_block_ids` within `timeout_s`.
+        """Allow one writer to fill `dst_block_ids`: its first part (or its whole write)
+        within `timeout_s`, each later part within `timeout_s` of the one before, all of it
+        within `max_s` (None: `timeout_s`, i.e. no renewal).
 
         The writer must send exactly these blocks (in any order). Raises KVTransferError with
         code ``kv_invalid_argument`` for an empty, duplicated or out-of-range id list or a
-        transfer id already in use.
+        transfer id already in use, or `max_s` < `timeout_s`.
         """
         if self._closing:
             raise error(ErrorCode.KV_CLOSED, "receiver is closed")
-        return self._table.expect(transfer_id, dst_block_ids, timeout_s)
+        return self._table.expect(transfer_id, dst_block_ids, timeout_s, max_s=max_s)
 
     async def cancel(self, transfer_id: str, *, reason: str = "cancelled") -> None:
         """Abort a transfer; returns once no byte can land in its blocks any more.

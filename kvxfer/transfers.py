@@ -37,7 +37,8 @@ class TransferTable:
         self._finished: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     def expect(
-        self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float
+        self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float, *,
+        max_s: float | None = None
     ) -> Expectation:
         """See `KVReceiver.expect`."""
         blocks = tuple(dst_block_ids)
@@ -53,13 +54,17 @@ class TransferTable:
                 raise ValueError(f"transfer {transfer_id!r} is already expected")
             if timeout_s <= 0:
                 raise ValueError("timeout_s must be > 0")
+            if max_s is not None and max_s < timeout_s:
+                raise ValueError("max_s must be >= timeout_s")
         except ValueError as exc:
             raise error(ErrorCode.KV_INVALID_ARGUMENT, str(exc)) from exc
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Notice | None] = loop.create_future()
         # The decode service may cancel and never await: don't warn about unretrieved errors.
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        transfer = Transfer(transfer_id, blocks, loop.time() + timeout_s, fut)
+        now = loop.time()
+        transfer = Transfer(transfer_id, blocks, now + timeout_s, fut, renew_s=timeout_s,
+                            last_deadline=now + (timeout_s if max_s is None else max_s))
         transfer.timer = loop.call_later(timeout_s, self._expired, transfer)
         self.transfers[transfer_id] = transfer
         return Expectation(transfer_id, blocks, fut)
@@ -126,12 +131,15 @@ class TransferTable:
             transfer.timer.cancel()
 
     def part_landed(self, transfer: Transfer) -> None:
-        """A part's bytes landed (fenced, digests matched): wait for the next part, until
-        the transfer's deadline."""
+        """A part's bytes landed (fenced, digests matched): wait for the next part. The
+        writer is making progress, so its lease renews: the next part may take as long as
+        the first could (`renew_s`), but not past the transfer's `last_deadline`."""
         transfer.landed.update(block for start, count in transfer.runs
                                for block in range(start, start + count))
         transfer.state = State.PARTIAL
         loop = asyncio.get_running_loop()
+        transfer.deadline = min(transfer.last_deadline,
+                                max(transfer.deadline, loop.time() + transfer.renew_s))
         transfer.timer = loop.call_at(transfer.deadline, self._expired, transfer)
 
     def _expired(self, transfer: Transfer) -> None:

@@ -184,16 +184,18 @@ class RouterConfig:
         5.0, "seconds a decode worker may take to reserve KV blocks for a remote prefill",
         gt=0, group=TIMEOUTS)
     prefill_timeout_s: float = setting(
-        30.0, "seconds a remote prefill may take (also the decode worker's lease on the "
-        "reserved blocks)", gt=0, group=TIMEOUTS)
+        30.0, "seconds a remote prefill may take to land its first part of the KV, and "
+        "each later part after the one before (the decode worker's lease on the reserved "
+        "blocks, renewed by each part that lands)", gt=0, group=TIMEOUTS)
     max_prefill_timeout_s: float = setting(
-        120.0, "seconds a remote prefill may take when the prefill worker's queue, at its "
-        "measured rate, predicts longer than --prefill-timeout: the lease then covers "
-        "1.5x the prediction, up to this (a decode worker caps leases at its own "
+        120.0, "seconds a remote prefill may take in all while its KV keeps landing; also "
+        "the longest lease: where the prefill worker's queue, at its measured rate, "
+        "predicts longer than --prefill-timeout, the lease covers 1.5x the prediction, "
+        "up to this (a decode worker caps leases at its own "
         "--max-alloc-lease, 120 s by default)", gt=0, group=TIMEOUTS)
     transfer_timeout_s: float = setting(
         30.0, "seconds the KV may take to arrive after its prefill (the decode worker "
-        "waits prefill + transfer timeouts in all)", gt=0, group=TIMEOUTS)
+        "waits --max-prefill-timeout + this in all)", gt=0, group=TIMEOUTS)
     first_token_timeout_s: float = setting(
         120.0, "seconds to a first token on a local prefill (a long prompt on a busy "
         "worker); admitted requests also stop at --deadline-factor x their deadline",

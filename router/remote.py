@@ -23,7 +23,8 @@ from router.timings import StageClock
 class RemoteTimeouts:
     allocate_timeout_s: float = 5.0
     prefill_timeout_s: float = 30.0
-    # The most a queue predicted past prefill_timeout_s stretches it to (`prefill_lease_s`).
+    # The most a queue predicted past prefill_timeout_s stretches it to (`prefill_lease_s`),
+    # and the most a remote prefill whose KV keeps landing may take (`progress_cap_s`).
     max_prefill_timeout_s: float = 120.0
     transfer_timeout_s: float = 30.0
     token_timeout_s: float = 60.0  # between two tokens of a running stream
@@ -45,6 +46,14 @@ def prefill_lease_s(timeouts: RemoteTimeouts, expected_s: float | None) -> float
     if not expected_s or expected_s * LEASE_HEADROOM <= base:
         return base
     return min(expected_s * LEASE_HEADROOM, max(base, timeouts.max_prefill_timeout_s))
+
+
+def progress_cap_s(timeouts: RemoteTimeouts, lease_s: float) -> float:
+    """How long a remote prefill may take in all while its KV keeps landing: the decode
+    worker renews the lease (`lease_s`) with each part that lands, so only a prefill that
+    makes no progress for a lease is cut off (then prefilled again on the decode worker),
+    not one that is merely slower than predicted; this caps that."""
+    return max(lease_s, timeouts.max_prefill_timeout_s)
 
 
 def prefill_wait_s(load: WorkerLoad, sent_tokens: float) -> float | None:
@@ -69,15 +78,18 @@ async def remote_prefill(req: GenerateRequest, decode: DecodeClient, prefill: Pr
     for it (`prefill_lease_s`); `timed`: this attempt's stages go into `clock`."""
     cfg = timeouts
     lease_s = prefill_lease_s(cfg, expected_s)
-    prefill_timeout_s = min(lease_s, budget_s or lease_s)
-    kv_wait_s = min(lease_s + cfg.transfer_timeout_s,
-                    budget_s or lease_s + cfg.transfer_timeout_s)
+    cap_s = progress_cap_s(cfg, lease_s)
+    lease_s = min(lease_s, budget_s or lease_s)
+    # The prefill call may run until the cap: the decode worker's lease, renewed by each
+    # part that lands, is what ends one that stalls (its stream then fails: KV timeout).
+    prefill_timeout_s = min(cap_s, budget_s or cap_s)
+    kv_wait_s = min(cap_s + cfg.transfer_timeout_s, budget_s or cap_s + cfg.transfer_timeout_s)
     decode_lost = liveness.lost_future(decode.worker_id)
     prefill_lost = liveness.lost_future(prefill.worker_id)
     # One stream on the decode worker: its first message is the allocation, then it decodes
     # from the moment the KV lands, the first token taken from the transfer's completion
     # notice (no extra hop through us).
-    remote = decode.generate_remote(req, lease_s=prefill_timeout_s,
+    remote = decode.generate_remote(req, lease_s=lease_s,
                                     allocate_timeout_s=cfg.allocate_timeout_s,
                                     transfer_timeout_s=kv_wait_s,
                                     token_timeout_s=cfg.token_timeout_s)

@@ -278,15 +278,19 @@ def test_kv_that_outlasts_the_decode_workers_lease_falls_back_to_a_local_prefill
                         tuple(range(1000 + 7 * i, 2200 + 7 * i)), 4, LatencyClass.BATCH)
              for i in range(8)]
     leased = run(reqs=batch, remote_lease_s=3.0, max_remote_lease_s=3.0)
-    stretched = run(reqs=batch, remote_lease_s=3.0)  # the router's: 1.5x the queue's wait
+    # The router's: 1.5x the queue's wait, ending there or renewed by each part that lands.
+    stretched = run(reqs=batch, remote_lease_s=3.0, lease_renews=False)
+    renewed = run(reqs=batch, remote_lease_s=3.0)
     unleased = run(reqs=batch, remote_lease_s=0.0)
     assert unleased.routes == {"remote": 8}
     assert leased.routes == {"fallback": 8}  # even the first: no rate, a 3 s lease
     # Stretched, the seven queued behind one another wait their turn there (1.5x the queue
-    # is not always enough: the prediction is made from the rate of one prompt).
+    # is not always enough: the prediction is made from the rate of one prompt); renewed,
+    # one whose chunks keep landing is not cut off at that prediction.
     assert stretched.routes.get("remote", 0) >= 4
+    assert renewed.routes.get("remote", 0) > stretched.routes.get("remote", 0)
     assert sum(leased.routes.values()) == 8
-    for res in (leased, stretched, unleased):
+    for res in (leased, stretched, renewed, unleased):
         assert res.summary.overall.num_ok == 8 and res.leaked_blocks == 0
 
 

@@ -141,6 +141,65 @@ async def test_no_writer_within_the_lease_is_kv_timeout(decode: DecodeWorker,
     await _until(lambda: _all_free(decode))
 
 
+class _SlowPartsSender(KVSender):
+    """A KVSender whose writes start at least `gap_s` after the one before landed (a
+    prefill worker slower than its lease, making progress)."""
+
+    gap_s = 0.0
+    sends = 0
+    _landed = 0.0
+
+    async def send(self, *args: Any, **kw: Any) -> Any:  # type: ignore[override]
+        loop = asyncio.get_running_loop()
+        if self.sends:
+            await asyncio.sleep(self._landed + self.gap_s - loop.time())
+        self.sends += 1
+        try:
+            return await super().send(*args, **kw)
+        finally:
+            self._landed = loop.time()
+
+
+async def test_each_part_that_lands_renews_the_lease(make_engine: Any,
+                                                     prompt_ids: list[list[int]]) -> None:
+    """A prefill worker whose KV keeps landing part by part is not cut off at the lease,
+    though it takes longer in all: each part renews it (within the stream's KV wait), and
+    the stream decodes what a local prefill would."""
+    from prefill_svc.worker import PrefillWorker
+
+    prompt = tuple(max(prompt_ids, key=len))
+    req = GenerateRequest("renewed", prompt, greedy())
+    async with AsyncEngine(make_engine(kv_cache_bytes=64 << 20)) as ref:
+        want = [ev.token_id async for ev in ref.generate(GenerateRequest("ref", prompt, greedy()))
+                if ev.token_id is not None]
+    async with _decode_worker(make_engine, 128 << 20, 1.0) as decode:
+        rx = decode.receiver
+
+        async def resolve(descriptor_id: str) -> KVDescriptor | None:
+            return KVDescriptor(DESC_ID, "decode-a", 5, rx.address, decode.engine.layout)
+
+        engine = AsyncEngine(make_engine(kv_cache_bytes=64 << 20))
+        async with engine, _SlowPartsSender(engine.layout, resolve) as tx:
+            tx.gap_s = 3.5
+            worker = PrefillWorker(engine, tx, worker_id="prefill-a")
+            loop = asyncio.get_running_loop()
+            stream = decode.allocate_and_generate(req, lease_s=6.0, timeout_s=60.0)
+            slot = await anext(stream)
+            assert isinstance(slot, KVDestination)
+            t0 = loop.time()
+
+            async def consume() -> list[Any]:  # claims the allocation now, as a router does
+                return [item async for item in stream]
+
+            consumer = asyncio.create_task(consume())
+            await worker.prefill(req, slot)
+            events = await consumer
+        assert tx.sends >= 3 and loop.time() - t0 > 6.0  # two gaps: past the first lease
+        assert [ev.token_id for ev in events if isinstance(ev, TokenEvent)
+                and ev.token_id is not None] == want
+        await _until(lambda: _all_free(decode))
+
+
 async def test_refused_before_any_allocation(decode: DecodeWorker) -> None:
     """Past the worker's bound on blocks waiting for KV, the stream fails before its first
     item (the router then prefills locally), and what the others hold is untouched."""

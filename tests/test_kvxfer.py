@@ -236,6 +236,35 @@ async def test_between_parts_cancel_and_deadline_end_the_transfer_at_once(
     assert xid not in receiver._transfers
 
 
+async def test_each_part_that_lands_renews_the_timeout_up_to_max_s(
+    receiver: KVReceiver, sender: KVSender, src_pool: torch.Tensor, dst_pool: torch.Tensor
+) -> None:
+    """A writer that keeps making progress is not cut off at the first deadline: each part
+    that lands gives the next one `timeout_s` again, but never past `max_s`."""
+    xid = tid()
+    landed = receiver.expect(xid, [3, 4, 5], timeout_s=1.0, max_s=30)
+    await sender.send(DESC_ID, src_pool, [10], [3], xid, 10, part=True)
+    await asyncio.sleep(0.7)
+    await sender.send(DESC_ID, src_pool, [11], [4], xid, 10, part=True)
+    await asyncio.sleep(0.7)  # past the first deadline, within the renewed one
+    await sender.send(DESC_ID, src_pool, [12], [5], xid, 10)
+    await landed
+    assert torch.equal(dst_pool[3:6], src_pool[10:13])
+    with pytest.raises(KVTransferError, match="max_s") as info:
+        receiver.expect(tid(), [6], timeout_s=2.0, max_s=1.0)
+    assert info.value.code == ErrorCode.KV_INVALID_ARGUMENT
+    xid = tid()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    landed = receiver.expect(xid, [6, 7, 8], timeout_s=1.0, max_s=1.2)
+    await sender.send(DESC_ID, src_pool, [10], [6], xid, 10, part=True)
+    await sender.send(DESC_ID, src_pool, [11], [7], xid, 10, part=True)
+    assert receiver._transfers[xid].deadline <= t0 + 1.2 + 1e-6  # renewed, up to max_s
+    with pytest.raises(KVTransferError, match="2 blocks landed") as info:
+        await landed
+    assert info.value.code == ErrorCode.KV_TIMEOUT
+
+
 async def test_concurrent_transfers_share_one_endpoint(
     receiver: KVReceiver, sender: KVSender, src_pool: torch.Tensor, dst_pool: torch.Tensor
 ) -> None:

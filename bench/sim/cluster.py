@@ -49,7 +49,7 @@ from router.cost import CostModel
 from router.kv_index import KVIndex
 from router.ledger import PlacementLedger
 from router.policy import Decision, Route, RouterPolicy, decide_route
-from router.remote import RemoteTimeouts, prefill_lease_s, prefill_wait_s
+from router.remote import RemoteTimeouts, prefill_lease_s, prefill_wait_s, progress_cap_s
 
 Policy = Literal["threshold", "cost", "least-loaded", "random", "round-robin"]
 POLICIES: tuple[Policy, ...] = ("threshold", "cost", "least-loaded", "random", "round-robin")
@@ -113,11 +113,14 @@ class SimConfig:
     # The router's --prefill-timeout and --max-prefill-timeout: the decode worker's lease on
     # blocks reserved for a remote prefill, stretched to cover the prefill worker's queue as
     # the router does (router.remote.prefill_lease_s; a ceiling at the floor: routers before
-    # 4c19bbe, whose lease was --prefill-timeout). KV that has not landed by then fails the
-    # transfer, and the router prefills the prompt on the decode worker (route "fallback");
-    # 0: no lease.
+    # 4c19bbe, whose lease was --prefill-timeout). Each part of the KV that lands renews it,
+    # up to router.remote.progress_cap_s (`lease_renews`; False: routers and decode workers
+    # before it, whose lease ended at its first deadline). KV that has not landed by then
+    # fails the transfer, and the router prefills the prompt on the decode worker (route
+    # "fallback"); 0: no lease.
     remote_lease_s: float = RouterConfig().prefill_timeout_s
     max_remote_lease_s: float = RouterConfig().max_prefill_timeout_s
+    lease_renews: bool = True
     heartbeat_s: float = 1.0
     event_lag_s: float = 0.05  # publisher (<= 20 ms batches) + XREAD + apply
     # Stop this long after the last arrival even if requests are left (reported unfinished):
@@ -165,6 +168,8 @@ class Simulation(Clock):
         self._count = itertools.count()
         self.rng = random.Random(config.seed)
         c = config
+        self._timeouts = RemoteTimeouts(prefill_timeout_s=c.remote_lease_s,
+                                        max_prefill_timeout_s=c.max_remote_lease_s)
         hosts: list[Host] = []
 
         corun = dict(load_corun() if c.corun is None else c.corun)
@@ -322,13 +327,14 @@ class Simulation(Clock):
                 self.at(self.now + o.remote_s,
                         functools.partial(prefill.submit, req, seq.num_cached_tokens, decode))
                 if self.config.remote_lease_s:
-                    lease = prefill_lease_s(
-                        RemoteTimeouts(prefill_timeout_s=self.config.remote_lease_s,
-                                       max_prefill_timeout_s=self.config.max_remote_lease_s),
-                        prefill_wait_s(prefill_info.load, self.ledger.inflight_tokens.get(
-                            prefill.worker_id, 0.0)))
+                    lease = prefill_lease_s(self._timeouts, prefill_wait_s(
+                        prefill_info.load,
+                        self.ledger.inflight_tokens.get(prefill.worker_id, 0.0)))
+                    cap = progress_cap_s(self._timeouts, lease) \
+                        if self.config.lease_renews else lease
                     self.at(self.now + lease, functools.partial(
-                        self._lease_over, req, p, decode, prefill, decision.uncached_tokens))
+                        self._lease_over, req, p, decode, prefill, decision.uncached_tokens,
+                        lease, self.now + cap))
                 return
             p.route = "fallback"
         p.route = p.route or "local"
@@ -337,10 +343,18 @@ class Simulation(Clock):
         self.at(self.now + o.local_s, functools.partial(decode.add_local, req))
 
     def _lease_over(self, req: SimRequest, p: Progress, decode: DecodeSim,
-                    prefill: PrefillSim, uncached: int) -> None:
-        """The decode worker's lease on `req`'s blocks ran out: unless its KV landed, the
-        transfer fails, the router cancels the prefill and prefills on the decode worker."""
+                    prefill: PrefillSim, uncached: int, lease_s: float,
+                    last_s: float) -> None:
+        """The decode worker's lease on `req`'s blocks ran out, unless a part of its KV
+        landed less than `lease_s` ago (then it runs on from that part, up to `last_s`):
+        unless its KV landed, the transfer fails, the router cancels the prefill and
+        prefills on the decode worker."""
         if not decode.awaits_kv(req.rid):
+            return
+        part = prefill.part_landed_s.get(req.rid)
+        if part is not None and min(part + lease_s, last_s) > self.now:
+            self.at(min(part + lease_s, last_s), functools.partial(
+                self._lease_over, req, p, decode, prefill, uncached, lease_s, last_s))
             return
         prefill.cancel(req.rid)
         decode.cancel_remote(req.rid)

@@ -24,6 +24,7 @@ from pdserve.control.load import WorkerLoad
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.scheduler import (
+    ScheduledSeq,
     Scheduler,
     SchedulerOutput,
     interactive_prompt_budget,
@@ -216,6 +217,8 @@ class SimWorker:
         self.rates.observe(self.clock.now - self._started, prefill_tokens, self._work)
         sampled = [s.seq for s in out.scheduled
                    if s.start + s.num_new_tokens == s.seq.num_tokens]
+        self.on_chunks([s for s in out.scheduled if s.start + s.num_new_tokens
+                        < s.seq.num_prompt_tokens])
         self.on_step(sampled)
         self._reshare()
         self.kick()
@@ -223,6 +226,9 @@ class SimWorker:
     def on_step(self, sampled: list[Seq]) -> None:
         """`sampled`: the sequences whose step produced a token (their logits row)."""
         raise NotImplementedError
+
+    def on_chunks(self, chunks: list[ScheduledSeq]) -> None:
+        """`chunks`: the prompt chunks the step computed that are not a prompt's last."""
 
     def load(self) -> WorkerLoad:
         """The record its next heartbeat publishes."""
@@ -365,6 +371,9 @@ class PrefillSim(SimWorker):
         self._queued: dict[str, tuple[SimRequest, int, DecodeSim]] = {}  # at the gate
         self._seqs: dict[str, Seq] = {}  # in its engine
         self._dropped: set[str] = set()  # cancelled while computing or sending
+        # request id -> when the KV of its latest chunk (a part) lands on the decode worker:
+        # each part renews the decode worker's lease on its blocks (kvxfer.receiver: parts).
+        self.part_landed_s: dict[str, float] = {}
 
     @property
     def active(self) -> int:
@@ -405,6 +414,7 @@ class PrefillSim(SimWorker):
             return
         req, _, _ = self._jobs.pop(rid)
         self._dropped.discard(rid)
+        self.part_landed_s.pop(rid, None)
         self.sched.finish(self._seqs.pop(rid), FinishReason.ABORT)
         self._leave(req)
         self.kick()
@@ -415,6 +425,15 @@ class PrefillSim(SimWorker):
             self._queued.pop(nreq.rid, None)
             self.queued_tokens -= len(nreq.ids)
             self._start(nreq, nskip, ndecode)
+
+    def on_chunks(self, chunks: list[ScheduledSeq]) -> None:
+        """Each chunk's KV is sent as a part while the next one computes (the real worker's
+        parts, at least `MIN_PART_BLOCKS` blocks; here every chunk)."""
+        for s in chunks:
+            rid = s.seq.request_id
+            if rid in self._jobs and rid not in self._dropped:
+                self.part_landed_s[rid] = (self.clock.now
+                                           + s.num_new_tokens * self.transfer_s_per_token)
 
     def on_step(self, sampled: list[Seq]) -> None:
         done = {s.request_id for s in sampled}
@@ -441,6 +460,7 @@ class PrefillSim(SimWorker):
         rate, old = seconds / tokens, self.measured_transfer_s_per_token
         self.measured_transfer_s_per_token = rate if old == 0.0 else old + 0.2 * (rate - old)
         self._leave(req)
+        self.part_landed_s.pop(req.rid, None)
         if req.rid in self._dropped:
             self._dropped.discard(req.rid)
         else:
