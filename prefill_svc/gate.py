@@ -56,12 +56,17 @@ class GateQueue(Generic[T]):
 
     def remove(self, waiter: T) -> bool:
         """Forget a queued waiter (it gave up); False if it is not queued."""
+        return self.remove_where(lambda w: w is waiter) is not None
+
+    def remove_where(self, match: Callable[[T], bool]) -> T | None:
+        """Forget the first queued waiter `match` accepts (it gave up) and return it; None
+        if none is queued."""
         for i, entry in enumerate(self._waiters):
-            if entry[2] is waiter:
+            if match(entry[2]):
                 self._waiters.pop(i)
                 heapq.heapify(self._waiters)
-                return True
-        return False
+                return entry[2]
+        return None
 
     def release(self, priority: int, gone: Callable[[T], bool] = lambda _: False) -> list[T]:
         """A holder of `priority` leaves. Returns the waiters granted a slot in its place, in

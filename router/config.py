@@ -189,7 +189,8 @@ class RouterConfig:
         "blocks, renewed by each part that lands)", gt=0, group=TIMEOUTS)
     max_prefill_timeout_s: float = setting(
         120.0, "seconds a remote prefill may take in all while its KV keeps landing; also "
-        "the longest lease: where the prefill worker's queue, at its measured rate, "
+        "the longest lease: where the prefill worker's queue, at its measured rate (or a "
+        "peer's, or the cost model's slow prior), "
         "predicts longer than --prefill-timeout, the lease covers 1.5x the prediction, "
         "up to this (a decode worker caps leases at its own "
         "--max-alloc-lease, 120 s by default)", gt=0, group=TIMEOUTS)

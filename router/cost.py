@@ -190,6 +190,14 @@ def local_estimate(decode: WorkerLoad, uncached: int, model: CostModel, *,
                     stall * n, uncached / rate, model.tpot(decode, n))
 
 
+def pending_prefill_tokens(prefill: WorkerLoad, sent_tokens: float) -> float:
+    """Prompt tokens a prefill worker has to compute before a prompt placed on it now: the
+    larger of its last published queue (queued at its gate and waiting in its engine) and
+    what one router sent it and has no first token for (`sent_tokens`:
+    `PlacementLedger.inflight_tokens`; the heartbeat lags the router's own placements)."""
+    return max(prefill.queued_tokens + (prefill.waiting_prompt_tokens or 0.0), sent_tokens)
+
+
 def remote_estimate(prefill: WorkerLoad, decode: WorkerLoad, uncached: int, model: CostModel,
                     *, inflight_tokens: float = 0.0, prefill_uncached: int | None = None,
                     streams: float | None = None, peer_rate: float | None = None,
@@ -206,8 +214,7 @@ def remote_estimate(prefill: WorkerLoad, decode: WorkerLoad, uncached: int, mode
     n = decode.running if streams is None else streams
     computed = uncached if prefill_uncached is None else prefill_uncached
     rate = model.prefill_rate(prefill, peer_rate)
-    pending = max(prefill.queued_tokens + (prefill.waiting_prompt_tokens or 0.0),
-                  inflight_tokens)
+    pending = pending_prefill_tokens(prefill, inflight_tokens)
     rate *= contended_factor(rate_factor, (pending + computed) / rate,
                              model.contention_horizon_s)
     transfer = uncached * (prefill.kv_transfer_s_per_token or model.prior_transfer_s_per_token)

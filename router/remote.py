@@ -15,6 +15,7 @@ from pdserve.control.load import WorkerLoad
 from pdserve.errors import CapacityError, ErrorCode, PdserveError, RemotePrefillFailed
 from pdserve.types import GenerateRequest, PrefillReport, TokenEvent
 from router.clients import DecodeClient, PrefillClient
+from router.cost import pending_prefill_tokens
 from router.liveness import Liveness
 from router.timings import StageClock
 
@@ -56,15 +57,12 @@ def progress_cap_s(timeouts: RemoteTimeouts, lease_s: float) -> float:
     return max(lease_s, timeouts.max_prefill_timeout_s)
 
 
-def prefill_wait_s(load: WorkerLoad, sent_tokens: float) -> float | None:
+def prefill_wait_s(load: WorkerLoad, sent_tokens: float, rate: float) -> float:
     """Seconds until a prefill worker has computed what waits there, a request just placed
-    on it included: the larger of its last published queue (`load`) and the prompt tokens
-    one router sent it and has no first token for (`sent_tokens`: its
-    `PlacementLedger.inflight_tokens`), at its measured rate; None where it measured none."""
-    rate = load.prefill_tokens_per_s
-    if not rate:
-        return None
-    return max(load.queued_tokens + (load.waiting_prompt_tokens or 0.0), sent_tokens) / rate
+    on it included (`router.cost.pending_prefill_tokens`), at `rate`: its measured rate,
+    else a peer's or the prior (`CostModel.prefill_rate`; the prior is slow, so a cold
+    worker's queue gets a long lease, not the shortest)."""
+    return pending_prefill_tokens(load, sent_tokens) / rate
 
 
 async def remote_prefill(req: GenerateRequest, decode: DecodeClient, prefill: PrefillClient,

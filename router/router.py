@@ -41,7 +41,7 @@ from router.clients import (
     WorkerChannels,
 )
 from router.config import RouterConfig
-from router.cost import CostModel, prefill_capacity
+from router.cost import CostModel, peer_prefill_rate, prefill_capacity
 from router.kv_follow import KVIndexFollower
 from router.kv_index import KVIndex
 from router.ledger import PlacementLedger
@@ -84,6 +84,7 @@ class Router(AsyncResource):
         # loads the directory holds: recomputed when it polled, not per request.
         self._capacity_key: tuple[int, bool] | None = None
         self._capacity: tuple[tuple[tuple[str, float], ...], float] = ((), 0.0)
+        self._peer_rate: float | None = None  # router.cost.peer_prefill_rate, as of then
         # request id -> the id it runs under on its decode worker, where they differ
         self._worker_ids: dict[str, str] = {}
         self._watch: asyncio.Task[None] | None = None
@@ -222,10 +223,13 @@ class Router(AsyncResource):
 
     # ------------------------------------------------------------------ generation
 
-    def _prefill_wait_s(self, prefill: WorkerInfo) -> float | None:
-        """`router.remote.prefill_wait_s` with what this router sent the prefill worker."""
-        return prefill_wait_s(prefill.load, self.ledger.inflight_tokens.get(prefill.worker_id,
-                                                                            0.0))
+    def _prefill_wait_s(self, prefill: WorkerInfo) -> float:
+        """`router.remote.prefill_wait_s` with what this router sent the prefill worker, at
+        its rate as cost placement assumes it."""
+        self._admission_view()  # the peers' rate, as of the directory's last poll
+        rate = self.config.cost.prefill_rate(prefill.load, self._peer_rate)
+        return prefill_wait_s(prefill.load,
+                              self.ledger.inflight_tokens.get(prefill.worker_id, 0.0), rate)
 
     def _first_token(self, decision: Decision, observed_s: float) -> None:
         """A first token on the route its placement chose: against cost placement's
@@ -273,6 +277,7 @@ class Router(AsyncResource):
                            if w.role == "prefill" and w.load.queued_tokens)
             self._capacity = (queued, prefill_capacity(
                 (w.load for w in workers), self.config.cost or CostModel()))
+            self._peer_rate = peer_prefill_rate(w.load for w in workers)
             self._capacity_key = key
         return self._capacity
 

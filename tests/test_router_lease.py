@@ -13,6 +13,7 @@ import pytest
 from pdserve.control.load import WorkerLoad
 from pdserve.types import FinishReason, GenerateRequest, SamplingParams, TokenEvent
 from router.config import RouterConfig
+from router.cost import CostModel
 from router.remote import (
     LEASE_HEADROOM,
     RemoteTimeouts,
@@ -43,9 +44,20 @@ def test_a_longer_queue_stretches_the_lease_up_to_its_ceiling() -> None:
 def test_the_wait_is_the_larger_of_the_published_queue_and_what_this_router_sent() -> None:
     load = WorkerLoad(queued_tokens=4000.0, waiting_prompt_tokens=1000.0,
                       prefill_tokens_per_s=250.0)
-    assert prefill_wait_s(load, 0.0) == pytest.approx(20.0)  # (4000 + 1000) / 250
-    assert prefill_wait_s(load, 10000.0) == pytest.approx(40.0)  # sent since its heartbeat
-    assert prefill_wait_s(WorkerLoad(queued_tokens=4000.0), 10000.0) is None  # no rate
+    assert prefill_wait_s(load, 0.0, 250.0) == pytest.approx(20.0)  # (4000 + 1000) / 250
+    assert prefill_wait_s(load, 10000.0, 250.0) == pytest.approx(40.0)  # sent since
+
+
+def test_a_cold_prefill_workers_queue_is_leased_at_the_slow_prior() -> None:
+    """A prefill worker that has measured no rate yet: its queue is priced at a peer's rate,
+    else the cost model's slow prior, so a burst on a cold cluster is not cut off at the
+    shortest lease (the router, `Router._prefill_wait_s`)."""
+    cold = WorkerLoad()
+    model = CostModel()
+    wait = prefill_wait_s(cold, 20000.0, model.prefill_rate(cold, None))
+    assert wait == pytest.approx(20000.0 / model.prior_prefill_tokens_per_s)
+    assert prefill_lease_s(TIMEOUTS, wait) > TIMEOUTS.prefill_timeout_s
+    assert prefill_wait_s(cold, 20000.0, model.prefill_rate(cold, 2000.0)) == 10.0  # a peer's
 
 
 def test_the_routers_settings_reach_the_remote_timeouts() -> None:

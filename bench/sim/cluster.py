@@ -45,7 +45,7 @@ from router import placement
 from router.admission import AdmissionConfig
 from router.calibration import RemoteOverhead
 from router.config import RouterConfig
-from router.cost import CostModel
+from router.cost import CostModel, peer_prefill_rate
 from router.kv_index import KVIndex
 from router.ledger import PlacementLedger
 from router.policy import Decision, Route, RouterPolicy, decide_route
@@ -327,9 +327,11 @@ class Simulation(Clock):
                 self.at(self.now + o.remote_s,
                         functools.partial(prefill.submit, req, seq.num_cached_tokens, decode))
                 if self.config.remote_lease_s:
+                    peer = peer_prefill_rate(w.load for w in self.infos.values())
                     lease = prefill_lease_s(self._timeouts, prefill_wait_s(
                         prefill_info.load,
-                        self.ledger.inflight_tokens.get(prefill.worker_id, 0.0)))
+                        self.ledger.inflight_tokens.get(prefill.worker_id, 0.0),
+                        self._cost.prefill_rate(prefill_info.load, peer)))
                     cap = progress_cap_s(self._timeouts, lease) \
                         if self.config.lease_renews else lease
                     self.at(self.now + lease, functools.partial(

@@ -368,7 +368,6 @@ class PrefillSim(SimWorker):
         self.queued_tokens = 0
         self.measured_transfer_s_per_token = 0.0
         self._jobs: dict[str, tuple[SimRequest, int, DecodeSim]] = {}
-        self._queued: dict[str, tuple[SimRequest, int, DecodeSim]] = {}  # at the gate
         self._seqs: dict[str, Seq] = {}  # in its engine
         self._dropped: set[str] = set()  # cancelled while computing or sending
         # request id -> when the KV of its latest chunk (a part) lands on the decode worker:
@@ -385,7 +384,6 @@ class PrefillSim(SimWorker):
         if self.gate.try_enter(req.latency_class.priority, waiter):
             self._start(req, skip_tokens, decode)
         else:
-            self._queued[req.rid] = waiter
             self.queued_tokens += len(req.ids)
 
     def _start(self, req: SimRequest, skip: int, decode: DecodeSim) -> None:
@@ -399,8 +397,7 @@ class PrefillSim(SimWorker):
         """The router gave `rid` up (its decode worker's lease ran out; `Simulation`): it
         leaves the gate's queue, or its engine after the step that runs it, or its KV is
         not delivered; its slot goes to the next waiter."""
-        if (waiter := self._queued.pop(rid, None)) is not None:
-            self.gate.remove(waiter)
+        if (waiter := self.gate.remove_where(lambda w: w[0].rid == rid)) is not None:
             self.queued_tokens -= len(waiter[0].ids)
             return
         self._dropped.add(rid)
@@ -422,7 +419,6 @@ class PrefillSim(SimWorker):
     def _leave(self, req: SimRequest) -> None:
         """`req` gives its gate slot back: the next waiters start."""
         for nreq, nskip, ndecode in self.gate.release(req.latency_class.priority):
-            self._queued.pop(nreq.rid, None)
             self.queued_tokens -= len(nreq.ids)
             self._start(nreq, nskip, ndecode)
 
