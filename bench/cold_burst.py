@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,10 @@ async def burst(cluster: LocalCluster, args: argparse.Namespace, seed: int
                                           headers) for t in texts))
 
 
-def run_system(name: str, args: argparse.Namespace, tree: Path | None) -> dict[str, Any]:
+@contextlib.contextmanager
+def cluster_of(tree: Path | None, **kw: Any) -> Iterator[LocalCluster]:
+    """A 1P1D `LocalCluster` (`kw`: more of its arguments) whose processes run the code in
+    `tree` (None: this checkout)."""
     env = {"PYTHONPATH": str(tree)} if tree else {}
     # `python -m` puts the working directory first on sys.path: the baseline's processes
     # start from an empty one, or they would import this checkout instead of `tree`.
@@ -126,11 +130,24 @@ def run_system(name: str, args: argparse.Namespace, tree: Path | None) -> dict[s
         if tree:
             os.chdir(empty)
         try:
-            with LocalCluster(prefill=1, decode=1, env=env) as cluster:
-                results = asyncio.run(burst(cluster, args, args.seed))
-                versions = check_tree(cluster, tree)
+            with LocalCluster(prefill=1, decode=1, env=env, **kw) as cluster:
+                yield cluster
         finally:
             os.chdir(here)
+
+
+def write_record(rec: dict[str, Any], out: Path | None) -> None:
+    rec["machine"]["loadavg_end"] = os.getloadavg()
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rec, indent=1) + "\n")
+        print(f"wrote {out}")
+
+
+def run_system(name: str, args: argparse.Namespace, tree: Path | None) -> dict[str, Any]:
+    with cluster_of(tree) as cluster:
+        results = asyncio.run(burst(cluster, args, args.seed))
+        versions = check_tree(cluster, tree)
     summary = summarize(results, args.deadline_s)
     print(f"{name:>9}: admitted {summary['admitted']}/{summary['requests']}, "
           f"429 {summary['refused_429']}, errors {summary['errors']}; TTFT p50 "
@@ -187,11 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rec["baseline_commit"] = git("rev-parse", "HEAD", cwd=args.baseline_tree)
         rec["runs"].append(run_system("baseline", args, args.baseline_tree.resolve()))
     rec["runs"].append(run_system("this", args, None))
-    rec["machine"]["loadavg_end"] = os.getloadavg()
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rec, indent=1) + "\n")
-        print(f"wrote {args.out}")
+    write_record(rec, args.out)
     return 0
 
 

@@ -28,7 +28,6 @@ import json
 import os
 import random
 import statistics
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from bench.cold_burst import check_tree, git, pct, prompt
+from bench.cold_burst import check_tree, cluster_of, git, pct, prompt, write_record
 from bench.goodput import machine_info
 from pdserve.cluster import LocalCluster
 from pdserve.engine.cpu import cpu_summary
@@ -97,18 +96,10 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_system(name: str, args: argparse.Namespace, tree: Path | None, seed: int
                ) -> dict[str, Any]:
-    env = {"PYTHONPATH": str(tree)} if tree else {}
     router_args = ("--prefill-timeout", f"{args.lease:g}", "--placement", "threshold")
-    here = os.getcwd()
-    with tempfile.TemporaryDirectory() as empty:
-        if tree:  # `python -m` puts the working directory first on sys.path
-            os.chdir(empty)
-        try:
-            with LocalCluster(prefill=1, decode=1, env=env, router_args=router_args) as cluster:
-                results = asyncio.run(drive(cluster, args, seed))
-                versions = check_tree(cluster, tree)
-        finally:
-            os.chdir(here)
+    with cluster_of(tree, router_args=router_args) as cluster:
+        results = asyncio.run(drive(cluster, args, seed))
+        versions = check_tree(cluster, tree)
     s = summarize(results)
     print(f"{name:>9}: ok {s['ok']}/{s['requests']}, routes {s['routes']}, redone "
           f"{s['redone_prompt_tokens']} prompt tokens; TTFT p50 {s['ttft_p50_s'] or 0:.1f} s "
@@ -154,11 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.baseline_tree:
             rec["runs"].append(run_system("baseline", args, args.baseline_tree.resolve(), seed))
         rec["runs"].append(run_system("this", args, None, seed))
-    rec["machine"]["loadavg_end"] = os.getloadavg()
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rec, indent=1) + "\n")
-        print(f"wrote {args.out}")
+    write_record(rec, args.out)
     return 0
 
 
