@@ -318,12 +318,14 @@ SYSTEMS = {
     "1p1d": (("disaggregated", "threshold"), ("disaggregated-cost", "cost")),
     "1p2d": (("1p2d", "threshold"), ("1p2d-cost", "cost")),
 }
-# A remote prefill's lease, by the router and decode workers that made a record.
+# A remote prefill's lease, by the router and decode workers that made a record. Whatever
+# the rule, a cold prefill worker's queue is predicted at the prior rate (as routers from
+# 1025729 on do; before, a cold worker's lease was --prefill-timeout).
 LEASES = {
     "fixed": "--prefill-timeout (routers before 4c19bbe)",
     "stretched": "stretched to cover the prefill queue's prediction, ending at its first "
-                 "deadline (4c19bbe)",
-    "renewed": "stretched, then renewed by each part of the KV that lands (since)",
+                 "deadline (4c19bbe to bc898d1)",
+    "renewed": "stretched, then renewed by each part of the KV that lands (bc898d1 on)",
 }
 
 
