@@ -99,8 +99,8 @@ class Transfer:
     dst_block_ids: tuple[int, ...]
     deadline: float  # loop.time(): the next part must have landed by then
     future: asyncio.Future[Notice | None]
-    renew_s: float = 0.0  # each part that lands moves `deadline` to this long after it ...
-    last_deadline: float = 0.0  # ... but never past this (loop.time())
+    renew_s: float  # each part that lands moves `deadline` to this long after it ...
+    last_deadline: float  # ... but never past this (loop.time())
     notice: Notice | None = None
     runs: list[tuple[int, int]] = field(default_factory=list)
     digests: list[str] | None = None  # one per run, from the signed request

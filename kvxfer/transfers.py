@@ -63,8 +63,8 @@ class TransferTable:
         # The decode service may cancel and never await: don't warn about unretrieved errors.
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         now = loop.time()
-        transfer = Transfer(transfer_id, blocks, now + timeout_s, fut, renew_s=timeout_s,
-                            last_deadline=now + (timeout_s if max_s is None else max_s))
+        transfer = Transfer(transfer_id, blocks, now + timeout_s, fut, timeout_s,
+                            now + (timeout_s if max_s is None else max_s))
         transfer.timer = loop.call_later(timeout_s, self._expired, transfer)
         self.transfers[transfer_id] = transfer
         return Expectation(transfer_id, blocks, fut)

@@ -37,9 +37,9 @@ LEASE_HEADROOM = 1.5
 
 
 def prefill_lease_s(timeouts: RemoteTimeouts, expected_s: float | None) -> float:
-    """How long a remote prefill may take (the prefill call's deadline and the decode
-    worker's lease on the blocks its KV goes to): `prefill_timeout_s`, or where the prefill
-    worker's queue ahead of it and its own compute are predicted to take longer
+    """The decode worker's lease on the blocks a remote prefill's KV goes to, until its first
+    part lands (each part renews it: `progress_cap_s`): `prefill_timeout_s`, or where the
+    prefill worker's queue ahead of it and its own compute are predicted to take longer
     (`expected_s`), LEASE_HEADROOM x that, up to `max_prefill_timeout_s`. Past the lease the
     transfer fails and the prompt is prefilled again on the decode worker: a lease shorter
     than the queue would throw the prefill worker's work away."""

@@ -354,8 +354,9 @@ class Simulation(Clock):
         if not decode.awaits_kv(req.rid):
             return
         part = prefill.part_landed_s.get(req.rid)
-        if part is not None and min(part + lease_s, last_s) > self.now:
-            self.at(min(part + lease_s, last_s), functools.partial(
+        renewed = -1.0 if part is None else min(part + lease_s, last_s)
+        if renewed > self.now:
+            self.at(renewed, functools.partial(
                 self._lease_over, req, p, decode, prefill, uncached, lease_s, last_s))
             return
         prefill.cancel(req.rid)

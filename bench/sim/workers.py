@@ -380,8 +380,7 @@ class PrefillSim(SimWorker):
 
     def submit(self, req: SimRequest, skip_tokens: int, decode: DecodeSim) -> None:
         """`skip_tokens`: the prompt's leading tokens the decode worker has cached."""
-        waiter = (req, skip_tokens, decode)
-        if self.gate.try_enter(req.latency_class.priority, waiter):
+        if self.gate.try_enter(req.latency_class.priority, (req, skip_tokens, decode)):
             self._start(req, skip_tokens, decode)
         else:
             self.queued_tokens += len(req.ids)
