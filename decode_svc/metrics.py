@@ -40,6 +40,11 @@ class DecodeMetrics:
             "allocation until the request's KV landed (outcome=landed) or the wait ended "
             "otherwise (failed, cancelled).",
             ["outcome"], buckets=_KV_WAIT_BUCKETS, registry=r)
+        self.kv_landed_past_lease = Counter(
+            "pdserve_decode_kv_landed_past_lease", "Remote prefills whose KV landed after "
+            "the first lease on its blocks had run out: kept alive by the renewal each "
+            "landed part of it gives (a prefill slower than the router predicted).",
+            registry=r)
         self.fenced_transfers = Counter(
             "pdserve_decode_fenced_transfers", "Remote allocations released before admission "
             "(fenced, then freed).", registry=r)

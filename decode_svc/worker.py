@@ -52,6 +52,8 @@ class _Pending:
     expectation: asyncio.Future[dict] | object
     lease: asyncio.TimerHandle | None = None
     claimed: bool = False
+    lease_s: float = 0.0  # the first lease on the blocks (renewed by parts that land) ...
+    lease_end: float = 0.0  # ... ending then (loop.time())
 
 
 class DecodeWorker:
@@ -171,8 +173,8 @@ class DecodeWorker:
             raise
         slot = KVDestination(alloc.request_id, alloc.block_ids, alloc.num_cached_tokens,
                              self.receiver.descriptor_id, transfer_id, self.engine.layout)
-        pending = _Pending(slot, expectation)
         loop = asyncio.get_running_loop()
+        pending = _Pending(slot, expectation, lease_s=lease, lease_end=loop.time() + lease)
         pending.lease = loop.call_later(lease, self._lease_expired, req.request_id)
         self._pending[req.request_id] = pending
         return slot
@@ -220,6 +222,12 @@ class DecodeWorker:
             admitted = True
             waited = time.monotonic() - t0
             self.metrics.kv_wait.labels("landed").observe(waited)
+            if (past := asyncio.get_running_loop().time() - p.lease_end) > 0:
+                # Kept by the renewals its landed parts gave: without them the worker would
+                # have dropped this prefill, and the router prefilled it again here.
+                self.metrics.kv_landed_past_lease.inc()
+                log.info("remote_kv_landed_past_lease", request_id=request_id,
+                         lease_s=round(p.lease_s, 3), past_lease_s=round(past, 3))
             counted = False
             log.debug("remote_kv_ready", request_id=request_id, wait_ms=round(waited * 1000, 2))
             async with contextlib.aclosing(_agen(

@@ -61,6 +61,10 @@ async def decode(make_engine: Any) -> AsyncIterator[DecodeWorker]:
         yield worker
 
 
+def _sample(worker: DecodeWorker, name: str) -> float | None:
+    return worker.metrics.registry.get_sample_value(name)
+
+
 def _all_free(worker: DecodeWorker) -> bool:
     s = worker.engine.last_stats
     return (not worker._pending and worker.num_requests == 0 and worker.pending_kv_blocks == 0
@@ -195,6 +199,8 @@ async def test_each_part_that_lands_renews_the_lease(make_engine: Any,
             await worker.prefill(req, slot)
             events = await consumer
         assert tx.sends >= 3 and loop.time() - t0 > 6.0  # two gaps: past the first lease
+        # Counted, so an operator sees how often a lease was outlived (and kept).
+        assert _sample(decode, "pdserve_decode_kv_landed_past_lease_total") == 1.0
         assert [ev.token_id for ev in events if isinstance(ev, TokenEvent)
                 and ev.token_id is not None] == want
         await _until(lambda: _all_free(decode))
@@ -267,6 +273,7 @@ async def _prefill_remotely(make_engine: Any, decode: DecodeWorker, req: Generat
     assert parts and not tx.sends[-1][1]  # parts, then the last write with the first token
     assert sum(n for n, _ in tx.sends) == len(slot.block_ids)  # each block sent once
     assert report.bytes_transferred == len(slot.block_ids) * decode.engine.layout.block_nbytes
+    assert _sample(decode, "pdserve_decode_kv_landed_past_lease_total") == 0.0  # within it
     await _until(lambda: _all_free(decode))
     assert await worker.drained(30)  # the reply does not wait for the free (below)
     assert engine.last_stats.free_blocks == engine.last_stats.total_blocks
