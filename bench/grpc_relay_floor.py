@@ -28,21 +28,44 @@ difference (what one relay hop adds), and the relay's CPU time per request (/pro
 `--cores`, each relay also runs on each grpc core named (`CORES`: the EventEngine, grpc's
 default, or the long-standing I/O manager pdserve's processes use, `pdserve.rpc.core_env`). The
 router's own added latency over this floor is what the router does beyond relaying.
+
+With `--cxx`, the same relay compiled (bench/relay_cxx/relay.cc: grpc++'s callback API, bytes
+in, bytes out, in each of --modes) runs beside the Python ones, pinned the same way: the floor
+of a relay with no Python on the path. It is built here on first use (g++ and grpc++'s
+headers: Debian's libgrpc++-dev; `pkg-config grpc++`) into ~/.cache/pdserve/relay_cxx/.
+
+With `--decide N` (mux mode), every relay also makes a routing decision per request before it
+forwards it: the request's ids read into a list, then `router.placement.place` (policy
+--placement) over a `router.kv_index.KVIndex` of N decode workers holding ~--index-blocks
+blocks of bench.router_scale's chat corpus, for that corpus's next prompt (the client's own
+prompt is a fixed range, which no cache holds). The Python mux relay calls it on its event
+loop; the compiled one is loaded into a Python process as an extension module and calls it
+on grpc's thread with the GIL (`_relay.start(..., decide)`): Python decides, compiled code
+moves the bytes. Against the plain relays, that is what a decision adds to each.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import gc
+import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import platform
+import random
+import shlex
+import shutil
 import statistics
 import subprocess
 import sys
+import sysconfig
 import time
 from array import array
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -99,7 +122,42 @@ class _Mux:
             del self._queues[sid]
 
 
-async def _serve(port: int, upstream: int | None, tokens: int, mux: bool = False) -> None:
+def decision_world(workers: int, index_blocks: int, placement: str,
+                   seed: int = 1) -> Callable[[bytes], bytes]:
+    """A per-request routing decision as the router makes it (see --decide): returns the
+    request unchanged once decided."""
+    from bench import router_scale as rs
+    from pdserve.types import LatencyClass
+    from router.placement import DecodeTable, place
+    from router.policy import RouterPolicy
+
+    rng = random.Random(seed)
+    cfg = dataclasses.replace(rs.Config(), index_blocks=index_blocks)
+    corpus = rs.build_corpus(rng, cfg)
+    prompts = rs.decision_requests(rng, corpus, 4000)
+    held = rs.assign_blocks(random.Random(seed * 1000 + workers), corpus, workers)
+    index, _ = rs.build_index(held, rs.worker_ids(workers))
+    del held, corpus
+    decoders, prefills, placed = rs.fleet(random.Random(seed + workers), workers)
+    policy, table = RouterPolicy(placement=placement), DecodeTable()  # type: ignore[arg-type]
+    standard = LatencyClass.STANDARD
+    turn = itertools.cycle(prompts)
+    gc.collect()
+    gc.freeze()  # as the router does once started (pdserve.service.freeze_startup_heap)
+
+    def decide(request: bytes) -> bytes:
+        ids = array("i")
+        ids.frombytes(request)
+        ids.tolist()  # the prompt read, as the router's request decoder hands it over
+        place(next(turn).tolist(), standard, decoders, prefills, index, placed, policy,
+              table=table)
+        return request
+
+    return decide
+
+
+async def _serve(port: int, upstream: int | None, tokens: int, mux: bool = False,
+                 decide: Callable[[bytes], bytes] | None = None) -> None:
     server = grpc.aio.server()
     session = None
     if upstream is None:
@@ -118,6 +176,8 @@ async def _serve(port: int, upstream: int | None, tokens: int, mux: bool = False
         async def generate(request: bytes, context: Any) -> Any:
             if "mux" not in state:
                 state["mux"] = _Mux(channel)
+            if decide is not None:
+                request = decide(request)
             async for msg in state["mux"].generate(request):
                 yield msg
     else:
@@ -141,13 +201,27 @@ def serve_main(argv: list[str]) -> None:
     p.add_argument("--tokens", type=int, default=8)
     p.add_argument("--loop", default="asyncio")
     p.add_argument("--mux", action="store_true")
+    p.add_argument("--decide", type=int, default=0, help="workers in the decision's index")
+    p.add_argument("--index-blocks", type=int, default=1_000_000)
+    p.add_argument("--placement", default="cost")
+    p.add_argument("--cxx-module", type=Path, default=None,
+                   help="run the compiled relay's extension module (this file) instead")
     a = p.parse_args(argv)
+    decide = decision_world(a.decide, a.index_blocks, a.placement) if a.decide else None
+    if a.cxx_module is not None:
+        spec = importlib.util.spec_from_file_location("_relay", a.cxx_module)
+        assert spec is not None and spec.loader is not None
+        relay = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(relay)
+        relay.start(a.port, a.upstream, a.mux, decide)
+        while True:  # the relay runs on its own threads; this one only keeps the process
+            time.sleep(3600)
     factory = None
     if a.loop == "uvloop":
         import uvloop
         factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(_serve(a.port, a.upstream, a.tokens, a.mux))
+        runner.run(_serve(a.port, a.upstream, a.tokens, a.mux, decide))
 
 
 def _cpu_s(pid: int) -> float:
@@ -159,13 +233,48 @@ def _cpu_s(pid: int) -> float:
 CORES = {"eventengine": {"GRPC_EXPERIMENTS": ""}, "legacy": core_env.DEFAULTS}
 
 
-def _start(port: int, cpus: str, *extra: str, core: str | None = None
-           ) -> subprocess.Popen[bytes]:
+def _start(port: int, cpus: str, *extra: str, core: str | None = None,
+           within_s: float = 30) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         ["taskset", "-c", cpus, *guarded([sys.executable, "-m", "bench.grpc_relay_floor",
                                           "serve", "--port", str(port), *extra])],
         cwd=Path(__file__).parents[1], env=(os.environ | CORES[core]) if core else None)
-    wait_port(port, proc, 30, "relay floor server")
+    wait_port(port, proc, within_s, "relay floor server")
+    return proc
+
+
+CXX_SOURCE = Path(__file__).parent / "relay_cxx" / "relay.cc"
+
+
+def build_cxx_relay(module: bool = False) -> Path:
+    """The compiled relay (`module`: as a Python extension module), built once per version of
+    its source (CalledProcessError or FileNotFoundError where g++ or grpc++'s headers are
+    missing)."""
+    src = CXX_SOURCE.read_bytes()
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdserve"
+    name = f"relay-{hashlib.sha256(src).hexdigest()[:12]}"
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") if module else ""
+    exe = cache / "relay_cxx" / f"{name}{suffix}"
+    if exe.exists():
+        return exe
+    flags = shlex.split(subprocess.run(["pkg-config", "--cflags", "--libs", "grpc++"],
+                                       check=True, capture_output=True, text=True).stdout)
+    if module:
+        flags = ["-shared", "-fPIC", "-DRELAY_PYTHON",
+                 f"-I{sysconfig.get_paths()['include']}", *flags]
+    exe.parent.mkdir(parents=True, exist_ok=True)
+    tmp = exe.with_name(exe.name + ".tmp")
+    subprocess.run([shutil.which("g++") or "g++", "-O2", "-std=c++17", "-o", str(tmp),
+                    str(CXX_SOURCE), *flags], check=True)
+    tmp.rename(exe)
+    return exe
+
+
+def _start_cxx(exe: Path, port: int, upstream: int, mux: bool) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(["taskset", "-c", "0", *guarded(
+        [str(exe), "--port", str(port), "--upstream", str(upstream),
+         *(["--mux"] if mux else [])])])
+    wait_port(port, proc, 30, "compiled relay")
     return proc
 
 
@@ -182,6 +291,13 @@ async def _ttfts(port: int, request: bytes, n: int) -> list[float]:
                     first = time.perf_counter() - t0
             out.append((first or 0.0) * 1e3)
     return out
+
+
+async def _messages(port: int, request: bytes) -> list[bytes]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_stream(METHOD, request_serializer=_IDENT[0],
+                                    response_deserializer=_IDENT[1])
+        return [msg async for msg in call(request, timeout=30)]
 
 
 def _q(xs: list[float], q: float) -> float:
@@ -205,8 +321,19 @@ def main() -> None:
     p.add_argument("--cores", nargs="+", choices=sorted(CORES), default=None,
                    help="relays on each of these grpc cores (default: the one this "
                         "process's environment gives; the server and client keep it)")
+    p.add_argument("--cxx", action="store_true",
+                   help="also the compiled relay (bench/relay_cxx), in each of --modes")
+    p.add_argument("--decide", type=int, default=0, metavar="N",
+                   help="also the mux relays (Python, and compiled with --cxx) with a routing "
+                        "decision per request over N decode workers")
+    p.add_argument("--index-blocks", type=int, default=1_000_000,
+                   help="blocks in the decision's index (--decide)")
+    p.add_argument("--placement", choices=("threshold", "cost"), default="cost",
+                   help="the decision's policy (--decide)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
+    exe = build_cxx_relay() if a.cxx else None
+    module = build_cxx_relay(module=True) if a.cxx and a.decide else None
     ncpu = os.cpu_count() or 2
     others = f"1-{ncpu - 1}" if ncpu > 1 else "0"
     os.sched_setaffinity(0, set(range(1, ncpu)) if ncpu > 1 else {0})
@@ -224,13 +351,33 @@ def main() -> None:
                     name = "/".join(x for x in (loop, None if mode == "call" else mode, core)
                                     if x)
                     relays[name] = (port, procs[-1].pid)
+        if exe is not None:
+            for mode in a.modes:
+                port = free_port()
+                procs.append(_start_cxx(exe, port, sport, mode == "mux"))
+                relays["cxx" + ("" if mode == "call" else "/mux")] = (port, procs[-1].pid)
+        if a.decide:
+            world = ["--decide", str(a.decide), "--index-blocks", str(a.index_blocks),
+                     "--placement", a.placement]
+            for name, extra in (("asyncio/mux/decide", []),
+                                ("cxx/mux/decide", ["--cxx-module", str(module)])):
+                if extra and module is None:
+                    continue
+                port = free_port()
+                procs.append(_start(port, "0", "--upstream", str(sport), "--mux", *world,
+                                    *extra, within_s=600))
+                relays[name] = (port, procs[-1].pid)
         direct: list[float] = []
         relayed: dict[str, list[float]] = {k: [] for k in relays}
         cpu: dict[str, float] = dict.fromkeys(relays, 0.0)
         per = max(1, a.requests // a.rounds)
         asyncio.run(_ttfts(sport, request, 20))  # warm
-        for port, _pid in relays.values():
+        want = asyncio.run(_messages(sport, request))
+        for name, (port, _pid) in relays.items():
             asyncio.run(_ttfts(port, request, 20))
+            if (got := asyncio.run(_messages(port, request))) != want:
+                raise SystemExit(f"relay {name} changed the stream: {got[:3]} against "
+                                 f"{want[:3]}")
         for _ in range(a.rounds):
             direct += asyncio.run(_ttfts(sport, request, per))
             for loop, (port, pid) in relays.items():
