@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
+from bench import records
 from bench.loadgen.arrivals import arrival_times
 from bench.loadgen.config import SLO
 from bench.loadgen.metrics import GroupSummary, Percentiles, RequestResult, goodput
@@ -69,7 +70,7 @@ def trace_from_record(path: Path, seed: int = 0) -> tuple[list[SimRequest], dict
     """A real run's requests (bench.loadgen per-rate JSON) as they were sent: arrival, prompt
     and output lengths, latency class. Prompt ids are drawn at random: the loadgen's
     synthetic prompts are random words, so no two share a block either."""
-    rec = json.loads(path.read_text())
+    rec = records.read_json(path)
     rng = random.Random(seed)
     reqs = [SimRequest(f"r{r['index']}", float(r["start_s"]), _ids(rng, int(r["prompt_tokens"])),
                        max(1, int(r["output_tokens"] or r["max_tokens"])),
@@ -171,7 +172,7 @@ def record_engine(root: Path) -> dict[str, Any]:
     default 512 where a record does not say) and the token budget and chunk; and the
     router's --remote-overhead-window."""
     path = root / "setup.json"
-    setup = json.loads(path.read_text()).get("setup", {}) if path.exists() else {}
+    setup = records.read_json(path).get("setup", {}) if records.exists(path) else {}
     return {"remote_overhead_window": _overhead_window(setup.get("router_extra")),
             "step_target_ms": float(setup.get("step_target_ms", 0.0)),
             "interactive_step_target_ms": float(setup.get("interactive_step_target_ms", 0.0)),
@@ -211,7 +212,7 @@ def calibrate_streaming(root: Path, overheads: Overheads, cost: StepCost, seed: 
     (bench.sim.real streaming): replay each run's requests in the 1P1D simulator without it,
     and fit the extra TPOT as `token_s` x concurrency (least squares through 0)."""
     points = []
-    for path in sorted(root.glob("concurrency_*.json")):
+    for path in records.glob(root, "concurrency_*.json"):
         reqs, rec = trace_from_record(path, seed)
         c = int(rec["config"]["concurrency"])
         sim = simulate(SimConfig(policy="threshold", router=GOODPUT_ROUTER, sharing="1p1d",
@@ -234,7 +235,7 @@ def idle_probes(root: Path, cost: StepCost) -> tuple[float, float, float, list[d
     last chunk: the rest is sent while it computes), the prefill worker's compute over the
     profile's price of a lone prompt, and the remote path's fixed cost (the client's TTFT
     less the compute and the transfer: HTTP, routing, allocation, dispatch, hand-off)."""
-    rec = json.loads((root / "probes_c0.json").read_text())
+    rec = records.read_json(root / "probes_c0.json")
     rows = [r for r in rec["requests"] if r.get("route") == "remote"
             and "prefill_compute_ms" in (r.get("server_timings_ms") or {})]
     if not rows:
@@ -259,7 +260,7 @@ def probe_trace(root: Path, c: int, seed: int) -> tuple[list[SimRequest], list[s
     """One pass of bench.sim.real prefill beside `c` streams, as it was sent: the streams'
     requests and the probes on one clock; returns the requests, the probes' ids and their
     measured TTFTs (s)."""
-    setup = json.loads((root / "setup.json").read_text())["runs"][str(c)]
+    setup = records.read_json(root / "setup.json")["runs"][str(c)]
     streams, _ = trace_from_record(root / f"streams_c{c}.json", seed)
     probes, rec = trace_from_record(root / f"probes_c{c}.json", seed + 1)
     shift = setup["probe_started_at"] - setup["streams_started_at"]
@@ -280,7 +281,7 @@ def fit_prefill_sharing(root: Path, layout: str, overheads: Overheads, cost: Ste
     (median ratio): its slowdown while a decode worker computes (BESIDE_DECODE) and, on
     cluster-up's 1P2D where it runs unpinned at nice 5, the CPU weight it competes with
     (PREFILL_WEIGHTS; 1P1D pins it, so its weight is moot)."""
-    setup = json.loads((root / "setup.json").read_text())
+    setup = records.read_json(root / "setup.json")
     passes = [int(c) for c in setup["runs"] if int(c) > 0]
     traces = {c: probe_trace(root, c, seed) for c in passes}
     engine = record_engine(root)
@@ -396,7 +397,7 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
                          "prefill_beside_streams": weights, "overheads": asdict(overheads)}
         engine = record_engine(root)
         for system, policy in systems:
-            for path in sorted((root / system).glob("rate_*.json")):
+            for path in records.glob(root / system, "rate_*.json"):
                 reqs, rec = trace_from_record(path, seed)
                 cfg = layout_config(layout, engine, policy, overheads, seed, corun or {})
                 if lease == "fixed":
@@ -583,7 +584,7 @@ def cost_vs_threshold(reals: Sequence[tuple[Path, str]], validation: dict[str, A
     out: list[dict[str, Any]] = []
     for root, layout in reals:
         for system, policy in SYSTEMS[layout]:
-            g = json.loads((root / system / "summary.json").read_text())["goodput"]
+            g = records.read_json(root / system / "summary.json")["goodput"]
             out.append({"where": f"real {root.name}", "policy": policy, "goodput_rps": g["rate"],
                         "interpolated_rps": g["interpolated"], "bounded": g["bounded"]})
             if validation is not None:
@@ -711,7 +712,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(validation_table(record))
         print(json.dumps(record["within_15pct"], indent=1))
     elif args.cmd == "cost-vs-threshold":
-        val = json.loads(args.validation.read_text()) if args.validation else None
+        val = records.read_json(args.validation) if args.validation else None
         overheads = calibrated(val) if val else Overheads(
             transfer_s_per_token=TRANSFER_S_PER_TOKEN)
         record.update(overheads=asdict(overheads), **cost_vs_threshold(
@@ -722,7 +723,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         overheads = Overheads(transfer_s_per_token=TRANSFER_S_PER_TOKEN)
         if args.calibration:
-            overheads = calibrated(json.loads(args.calibration.read_text()))
+            overheads = calibrated(records.read_json(args.calibration))
         if args.remote_s is not None:
             overheads = replace(overheads, remote_s=args.remote_s)
         policies = [p for p in args.policies.split(",") if p]

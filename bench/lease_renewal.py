@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -35,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from bench import records
 from bench.cold_burst import check_tree, cluster_of, git, pct, prompt, write_record
 from bench.goodput import machine_info
 from pdserve.cluster import LocalCluster
@@ -126,11 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="only recompute RECORD's summaries from its requests (in place)")
     args = ap.parse_args(argv)
     if args.resummarize:
-        rec = json.loads(args.resummarize.read_text())
+        rec = records.read_json(args.resummarize)
         for run in rec["runs"]:
             run["summary"] = summarize(run["requests"])
         rec["summaries_recomputed_at"] = git("rev-parse", "HEAD")
-        args.resummarize.write_text(json.dumps(rec, indent=1) + "\n")
+        records.write_json(args.resummarize, rec)
         return 0
     rec: dict[str, Any] = {
         "benchmark": "bench.lease_renewal", "args": {k: str(v) for k, v in vars(args).items()},

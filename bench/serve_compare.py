@@ -71,7 +71,7 @@ from typing import Any
 import httpx
 
 from bench import goodput as gp
-from bench import llama_server
+from bench import llama_server, records
 from bench.loadgen.cli import add_rate_search_arguments, config_from_args, parse_rates
 from bench.loadgen.config import RunConfig
 from bench.loadgen.errors import LoadgenError, TargetError
@@ -665,7 +665,7 @@ def steady_from(path: Path) -> str:
     report had that column."""
     fields = RequestResult.__dataclass_fields__
     lines = ["| system | c | out tok/s | steady tok/s |", "|---|---:|---:|---:|"]
-    for name, system in json.loads(path.read_text())["systems"].items():
+    for name, system in records.read_json(path)["systems"].items():
         for c, level in system["levels"].items():
             requests = [RequestResult(**{k: tuple(v) if k == "itl_s" else v
                                          for k, v in r.items() if k in fields})

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import records
 from bench.engine_profile import predict
 from pdserve.control.load import WorkerLoad
 from pdserve.engine.block_manager import BlockManager
@@ -51,7 +51,7 @@ class StepCost:
 
     @classmethod
     def load(cls, path: Path = PROFILE) -> StepCost:
-        return cls(json.loads(path.read_text())["coef"])
+        return cls(records.read_json(path)["coef"])
 
     def step_s(self, pieces: Sequence[tuple[int, int]]) -> float:
         """`pieces`: per scheduled sequence (context before, new tokens)."""
@@ -71,10 +71,10 @@ class SimRequest:
 def load_corun(path: Path = CORUN) -> dict[tuple[str, str], float]:
     """(this step's kind, the kind computing on another core) -> slowdown, measured by
     `bench.engine_profile --corun` (kinds: "decode", "prefill"); {} where not measured."""
-    if not path.exists():
+    if not records.exists(path):
         return {}
     out = {}
-    for name, row in json.loads(path.read_text())["corun"].items():
+    for name, row in records.read_json(path)["corun"].items():
         mine, _, other = name.partition(" beside ")
         out[(mine.split()[0], other)] = float(row["slowdown"])
     return out
