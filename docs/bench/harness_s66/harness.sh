@@ -6,7 +6,7 @@ set -u
 cd "$(dirname "$0")/../../.."
 PY=.venv/bin/python
 W=$1; shift
-O=docs/bench/harness_s66
+O=${O:-docs/bench/harness_s66}  # where the records go (stop 67: harness_s67/harness.sh)
 for P in "$@"; do
   echo "$W $P start $(date +%T)"
   if [ "$W" = 256 ]; then PH="--light-s 10 --saturate-s 20 --paired 600"; else PH="--light-s 20 --saturate-s 30"; fi
