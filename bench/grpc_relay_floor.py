@@ -233,14 +233,21 @@ def _cpu_s(pid: int) -> float:
 CORES = {"eventengine": {"GRPC_EXPERIMENTS": ""}, "legacy": core_env.DEFAULTS}
 
 
+def _pinned(argv: list[str], cpus: str, port: int, what: str, *,
+            env: dict[str, str] | None = None, within_s: float = 30
+            ) -> subprocess.Popen[bytes]:
+    """`argv` on CPUs `cpus`, dying with this process, once it listens on `port`."""
+    proc = subprocess.Popen(["taskset", "-c", cpus, *guarded(argv)],
+                            cwd=Path(__file__).parents[1], env=env)
+    wait_port(port, proc, within_s, what)
+    return proc
+
+
 def _start(port: int, cpus: str, *extra: str, core: str | None = None,
            within_s: float = 30) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        ["taskset", "-c", cpus, *guarded([sys.executable, "-m", "bench.grpc_relay_floor",
-                                          "serve", "--port", str(port), *extra])],
-        cwd=Path(__file__).parents[1], env=(os.environ | CORES[core]) if core else None)
-    wait_port(port, proc, within_s, "relay floor server")
-    return proc
+    return _pinned([sys.executable, "-m", "bench.grpc_relay_floor", "serve", "--port",
+                    str(port), *extra], cpus, port, "relay floor server",
+                   env=(os.environ | CORES[core]) if core else None, within_s=within_s)
 
 
 CXX_SOURCE = Path(__file__).parent / "relay_cxx" / "relay.cc"
@@ -271,11 +278,8 @@ def build_cxx_relay(module: bool = False) -> Path:
 
 
 def _start_cxx(exe: Path, port: int, upstream: int, mux: bool) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(["taskset", "-c", "0", *guarded(
-        [str(exe), "--port", str(port), "--upstream", str(upstream),
-         *(["--mux"] if mux else [])])])
-    wait_port(port, proc, 30, "compiled relay")
-    return proc
+    return _pinned([str(exe), "--port", str(port), "--upstream", str(upstream),
+                    *(["--mux"] if mux else [])], "0", port, "compiled relay")
 
 
 async def _ttfts(port: int, request: bytes, n: int) -> list[float]:

@@ -59,12 +59,18 @@ def read_json(path: Path) -> Any:
     return json.loads(read_text(path))
 
 
+def _write_gz(path: Path, data: bytes) -> None:
+    """`data` gzip-compressed into `path`, with no time in the header: the same record
+    gives the same bytes."""
+    with gzip.GzipFile(path, "wb", compresslevel=9, mtime=0) as f:
+        f.write(data)
+
+
 def write_json(path: Path, obj: Any) -> None:
     """`obj` as indented JSON into `path`, compressed where its name ends in `.gz`."""
     text = json.dumps(obj, indent=1) + "\n"
     if path.suffix == GZ:
-        with gzip.GzipFile(path, "wb", compresslevel=9, mtime=0) as f:
-            f.write(text.encode())
+        _write_gz(path, text.encode())
     else:
         path.write_text(text)
 
@@ -72,7 +78,7 @@ def write_json(path: Path, obj: Any) -> None:
 def glob(root: Path, pattern: str) -> list[Path]:
     """`root.glob(pattern)`, each compressed match named as its plain file (which
     `read_json` reads), sorted and without duplicates."""
-    found = {p for p in root.glob(pattern)}
+    found = set(root.glob(pattern))
     found |= {p.with_name(p.name[: -len(GZ)]) for p in root.glob(pattern + GZ)}
     return sorted(found)
 
@@ -110,9 +116,7 @@ def compress(dirs: list[Path], min_bytes: int, dry_run: bool = False, *,
     before = sum(p.stat().st_size for p in big)
     if not dry_run:
         for path in big:
-            with path.open("rb") as src, open(_gz(path), "wb") as raw, \
-                    gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as dst:
-                dst.write(src.read())  # mtime 0: the same bytes for the same record
+            _write_gz(_gz(path), path.read_bytes())
         rel = [str(p.relative_to(root)) for p in big]
         for i in range(0, len(rel), 200):
             subprocess.run(["git", "rm", "-q", "--cached", "--", *rel[i:i + 200]], cwd=root,
