@@ -108,10 +108,38 @@ SCORE = Extension("router._score", ["router/_score.c"], optional=True,
 LISTEN_HOST = Extension("kvxfer._listen_host", ["kvxfer/_listen_host.c"], optional=True,
                         libraries=["dl", "pthread"], extra_compile_args=["-O2"])
 
+
+def _grpcpp_flags() -> tuple[list[str], list[str]] | None:
+    """(compile, link) flags of grpc++ from pkg-config, or None where it is not installed."""
+    import shlex
+    import shutil
+    import subprocess
+
+    if shutil.which("pkg-config") is None:
+        return None
+    found = subprocess.run(["pkg-config", "--cflags", "--libs", "grpc++"], capture_output=True,
+                           text=True, check=False)
+    if found.returncode != 0:
+        return None
+    flags = shlex.split(found.stdout)
+    return ([f for f in flags if not f.startswith(("-l", "-L"))],
+            [f for f in flags if f.startswith(("-l", "-L"))])
+
+
+# The router's compiled data plane (router/_dataplane.cc, router.dataplane: `--data-plane
+# compiled`): grpc++ relays local routes with no Python per token. Optional, and only where
+# grpc++'s headers are installed (Debian: libgrpc++-dev); without it the router serves its
+# gRPC API with grpc.aio, as by default.
+_GRPCPP = _grpcpp_flags()
+DATAPLANE = ([Extension("router._dataplane", ["router/_dataplane.cc"], optional=True,
+                        language="c++", extra_compile_args=["-O2", "-std=c++17", *_GRPCPP[0]],
+                        extra_link_args=_GRPCPP[1])]
+             if _GRPCPP is not None else [])
+
 setup(
     packages=PACKAGES,
-    ext_modules=[BLOCKHASH, SCORE, LISTEN_HOST],
-    package_data={"pdserve": ["_blockhash.pyi"], "router": ["_score.pyi"],
+    ext_modules=[BLOCKHASH, SCORE, LISTEN_HOST, *DATAPLANE],
+    package_data={"pdserve": ["_blockhash.pyi"], "router": ["_score.pyi", "_dataplane.pyi"],
                   "pdserve.engine.kernels": ["*.cpp"],
                   "pdserve.v1": ["*.pyi", "py.typed"]},
     cmdclass={"build_protos": BuildProtos, "build_py": BuildPyWithProtos},

@@ -148,6 +148,9 @@ class Config:
     # The router's local requests on one Session call per worker (its default); False runs
     # it with --no-worker-sessions, a Generate call per request.
     worker_sessions: bool = True
+    # The router's --data-plane: "python" (grpc.aio serves its gRPC API) or "compiled"
+    # (router/_dataplane.cc relays local routes; router.dataplane).
+    data_plane: str = "python"
     # The router's --placement: threshold, as every record before stop 62 measured it (cost
     # became the router's default then).
     placement: str = "threshold"
@@ -322,7 +325,8 @@ class Cluster:
                 "--host", "127.0.0.1", "--model", str(self.model_dir), "--no-admission",
                 "--placement", self.cfg.placement,
                 "--log-level", self.cfg.router_log_level,
-                *([] if self.cfg.worker_sessions else ["--no-worker-sessions"])]
+                *([] if self.cfg.worker_sessions else ["--no-worker-sessions"]),
+                "--data-plane", self.cfg.data_plane]
         # A session of its own: with --autogroup-nice it gets the same priority as the
         # harness's processes, but its own CPU share on its core. The log is the child's: our
         # copy of its descriptor is closed once it is started.
@@ -1135,6 +1139,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-worker-sessions", action="store_true",
                    help="run the router with --no-worker-sessions (a Generate call per "
                    "request to a decode worker)")
+    p.add_argument("--data-plane", choices=("python", "compiled"), default=None,
+                   help="the router's --data-plane (default python)")
     p.add_argument("--autogroup-nice", type=int, default=None,
                    help="on a machine other sessions share (Linux autogroups: each session "
                    "gets an equal CPU share whatever its processes' nice), set this "
@@ -1146,7 +1152,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = QUICK if args.quick else Config()
     over = {k: getattr(args, k) for k in ("index_blocks", "time_scale", "light_rate",
                                           "light_s", "saturate_s", "concurrency", "paired",
-                                          "router_log_level", "placement")
+                                          "router_log_level", "placement", "data_plane")
             if getattr(args, k) is not None}
     if args.workers:
         over["workers"] = tuple(args.workers)

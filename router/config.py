@@ -314,6 +314,14 @@ class RouterProcessConfig:
         True, "send each decode worker's local requests as Generate calls of their own, "
         "not as messages on one Session call", flag="--no-worker-sessions", negate=True,
         group=SERVER)
+    # Who serves the client-facing gRPC API: grpc.aio ("python"), or the compiled data plane
+    # (router/_dataplane.cc, router.dataplane): grpc++ moves a local route's bytes, client to
+    # worker and every token back, with Python still making each decision; the rest is relayed
+    # to the grpc.aio server on a loopback port. Needs the extension built (grpc++ headers)
+    # and no TLS.
+    data_plane: str = setting(
+        "python", "who serves the gRPC API: grpc.aio, or the compiled data plane (grpc++ "
+        "relays local routes, Python decides)", choices=("python", "compiled"), group=SERVER)
     router: RouterConfig = field(default_factory=RouterConfig, metadata=nested())
     drain_timeout_s: float = setting(
         30.0, "seconds a stopping router lets in-flight requests finish", ge=0, group=SERVER)

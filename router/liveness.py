@@ -53,6 +53,9 @@ class Liveness:
         self._lost: dict[str, asyncio.Future[None]] = {}
         self._probing: set[str] = set()  # worker ids with a stall probe in flight
         self.generation = 0  # moves whenever a worker is declared lost or taken back
+        # Called with each worker as it is declared lost (the compiled data plane ends its
+        # session to it: router.dataplane).
+        self.on_lost: list[Callable[[WorkerInfo], None]] = []
 
     def joined(self, worker_id: str) -> None:
         """A worker (re)joined the directory: a lost one is usable again (e.g. SIGCONT)."""
@@ -97,6 +100,8 @@ class Liveness:
             self._workers_lost.labels(w.role).inc()
             lost.set_result(None)
             self.generation += 1
+            for hook in self.on_lost:
+                hook(w)
 
     def stalled(self, w: WorkerInfo) -> None:
         """A stream on `w` got nothing for `stall_probe_s`: probe the worker (one prober per

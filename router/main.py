@@ -45,6 +45,16 @@ async def run_router(config: RouterProcessConfig, stop: asyncio.Event,
     secret = config.cluster_secret
     auth.warn_unauthenticated(secret, "router")
     tls = config.tls
+    compiled = config.data_plane == "compiled"
+    if compiled:
+        from router import dataplane
+        if tls is not None:
+            raise ValueError("--data-plane compiled does not serve TLS yet: use --data-plane "
+                             "python with --tls-cert")
+        if not dataplane.available():
+            raise ValueError("--data-plane compiled: the extension router/_dataplane.cc is not "
+                             "built here (it needs grpc++'s headers, Debian's libgrpc++-dev, "
+                             "when the package is installed)")
     channels = WorkerChannels(() if secret is None else secret.grpc_metadata(), tls=tls,
                               sessions=config.worker_sessions)
     # Only workers whose records are signed under the cluster secret, serving these weights,
@@ -61,11 +71,23 @@ async def run_router(config: RouterProcessConfig, stop: asyncio.Event,
         server = transport.new_server(max_message_bytes=config.max_request_bytes,
                                       auth=auth.api_key_interceptor(tenants.keys),
                                       stamp=ArrivalInterceptor())
-        servicer.add_to_server(router, server, tenants)
-        async with serving("router", server, SERVICE, config.host, config.grpc_port,
+        rpc = servicer.add_to_server(router, server, tenants)
+        plane = None
+        if compiled:
+            plane = rpc.resumes = dataplane.CompiledDataPlane(
+                router, rpc, tenants,
+                worker_metadata=() if secret is None else secret.grpc_metadata(),
+                max_message_bytes=config.max_request_bytes)
+        # With the compiled data plane, the grpc.aio server listens on loopback only: the
+        # data plane relays to it what it does not route itself.
+        async with serving("router", server, SERVICE,
+                           "127.0.0.1" if plane is not None else config.host,
+                           0 if plane is not None else config.grpc_port,
                            None if tls is None else tls.server_credentials(tls.client_auth)
                            ) as service:
             addresses.grpc = service.bound
+            if plane is not None:
+                addresses.grpc = plane.start(config.host, config.grpc_port, service.bound)
             http_task = None
             http_server = None
             if config.http_port is not None:
@@ -87,10 +109,14 @@ async def run_router(config: RouterProcessConfig, stop: asyncio.Event,
                 addresses.http = f"{'http' if tls is None else 'https'}://{config.host}:{port}"
 
             async def drain_http(budget_s: float) -> None:
-                if http_server is not None and http_task is not None:
-                    http_server.should_exit = True
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(http_task, budget_s)
+                async def http() -> None:
+                    if http_server is not None and http_task is not None:
+                        http_server.should_exit = True
+                        with contextlib.suppress(Exception):
+                            await asyncio.wait_for(http_task, budget_s)
+
+                # The data plane relays to the grpc.aio server: it stops before that does.
+                await asyncio.gather(http(), *([plane.stop(budget_s)] if plane else []))
 
             # One drain budget for both APIs, so a stop signal ends the process within it.
             await service.run(stop, ready, Drain(config.drain_timeout_s, drain_http),

@@ -59,6 +59,19 @@ log = structlog.get_logger(__name__)
 _WORKER_FAILURES = (CapacityError, WorkerTimeoutError, TimeoutError)
 
 
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """A request the compiled data plane (router.dataplane) placed and streamed from decode
+    worker `worker_id` until that worker failed it with `error`, the client holding
+    `streamed`: `Router.generate` goes on with it as after a failed attempt of its own, under
+    its admission `ticket`."""
+
+    ticket: Ticket
+    worker_id: str
+    error: BaseException
+    streamed: tuple[int, ...]
+
+
 class Router(AsyncResource):
     def __init__(self, registry: WorkerRegistry, tokenizer: Tokenizer, *, model_name: str,
                  max_model_len: int, config: RouterConfig | None = None,
@@ -197,6 +210,12 @@ class Router(AsyncResource):
 
     async def place(self, req: GenerateRequest, exclude: frozenset[str] = frozenset()
                     ) -> tuple[WorkerInfo, WorkerInfo | None, Decision]:
+        return self.place_now(req, exclude)
+
+    def place_now(self, req: GenerateRequest, exclude: frozenset[str] = frozenset()
+                  ) -> tuple[WorkerInfo, WorkerInfo | None, Decision]:
+        """Place `req` (not on `exclude`) and enter it in the ledger; CapacityError when no
+        decode worker is left."""
         cpu = time.thread_time()  # its own thread's: not the gRPC threads sharing its core
         decoders, prefills = self._live_workers()
         listing = self._live_key  # names these very lists (`_live_workers`)
@@ -281,16 +300,18 @@ class Router(AsyncResource):
             self._capacity_key = key
         return self._capacity
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, req: GenerateRequest, resumed: Resumed | None = None
+                       ) -> AsyncIterator[TokenEvent]:
         """Stream a request's tokens. Closing the iterator cancels it on every worker.
 
         Admission happens before anything else (`admit`): a refused request raises
         OverloadedError before its first event. The last event carries `timings`
         (`router.timings.StageClock`): stages measured where they happen that add up to the
-        time to first token."""
-        ticket = self.admit(req)
+        time to first token. `resumed`: a request the compiled data plane started, admitted
+        there, whose decode worker failed it; its stream goes on after what the client has."""
+        ticket = self.admit(req) if resumed is None else resumed.ticket
         try:
-            async with contextlib.aclosing(self._generate(req)) as events:
+            async with contextlib.aclosing(self._generate(req, resumed)) as events:
                 async for ev in events:
                     if ticket.pending:
                         self.admission.first_token(ticket, time.monotonic())
@@ -298,7 +319,8 @@ class Router(AsyncResource):
         finally:
             self.admission.release(ticket)
 
-    async def _generate(self, req: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
+    async def _generate(self, req: GenerateRequest, resumed: Resumed | None = None
+                        ) -> AsyncGenerator[TokenEvent, None]:
         """Place the request and stream its tokens; if its decode worker fails, place it again.
 
         Before the first token a failed placement is retried up to `max_decode_attempts`.
@@ -318,6 +340,15 @@ class Router(AsyncResource):
         streamed: list[int] = []  # output token ids the client has
         retries = migrations = 0
         failed: tuple[str, BaseException] | None = None  # the last attempt's worker and error
+        if resumed is not None:  # the data plane's attempt failed: as if it had been ours
+            if not isinstance(resumed.error, _WORKER_FAILURES):
+                raise resumed.error
+            streamed = list(resumed.streamed)
+            tried.add(resumed.worker_id)
+            failed = (resumed.worker_id, resumed.error)
+            retries, migrations = self._after_failure(
+                req, resumed.error, self.directory.get(resumed.worker_id), resumed.worker_id,
+                streamed, retries, migrations, first_token_by, first_token_timeout_s)
         while True:
             sub = req if not streamed else dataclasses.replace(
                 req, resume_output_ids=tuple(streamed))
@@ -376,47 +407,61 @@ class Router(AsyncResource):
             except _WORKER_FAILURES as exc:
                 if unlogged:
                     log.info("route_decision", **unlogged.pop())
-                code = code_of(exc)
-                if isinstance(exc, OverloadedError) or code == ErrorCode.FIRST_TOKEN_DEADLINE:
-                    raise  # refused, or its deadline is spent: another placement cannot help
-                if not streamed and time.monotonic() >= first_token_by:
-                    # The worker's stream ran out the request's first-token budget: that is
-                    # the deadline, not a worker to avoid (nor "no decode worker" with one).
-                    raise WorkerTimeoutError(
-                        f"no first token within {first_token_timeout_s:.0f}s, the request's "
-                        f"deadline (decode worker {decode.worker_id}: {describe(exc)})",
-                        code=ErrorCode.FIRST_TOKEN_DEADLINE) from exc
                 failed = (decode.worker_id, exc)
-                if not streamed:
-                    retries += 1
-                    if retries >= cfg.max_decode_attempts:
-                        if isinstance(exc, PdserveError):
-                            raise
-                        # A worker call past its deadline: the worker is busy or gone, not
-                        # the request wrong; the client may retry (503), it is not a 504/500.
-                        raise WorkerTimeoutError(f"decode worker {decode.worker_id} did not "
-                                                 f"answer in time: {describe(exc)}") from exc
-                    self.metrics.retries.inc()
-                    continue
-                self._abort_on(self._channels.decode(decode),
-                               self._worker_ids.get(req.request_id, req.request_id))
-                if migrations >= cfg.max_migrations:
-                    log.warning("migration_exhausted", request_id=req.request_id,
-                                migrations=migrations, error=describe(exc))
-                    raise CapacityError(
-                        f"decode worker {decode.worker_id} failed mid-stream after "
-                        f"{len(streamed)} tokens and the request already moved {migrations} "
-                        f"times: {describe(exc)}", code=ErrorCode.MIGRATION_EXHAUSTED) from exc
-                migrations += 1
-                self.metrics.migrations.labels(code).inc()
-                log.warning("stream_migrating", request_id=req.request_id,
-                            from_worker=decode.worker_id, resumed_tokens=len(streamed),
-                            migration=migrations, error=describe(exc))
+                retries, migrations = self._after_failure(
+                    req, exc, decode, decode.worker_id, streamed, retries, migrations,
+                    first_token_by, first_token_timeout_s)
             finally:
                 if unlogged:
                     log.info("route_decision", **unlogged.pop())
                 self.ledger.release(req.request_id)
                 self._worker_ids.pop(req.request_id, None)
+
+    def _after_failure(self, req: GenerateRequest, exc: BaseException,
+                       decode: WorkerInfo | None, worker_id: str, streamed: list[int],
+                       retries: int, migrations: int, first_token_by: float,
+                       first_token_timeout_s: float) -> tuple[int, int]:
+        """An attempt on decode worker `worker_id` (`decode`, while the directory lists it)
+        failed with `exc`, a worker failure, the client holding `streamed`: raise what the
+        client hears, or count a retry (nothing streamed yet) or a migration and return the
+        new (retries, migrations) for the next attempt."""
+        cfg = self.config
+        code = code_of(exc)
+        if isinstance(exc, OverloadedError) or code == ErrorCode.FIRST_TOKEN_DEADLINE:
+            raise exc  # refused, or its deadline is spent: another placement cannot help
+        if not streamed and time.monotonic() >= first_token_by:
+            # The worker's stream ran out the request's first-token budget: that is the
+            # deadline, not a worker to avoid (nor "no decode worker" with one).
+            raise WorkerTimeoutError(
+                f"no first token within {first_token_timeout_s:.0f}s, the request's "
+                f"deadline (decode worker {worker_id}: {describe(exc)})",
+                code=ErrorCode.FIRST_TOKEN_DEADLINE) from exc
+        if not streamed:
+            retries += 1
+            if retries >= cfg.max_decode_attempts:
+                if isinstance(exc, PdserveError):
+                    raise exc
+                # A worker call past its deadline: the worker is busy or gone, not the
+                # request wrong; the client may retry (503), it is not a 504/500.
+                raise WorkerTimeoutError(f"decode worker {worker_id} did not answer in "
+                                         f"time: {describe(exc)}") from exc
+            self.metrics.retries.inc()
+            return retries, migrations
+        if decode is not None:
+            self._abort_on(self._channels.decode(decode),
+                           self._worker_ids.get(req.request_id, req.request_id))
+        if migrations >= cfg.max_migrations:
+            log.warning("migration_exhausted", request_id=req.request_id,
+                        migrations=migrations, error=describe(exc))
+            raise CapacityError(
+                f"decode worker {worker_id} failed mid-stream after {len(streamed)} tokens "
+                f"and the request already moved {migrations} times: {describe(exc)}",
+                code=ErrorCode.MIGRATION_EXHAUSTED) from exc
+        migrations += 1
+        self.metrics.migrations.labels(code).inc()
+        log.warning("stream_migrating", request_id=req.request_id, from_worker=worker_id,
+                    resumed_tokens=len(streamed), migration=migrations, error=describe(exc))
+        return retries, migrations
 
     async def _attempt(self, req: GenerateRequest, decode: WorkerInfo, prefill: WorkerInfo | None,
                        decision: Decision, clock: StageClock, first_token_timeout_s: float, *,
@@ -497,4 +542,4 @@ class Router(AsyncResource):
         return await self._channels.decode(w).abort(self._worker_ids.get(request_id, request_id))
 
 
-__all__ = ["FinishReason", "Router", "RouterConfig"]
+__all__ = ["FinishReason", "Resumed", "Router", "RouterConfig"]

@@ -18,7 +18,8 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
+from typing import Protocol
 
 import grpc
 
@@ -26,20 +27,42 @@ from pdserve.errors import InvalidRequestError
 from pdserve.rpc import convert
 from pdserve.rpc.auth import AUTHORIZATION_KEY
 from pdserve.rpc.metadata import metadata_value
-from pdserve.tenants import Tenant, Tenants
+from pdserve.tenants import Lease, Tenant, Tenants
 from pdserve.types import GenerateRequest, TokenEvent, check_request_id, fit_max_tokens
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router.router import Router
+from router.router import Resumed, Router
 from router.timings import OWN
 
+# Call metadata: the compiled data plane hands a request back with this token.
+RESUME_KEY = "x-pdserve-resume"
 _ROUTES = {"local": common_pb2.PREFILL_ROUTE_LOCAL, "remote": common_pb2.PREFILL_ROUTE_REMOTE,
            "fallback": common_pb2.PREFILL_ROUTE_FALLBACK}
 
 
+class Resumes(Protocol):
+    """Requests the compiled data plane hands back to this servicer (router.dataplane)."""
+
+    def claim(self, token: str) -> Handback | None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Handback:
+    """A request the compiled data plane started and hands to the servicer to go on with
+    (its decode worker failed it): its id as the router and the client know it, its tenant's
+    admission, and where it got to (`router.router.Resumed`)."""
+
+    request: GenerateRequest
+    label: str
+    lease: Lease
+    resumed: Resumed
+
+
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, router: Router, tenants: Tenants | None = None):
+    def __init__(self, router: Router, tenants: Tenants | None = None,
+                 resumes: Resumes | None = None):
         self.router = router
         self.tenants = tenants if tenants is not None else Tenants()
+        self.resumes = resumes
 
     async def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
         _, _, token = (metadata_value(context.invocation_metadata(), AUTHORIZATION_KEY)
@@ -64,22 +87,44 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def _request(self, request: router_pb2.GenerateRequest, label: str,
                        tenant: Tenant) -> GenerateRequest:
-        # Everything cheap first, so an invalid request is refused before it is tokenized.
+        if request.WhichOneof("input") == "token_ids":
+            return self.token_request(request, label, tenant)
+        return await self._tokenized_request(request, label, tenant)
+
+    def token_request(self, request: router_pb2.GenerateRequest, label: str,
+                      tenant: Tenant, ids: tuple[int, ...] | None = None) -> GenerateRequest:
+        """The request of a call whose prompt is token ids (nothing to tokenize: no await);
+        `ids`: those ids, read already (the compiled data plane's), not from `request`."""
         has_sampling = request.HasField("sampling")
         sampling = convert.sampling_from_proto(request.sampling if has_sampling else None)
         latency_class = tenant.latency_class(convert.latency_from_proto(request.latency_class))
         # Token ids are only copied (~35 us for 1,500): a thread hop would cost more than
-        # that and wake the loop through its self-pipe; text and chat are tokenized off the
-        # loop. (Through numpy the copy takes half as long in a loop, but longer on a
-        # request's first step, which runs cold: docs/bench/router_harness_spr/README.md.)
-        # Ids keep the field they came in, for the worker's message (`prompt_wire`).
-        which = request.WhichOneof("input")
-        wire: tuple[tuple[int, ...], Sequence[int]] | None = None
-        if which == "token_ids":
+        # that and wake the loop through its self-pipe. (Through numpy the copy takes half as
+        # long in a loop, but longer on a request's first step, which runs cold:
+        # docs/bench/router_harness_spr/README.md.) Ids keep the field they came in, for the
+        # worker's message (`prompt_wire`).
+        wire = None
+        if ids is None:
             ids = tuple(request.token_ids.ids)
             wire = (ids, request.token_ids.ids)
-        else:
-            ids = tuple(await asyncio.to_thread(self._prompt, request))
+        requested = (request.sampling.max_tokens
+                     if has_sampling and request.sampling.HasField("max_tokens") else None)
+        max_tokens = fit_max_tokens(len(ids), requested, self.router.max_model_len,
+                                    default=sampling.max_tokens, param="token_ids")
+        if max_tokens != sampling.max_tokens:  # else no second validation of the same
+            sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
+        return GenerateRequest(tenant.request_id(label), ids, sampling, latency_class,
+                               prompt_wire=wire)
+
+    async def _tokenized_request(self, request: router_pb2.GenerateRequest, label: str,
+                                 tenant: Tenant) -> GenerateRequest:
+        # Everything cheap first, so an invalid request is refused before it is tokenized.
+        has_sampling = request.HasField("sampling")
+        sampling = convert.sampling_from_proto(request.sampling if has_sampling else None)
+        latency_class = tenant.latency_class(convert.latency_from_proto(request.latency_class))
+        # Text and chat are tokenized off the loop.
+        which = request.WhichOneof("input")
+        ids = tuple(await asyncio.to_thread(self._prompt, request))
         requested = (request.sampling.max_tokens
                      if has_sampling and request.sampling.HasField("max_tokens") else None)
         max_tokens = fit_max_tokens(len(ids), requested, self.router.max_model_len,
@@ -87,14 +132,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                     param=which or "input")
         if max_tokens != sampling.max_tokens:  # else no second validation of the same
             sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
-        return GenerateRequest(tenant.request_id(label), ids, sampling, latency_class,
-                               prompt_wire=wire)
+        return GenerateRequest(tenant.request_id(label), ids, sampling, latency_class)
 
     async def Generate(self, request: router_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[router_pb2.GenerateResponse]:
         own = OWN.get()
         tenant = await self._tenant(context)
+        handback = self._handback(context, tenant)
+        if handback is not None:  # a stream the compiled data plane began
+            with handback.lease:
+                async for ev in self.router.generate(handback.request, handback.resumed):
+                    yield _response(request, handback.label, ev)
+            return
         label = check_request_id(request.request_id or f"req-{uuid.uuid4().hex}")
         with self.tenants.admit(tenant):  # held until the stream ends, however it ends
             req = await self._request(request, label, tenant)
@@ -110,6 +160,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 yield resp
                 if parts:
                     self._overhead(*parts)
+
+    def _handback(self, context: grpc.aio.ServicerContext, tenant: Tenant) -> Handback | None:
+        """The request the compiled data plane hands back with this call (its resume token
+        in the call's metadata; router.dataplane), or None for an ordinary call. Only the
+        tenant whose request it is can claim it."""
+        token = metadata_value(context.invocation_metadata(), RESUME_KEY)
+        if token is None:
+            return None
+        handback = self.resumes.claim(token) if self.resumes is not None else None
+        if handback is None or tenant.request_id(handback.label) != handback.request.request_id:
+            raise InvalidRequestError(f"unknown {RESUME_KEY} token", param=RESUME_KEY)
+        return handback
 
     def _overhead(self, into: float, out: float) -> None:
         parts = self.router.metrics.overhead_parts
@@ -149,7 +211,10 @@ def _response(request: router_pb2.GenerateRequest, label: str,
 
 
 def add_to_server(router: Router, server: grpc.aio.Server,
-                  tenants: Tenants | None = None) -> None:
+                  tenants: Tenants | None = None) -> RouterServicer:
     """Serve ``router`` as the pdserve.v1.Router API on ``server``; `tenants`: its callers
-    (shared with the REST gateway, so one key's quota spans both APIs), by default open."""
-    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, tenants), server)
+    (shared with the REST gateway, so one key's quota spans both APIs), by default open. Its
+    `resumes` are the compiled data plane's, when that runs (router.dataplane)."""
+    servicer = RouterServicer(router, tenants)
+    router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+    return servicer

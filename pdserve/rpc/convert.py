@@ -227,16 +227,19 @@ def input_to_proto(request: GenerateRequest) -> common_pb2.GenerateInput:
     return fill_input(common_pb2.GenerateInput(), request)
 
 
-def fill_input(dst: common_pb2.GenerateInput, request: GenerateRequest
-               ) -> common_pb2.GenerateInput:
+def fill_input(dst: common_pb2.GenerateInput, request: GenerateRequest, *,
+               prompt: bool = True) -> common_pb2.GenerateInput:
     """`input_to_proto` written into `dst`, an empty GenerateInput inside the message that
     carries it: a GenerateInput passed to a message's constructor is copied, prompt and all
-    (a 1,500-token prompt's ids copied twice more cost the router ~50 us per request)."""
+    (a 1,500-token prompt's ids copied twice more cost the router ~50 us per request).
+    Without `prompt`, the prompt's ids are left out (the router's compiled data plane
+    appends them as the client sent them)."""
     dst.SetInParent()
     dst.request_id = request.request_id
     wire = request.prompt_wire  # the field the prompt was read from, if it still is it
-    dst.prompt_token_ids.extend(wire[1] if wire is not None and wire[0] is
-                                request.prompt_token_ids else request.prompt_token_ids)
+    if prompt:
+        dst.prompt_token_ids.extend(wire[1] if wire is not None and wire[0] is
+                                    request.prompt_token_ids else request.prompt_token_ids)
     dst.sampling.CopyFrom(sampling_to_proto(request.sampling))
     dst.latency_class = latency_to_proto(request.latency_class)
     dst.resume_output_ids.extend(request.resume_output_ids)

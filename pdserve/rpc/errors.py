@@ -210,6 +210,14 @@ def reported(exc: Exception, method: str, request_id: str | None
     return status, message, code, param
 
 
+def refusal(exc: Exception, method: str, request_id: str | None = None
+            ) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """What a call that failed with `exc` ends with: its status, message and trailers, as
+    `ErrorInterceptor` reports them (the router's compiled data plane ends calls with it)."""
+    status, message, _, _ = reported(exc, method, request_id)
+    return status, message, _error_metadata(exc, request_id)
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
     # The caller's request id, read only now: a wrapper serves every call of its method.
     # A call with an invalid one never gets here with it (its handler only refuses it).
