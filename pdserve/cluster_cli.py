@@ -64,6 +64,8 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
     if args.insecure:
         router_args.append("--insecure")
         worker_args.append("--insecure")
+    if args.data_plane != "python":
+        router_args += ["--data-plane", args.data_plane]
     # Secrets go to the children in their environment, never on a command line (ps shows it).
     env = {"PDSERVE_LOG_LEVEL": args.log_level}
     if args.api_key:
@@ -235,6 +237,9 @@ def register(sub: Any, add: Adder) -> None:
                    "in the cluster's log directory (tls/), serve HTTPS and gRPC over TLS, "
                    "mTLS between router and workers (clients use tls/ca.crt, and "
                    "tls/client.crt + client.key where a certificate is wanted)")
+    g.add_argument("--data-plane", choices=("python", "compiled"), default="python",
+                   help="who serves the router's gRPC API: grpc.aio, or the compiled data "
+                   "plane (grpc++ relays local routes, Python decides; router.dataplane)")
     add_log_level_arg(g)  # type: ignore[arg-type]
     add_cluster_secret_arg(g)  # type: ignore[arg-type]
     add_router_flags(up)

@@ -308,6 +308,11 @@ struct Settings {
   std::string internal;  // the router's grpc.aio server, host:port
   std::vector<std::pair<std::string, std::string>> worker_metadata;
   std::vector<std::pair<std::string, int>> channel_args;
+  // TLS (pdserve.rpc.tls.TLSConfig's PEM): none when `tls` is false. Every channel (to the
+  // workers and to the router's grpc.aio server) trusts the CA only and presents this
+  // certificate; the server asks clients for one when `require_client`.
+  bool tls = false, require_client = false;
+  std::string cert_pem, key_pem, ca_pem, server_name;
 };
 Settings& g_settings = *new Settings;
 grpc::GenericStub* g_internal = nullptr;  // this and the rest live as long as the process
@@ -320,7 +325,27 @@ auto& g_channels = *new std::unordered_map<std::string, std::shared_ptr<grpc::Ch
 std::shared_ptr<grpc::Channel> ChannelTo(const std::string& target) {
   grpc::ChannelArguments args;
   for (auto& [name, value] : g_settings.channel_args) args.SetInt(name, value);
-  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  if (!g_settings.tls) {
+    return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  }
+  if (!g_settings.server_name.empty()) {
+    args.SetSslTargetNameOverride(g_settings.server_name);
+  }
+  grpc::SslCredentialsOptions opts;
+  opts.pem_root_certs = g_settings.ca_pem;
+  opts.pem_private_key = g_settings.key_pem;
+  opts.pem_cert_chain = g_settings.cert_pem;
+  return grpc::CreateCustomChannel(target, grpc::SslCredentials(opts), args);
+}
+
+std::shared_ptr<grpc::ServerCredentials> ServerCredentials() {
+  if (!g_settings.tls) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions opts(
+      g_settings.require_client ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                                : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  if (g_settings.require_client) opts.pem_root_certs = g_settings.ca_pem;
+  opts.pem_key_cert_pairs.push_back({g_settings.key_pem, g_settings.cert_pem});
+  return grpc::SslServerCredentials(opts);
 }
 
 // ------------------------------------------------------------------ a client call
@@ -1141,10 +1166,10 @@ bool IntPairs(PyObject* seq, std::vector<std::pair<std::string, int>>* out) {
 
 PyObject* Start(PyObject*, PyObject* args) {
   const char *listen, *internal;
-  PyObject *worker_md, *channel_args, *server_args;
+  PyObject *worker_md, *channel_args, *server_args, *tls;
   int max_message_bytes;
-  if (!PyArg_ParseTuple(args, "ssOOOi", &listen, &internal, &worker_md, &channel_args,
-                        &server_args, &max_message_bytes)) {
+  if (!PyArg_ParseTuple(args, "ssOOOiO", &listen, &internal, &worker_md, &channel_args,
+                        &server_args, &max_message_bytes, &tls)) {
     return nullptr;
   }
   if (g_server != nullptr) {
@@ -1158,6 +1183,21 @@ PyObject* Start(PyObject*, PyObject* args) {
       !IntPairs(channel_args, &settings.channel_args) || !IntPairs(server_args, &server_opts)) {
     return nullptr;
   }
+  if (tls != Py_None) {  // (cert_pem, key_pem, ca_pem, require_client, server_name or "")
+    const char *cert, *key, *ca, *name;
+    Py_ssize_t cert_n, key_n, ca_n;
+    int require;
+    if (!PyArg_ParseTuple(tls, "y#y#y#ps", &cert, &cert_n, &key, &key_n, &ca, &ca_n, &require,
+                          &name)) {
+      return nullptr;
+    }
+    settings.tls = true;
+    settings.require_client = require != 0;
+    settings.cert_pem.assign(cert, cert_n);
+    settings.key_pem.assign(key, key_n);
+    settings.ca_pem.assign(ca, ca_n);
+    settings.server_name = name;
+  }
   g_settings = std::move(settings);
   g_efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (g_efd < 0) return PyErr_SetFromErrno(PyExc_OSError);
@@ -1166,7 +1206,7 @@ PyObject* Start(PyObject*, PyObject* args) {
   g_internal = new grpc::GenericStub(ChannelTo(g_settings.internal));
   g_service = new Service();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(listen, ServerCredentials(), &port);
   for (auto& [name, value] : server_opts) builder.AddChannelArgument(name, value);
   builder.SetMaxReceiveMessageSize(max_message_bytes);
   builder.SetMaxSendMessageSize(max_message_bytes);
@@ -1374,8 +1414,8 @@ PyObject* Encode(PyObject*, PyObject* args) {
 
 PyMethodDef kMethods[] = {
     {"start", Start, METH_VARARGS,
-     "start(listen, internal, worker_metadata, channel_args, server_args, max_message_bytes)"
-     " -> (port, eventfd)"},
+     "start(listen, internal, worker_metadata, channel_args, server_args, max_message_bytes,"
+     " tls) -> (port, eventfd)"},
     {"take", Take, METH_NOARGS, "take() -> the events queued since the last take"},
     {"route", RouteCall, METH_VARARGS,
      "route(call, address, body, label, worker_id, first_timeout_s, token_timeout_s, stall_s,"

@@ -3,7 +3,8 @@ from typing import Any
 
 def start(listen: str, internal: str, worker_metadata: Sequence[tuple[str, str]],
           channel_args: Sequence[tuple[str, int]], server_args: Sequence[tuple[str, int]],
-          max_message_bytes: int, /) -> tuple[int, int]: ...
+          max_message_bytes: int, tls: tuple[bytes, bytes, bytes, bool, str] | None,
+          /) -> tuple[int, int]: ...
 def take() -> list[tuple[Any, ...]]: ...
 def route(call: int, address: str, body: bytes, label: str, worker_id: str,
           first_timeout_s: float, token_timeout_s: float, stall_s: float, timings: bool,

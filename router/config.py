@@ -317,8 +317,7 @@ class RouterProcessConfig:
     # Who serves the client-facing gRPC API: grpc.aio ("python"), or the compiled data plane
     # (router/_dataplane.cc, router.dataplane): grpc++ moves a local route's bytes, client to
     # worker and every token back, with Python still making each decision; the rest is relayed
-    # to the grpc.aio server on a loopback port. Needs the extension built (grpc++ headers)
-    # and no TLS.
+    # to the grpc.aio server on a loopback port. Needs the extension built (grpc++ headers).
     data_plane: str = setting(
         "python", "who serves the gRPC API: grpc.aio, or the compiled data plane (grpc++ "
         "relays local routes, Python decides)", choices=("python", "compiled"), group=SERVER)

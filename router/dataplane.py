@@ -37,7 +37,9 @@ migrated after it, the tokens the client has kept; or the worker's error, report
 grpc.aio server reports it. A silent stream has its worker probed (`Liveness.stalled`), and a
 worker declared lost has its session ended, as on the Python path.
 
-Not served by the data plane: TLS (the router refuses `--data-plane compiled` with TLS).
+With TLS (`--tls-cert`), the extension serves the client-facing port with the router's
+certificate (client certificates as `--tls-client-auth` says) and dials the workers and the
+grpc.aio server behind it with mTLS, as the router's Python clients do.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from pdserve.errors import (
 )
 from pdserve.rpc import convert, transport
 from pdserve.rpc.errors import error_from_status, refusal
+from pdserve.rpc.tls import TLSConfig
 from pdserve.tenants import Lease, Tenants
 from pdserve.types import GenerateRequest, LatencyClass, check_request_id
 from pdserve.v1 import common_pb2, router_pb2
@@ -114,7 +117,8 @@ class CompiledDataPlane:
 
     def __init__(self, router: Router, servicer: RouterServicer, tenants: Tenants, *,
                  worker_metadata: Iterable[tuple[str, str]] = (),
-                 max_message_bytes: int = transport.MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = transport.MAX_MESSAGE_BYTES,
+                 tls: TLSConfig | None = None) -> None:
         if _dataplane is None:
             raise RuntimeError("the compiled data plane is not built here (router/_dataplane"
                                ".cc needs grpc++'s headers: Debian's libgrpc++-dev)")
@@ -123,6 +127,7 @@ class CompiledDataPlane:
         self.tenants = tenants
         self._worker_metadata = tuple(worker_metadata)
         self._max_message_bytes = max_message_bytes
+        self._tls = tls
         self._routed: dict[int, _Routed] = {}
         self._handbacks: dict[str, tuple[Handback, asyncio.TimerHandle]] = {}
         self._efd = -1
@@ -152,7 +157,10 @@ class CompiledDataPlane:
             f"{host}:{port}", internal, list(self._worker_metadata),
             _int_options(transport.channel_options(max_message_bytes=self._max_message_bytes)),
             _int_options(transport.server_options(max_message_bytes=self._max_message_bytes)),
-            self._max_message_bytes)
+            self._max_message_bytes,
+            None if (t := self._tls) is None else (
+                t.cert_pem, t.key_pem, t.ca_pem, t.client_auth == "require",
+                t.server_name or ""))
         loop = asyncio.get_running_loop()
         loop.add_reader(self._efd, self._drain)
         # Decisions on grpc's thread while the loop is parked (router/_dataplane.cc's

@@ -48,9 +48,6 @@ async def run_router(config: RouterProcessConfig, stop: asyncio.Event,
     compiled = config.data_plane == "compiled"
     if compiled:
         from router import dataplane
-        if tls is not None:
-            raise ValueError("--data-plane compiled does not serve TLS yet: use --data-plane "
-                             "python with --tls-cert")
         if not dataplane.available():
             raise ValueError("--data-plane compiled: the extension router/_dataplane.cc is not "
                              "built here (it needs grpc++'s headers, Debian's libgrpc++-dev, "
@@ -77,7 +74,7 @@ async def run_router(config: RouterProcessConfig, stop: asyncio.Event,
             plane = rpc.resumes = dataplane.CompiledDataPlane(
                 router, rpc, tenants,
                 worker_metadata=() if secret is None else secret.grpc_metadata(),
-                max_message_bytes=config.max_request_bytes)
+                max_message_bytes=config.max_request_bytes, tls=tls)
         # With the compiled data plane, the grpc.aio server listens on loopback only: the
         # data plane relays to it what it does not route itself.
         async with serving("router", server, SERVICE,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import queue
 import subprocess
 import threading
@@ -45,6 +46,10 @@ def cluster_fixture(*, kv_cache_mb: int, prefill: int = 1, decode: int = 1,
     `worker_args`; the router gets `router_args`; `options` go to LocalCluster as they are
     (`cluster_secret`, `tls`, `env`, ...). `start_timeout_s` bounds the start, all of it."""
     threads_args = ("--threads", str(threads)) if threads is not None else ()
+    # PDSERVE_TEST_DATA_PLANE=compiled: every such cluster's router serves its gRPC API with
+    # the compiled data plane (router.dataplane), to run these tests against it.
+    if plane := os.environ.get("PDSERVE_TEST_DATA_PLANE"):
+        router_args = (*router_args, "--data-plane", plane)
     extra_worker_args = (*threads_args, "--kv-cache-mb", str(kv_cache_mb), *worker_args)
 
     @pytest.fixture(scope="module")
