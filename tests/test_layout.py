@@ -22,13 +22,15 @@ TOP_PACKAGES = ("pdserve", "router", "prefill_svc", "decode_svc", "kvxfer")
 GENERATED = "pdserve.v1"  # protoc output: imports its siblings, never checked
 
 # The only modules that may import generated `*_pb2` / `*_pb2_grpc` code: servicers (protobuf
-# in, domain call, protobuf out), the typed clients (the router's clients of the workers, and
+# in, domain call, protobuf out; the compiled data plane's Python side is the router's other
+# servicer), the typed clients (the router's clients of the workers, and
 # the public client of the router's API), the conversion module they use, and the gRPC
 # transport (health service, channels).
 PB2_ALLOWED = frozenset({
     "decode_svc.servicer",
     "prefill_svc.servicer",
     "router.servicer",
+    "router.dataplane",
     "router.clients",
     "pdserve.client",
     "pdserve.rpc.convert",
