@@ -368,7 +368,8 @@ class Call : public grpc::ServerGenericBidiReactor {
               const std::vector<std::pair<std::string, std::string>>& trailers);
 
   // From the worker's session, on grpc's threads.
-  void OnChunk(std::string_view bytes, Clock::time_point read_at);
+  // The worker's TokenChunk for this call, parsed (nullptr: it did not parse).
+  void OnChunk(const Chunk* chunk, Clock::time_point read_at);
   void OnWorkerError(int status, std::string message, std::string code, std::string param);
   // The session is being written: the request is on its way (its `in` time ends). Called
   // with the session's lock held, so it takes no lock of its own.
@@ -522,7 +523,8 @@ class Session : public grpc::ClientBidiReactor<ByteBuffer, ByteBuffer> {
       WireReader one(r.Bytes());
       uint64_t sid = 0;
       std::string_view token, error;
-      bool has_token = false, has_error = false;
+      bool has_token = false, has_error = false, parsed = false;
+      Chunk chunk;
       int g, gwt;
       while (one.Next(&g, &gwt)) {
         if (g == 1 && gwt == 0) sid = one.Varint();
@@ -536,10 +538,11 @@ class Session : public grpc::ClientBidiReactor<ByteBuffer, ByteBuffer> {
         auto it = streams_.find(sid);
         if (it == streams_.end()) continue;
         call = it->second;
+        // Parsed once, here: OnChunk gets the fields (views into `bytes`, alive meanwhile).
         bool last = has_error;
         if (has_token) {
-          Chunk c;
-          last = !ParseChunk(token, &c) || c.finish != 0;
+          parsed = ParseChunk(token, &chunk);
+          last = !parsed || chunk.finish != 0;
         }
         if (last) streams_.erase(it);
       }
@@ -557,7 +560,7 @@ class Session : public grpc::ClientBidiReactor<ByteBuffer, ByteBuffer> {
         }
         call->OnWorkerError(static_cast<int>(status), message, code, param);
       } else if (has_token) {
-        call->OnChunk(token, read_at);
+        call->OnChunk(parsed ? &chunk : nullptr, read_at);
       }
     }
     StartRead(&msg_);
@@ -924,12 +927,10 @@ void Call::StartRelayLocked(const std::string& resume) {
   up_ = new Upstream(self_, std::string(ctx_->method()), ctx_, resume);
 }
 
-void Call::OnChunk(std::string_view bytes, Clock::time_point read_at) {
-  Chunk c;
-  bool parsed = ParseChunk(bytes, &c);
+void Call::OnChunk(const Chunk* chunk, Clock::time_point read_at) {
   std::lock_guard<std::mutex> lock(mu_);
   if (mode_ != Mode::kLocal) return;
-  if (!parsed) {
+  if (chunk == nullptr) {  // it did not parse
     session_->Cancel(stream_);
     DetachLocked();
     Event e{kFailedEvent, id_};
@@ -940,6 +941,7 @@ void Call::OnChunk(std::string_view bytes, Clock::time_point read_at) {
     Push(std::move(e));
     return;
   }
+  const Chunk& c = *chunk;
   auto now = Clock::now();
   bool first = !replied_;
   replied_ = true;
@@ -1133,28 +1135,16 @@ void Watch() {
   }
 }
 
-bool StringPairs(PyObject* seq, std::vector<std::pair<std::string, std::string>>* out) {
-  PyObject* fast = PySequence_Fast(seq, "expected a sequence of (str, str)");
-  if (fast == nullptr) return false;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
-    const char *k, *v;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "ss", &k, &v)) {
-      Py_DECREF(fast);
-      return false;
-    }
-    out->emplace_back(k, v);
-  }
-  Py_DECREF(fast);
-  return true;
-}
-
-bool IntPairs(PyObject* seq, std::vector<std::pair<std::string, int>>* out) {
-  PyObject* fast = PySequence_Fast(seq, "expected a sequence of (str, int)");
+// A Python sequence of (str, value) pairs; `format` is PyArg_ParseTuple's for one ("ss",
+// "si"), `Raw` the C type its value parses into.
+template <typename Raw, typename V>
+bool Pairs(PyObject* seq, const char* format, std::vector<std::pair<std::string, V>>* out) {
+  PyObject* fast = PySequence_Fast(seq, "expected a sequence of (name, value) pairs");
   if (fast == nullptr) return false;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
     const char* k;
-    int v;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "si", &k, &v)) {
+    Raw v;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), format, &k, &v)) {
       Py_DECREF(fast);
       return false;
     }
@@ -1179,8 +1169,9 @@ PyObject* Start(PyObject*, PyObject* args) {
   Settings settings;
   std::vector<std::pair<std::string, int>> server_opts;
   settings.internal = internal;
-  if (!StringPairs(worker_md, &settings.worker_metadata) ||
-      !IntPairs(channel_args, &settings.channel_args) || !IntPairs(server_args, &server_opts)) {
+  if (!Pairs<const char*>(worker_md, "ss", &settings.worker_metadata) ||
+      !Pairs<int>(channel_args, "si", &settings.channel_args) ||
+      !Pairs<int>(server_args, "si", &server_opts)) {
     return nullptr;
   }
   if (tls != Py_None) {  // (cert_pem, key_pem, ca_pem, require_client, server_name or "")
@@ -1307,7 +1298,7 @@ PyObject* RefuseCall(PyObject*, PyObject* args) {
   PyObject* trailers;
   if (!PyArg_ParseTuple(args, "KisO", &id, &status, &message, &trailers)) return nullptr;
   std::vector<std::pair<std::string, std::string>> pairs;
-  if (!StringPairs(trailers, &pairs)) return nullptr;
+  if (!Pairs<const char*>(trailers, "ss", &pairs)) return nullptr;
   auto call = FindCall(id);
   if (call == nullptr) Py_RETURN_FALSE;
   return PyBool_FromLong(call->Refuse(status, message, pairs));

@@ -264,7 +264,6 @@ class _SessionUnsupported(Exception):
     no request on the call runs there."""
 
 
-_STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
 
 
 class _Session:
@@ -375,8 +374,8 @@ class _Session:
                 if reply.WhichOneof("kind") == "error":
                     over = True
                     e = reply.error
-                    status = _STATUS_BY_NUMBER.get(e.status, grpc.StatusCode.UNKNOWN)
-                    raise error_from_status(status, e.message, e.code or None, e.param or None)
+                    raise error_from_status(e.status, e.message, e.code or None,
+                                            e.param or None)
                 ev = convert.token_event_from_chunk(reply.token)
                 over = ev.finished
                 yield ev

@@ -55,7 +55,6 @@ import types
 import uuid
 from collections.abc import Iterable
 
-import grpc
 import structlog
 from prometheus_client import Counter
 
@@ -88,7 +87,6 @@ GENERATE = "/pdserve.v1.Router/Generate"
 # How long a handed-back request waits for its relayed call to claim it.
 HANDBACK_TTL_S = 30.0
 _CALL, _FIRST, _END, _FAILED, _STALLED = range(5)
-_STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
 
 
 def available() -> bool:
@@ -312,7 +310,7 @@ class CompiledDataPlane:
         if router.ledger.charged(routed.request.request_id):  # its prompt is prefilled
             router.ledger.charge(routed.request.request_id, None, 0)
         if token:
-            router._first_token(routed.decision, now - routed.routed_at)
+            router.first_token(routed.decision, now - routed.routed_at)
         parts = router.metrics.overhead_parts
         parts[0].observe(in_s)
         parts[1].observe(out_s)
@@ -337,8 +335,8 @@ class CompiledDataPlane:
         if why == "worker_timeout":  # the extension's own deadline (WorkerTimeoutError's)
             error = WorkerTimeoutError(text)
         else:
-            error = error_from_status(_STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN),
-                                      text, why or None, param.decode(errors="replace") or None)
+            error = error_from_status(status, text, why or None,
+                                      param.decode(errors="replace") or None)
         token = secrets.token_urlsafe(24)
         handback = Handback(routed.request, routed.label, routed.lease, Resumed(
             routed.ticket, routed.decode.worker_id, error, tuple(streamed)))

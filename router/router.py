@@ -250,7 +250,7 @@ class Router(AsyncResource):
         return prefill_wait_s(prefill.load,
                               self.ledger.inflight_tokens.get(prefill.worker_id, 0.0), rate)
 
-    def _first_token(self, decision: Decision, observed_s: float) -> None:
+    def first_token(self, decision: Decision, observed_s: float) -> None:
         """A first token on the route its placement chose: against cost placement's
         prediction (`pdserve_router_ttft_prediction_ratio`)."""
         predicted = decision.predicted_ttft_s
@@ -396,11 +396,11 @@ class Router(AsyncResource):
                                 and not migrations):  # the last event: its consumer may
                             self._remote_stages(ev.timings, decode)  # stop at it
                         if observed is not None and ev.finished:
-                            self._first_token(decision, observed)
+                            self.first_token(decision, observed)
                             observed = None
                         yield ev
                         if observed is not None:  # not on the first token's way
-                            self._first_token(decision, observed)
+                            self.first_token(decision, observed)
                         if unlogged:
                             log.info("route_decision", **unlogged.pop())
                 return

@@ -299,9 +299,15 @@ def error_from_rpc(exc: grpc.RpcError) -> PdserveError | TimeoutError:
                              metadata_value(trailers, ERROR_PARAM_KEY))
 
 
-def error_from_status(status: grpc.StatusCode, message: str, code: str | None,
+_STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
+
+
+def error_from_status(status: grpc.StatusCode | int, message: str, code: str | None,
                       param: str | None = None) -> PdserveError | TimeoutError:
-    """`error_from_rpc` for a failure received as its parts (`reported`'s, in a message)."""
+    """`error_from_rpc` for a failure received as its parts (`reported`'s, in a message);
+    `status` may be its number (an unknown one is UNKNOWN)."""
+    if isinstance(status, int):
+        status = _STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
     if code is None and status == grpc.StatusCode.UNAVAILABLE:
         code = ErrorCode.WORKER_UNAVAILABLE
     return rebuild(_KIND_BY_STATUS.get(status, ErrorKind.INTERNAL), code, message, param)
