@@ -271,8 +271,14 @@ static int append_pair(PyObject *out, Py_ssize_t depth, PyObject *mask) {
 
 /* The next block's digest into `out` (the raw form of walk_next). */
 static int walk_digest(Walk *w, Py_ssize_t i, uint8_t out[DIGEST]) {
-    if (pack(PySequence_Fast_ITEMS(w->seq) + i * w->block_size, w->block_size,
-             w->msg + DIGEST) < 0)
+    PyObject **tokens = PySequence_Fast_ITEMS(w->seq) + i * w->block_size;
+    /* The block after this one's int objects are read next: their cache misses (a prompt's
+     * ids are spread over a vocabulary's worth of objects) overlap this block's hashing. */
+    if (i + 1 < w->n) {
+        for (Py_ssize_t j = w->block_size; j < 2 * w->block_size; j++)
+            __builtin_prefetch(tokens[j]);
+    }
+    if (pack(tokens, w->block_size, w->msg + DIGEST) < 0)
         return -1;
     blake2b_16(w->msg, w->msg_len, out);
     memcpy(w->msg, out, DIGEST);

@@ -88,6 +88,18 @@ void PutLen(std::string* s, int field, std::string_view bytes) {
   s->append(bytes.data(), bytes.size());
 }
 
+size_t VarintSize(uint64_t v) {
+  size_t n = 1;
+  for (; v >= 0x80; v >>= 7) ++n;
+  return n;
+}
+
+// A length-delimited field's tag and length, its `len` bytes to follow.
+void PutLenHeader(std::string* s, int field, size_t len) {
+  PutTag(s, field, 2);
+  PutVarint(s, len);
+}
+
 void PutUint(std::string* s, int field, uint64_t v) {  // proto3: zero is not written
   if (v == 0) return;
   PutTag(s, field, 0);
@@ -231,6 +243,8 @@ bool SplitIds(std::string_view request, std::string* rest, std::vector<int32_t>*
               std::string* packed) {
   WireReader r(request);
   bool found = false;
+  std::string_view run;  // the ids as one packed run, as the client sent them
+  int runs = 0;
   int f, wt;
   while (r.Next(&f, &wt)) {
     const uint8_t* start = r.p;
@@ -239,10 +253,14 @@ bool SplitIds(std::string_view request, std::string* rest, std::vector<int32_t>*
       int g, gwt;
       while (t.Next(&g, &gwt)) {
         if (g == 1 && gwt == 2) {
-          WireReader v(t.Bytes());
+          run = t.Bytes();
+          ++runs;
+          ids->reserve(ids->size() + run.size());  // at least a byte an id
+          WireReader v(run);
           while (v.ok && v.p < v.end) ids->push_back(static_cast<int32_t>(v.Varint()));
           if (!v.ok) return false;
         } else if (g == 1 && gwt == 0) {
+          runs = 2;  // not one packed run: written anew below
           ids->push_back(static_cast<int32_t>(t.Varint()));
         } else {
           t.Skip(gwt);
@@ -261,6 +279,10 @@ bool SplitIds(std::string_view request, std::string* rest, std::vector<int32_t>*
   }
   if (!r.ok || !found) return false;
   PutLen(rest, 3, "");  // still a token_ids request, its ids elsewhere
+  if (runs == 1) {  // the usual case (proto3 packs repeated ints): the very bytes
+    packed->assign(run.data(), run.size());
+    return true;
+  }
   for (int32_t id : *ids) PutVarint(packed, static_cast<uint64_t>(static_cast<int64_t>(id)));
   return true;
 }
@@ -456,15 +478,24 @@ class Session : public grpc::ClientBidiReactor<ByteBuffer, ByteBuffer> {
     StartCall();
   }
 
-  // Queue `call`'s request (a DecodeGenerateRequest); 0 when the session is over.
-  uint64_t Send(std::shared_ptr<Call> call, const std::string& body) {
+  // Queue `call`'s request, a DecodeGenerateRequest whose `input` (field 6) is `input` (a
+  // GenerateInput without its prompt) then the prompt (field 2) as `packed` ids; written
+  // straight into the session's next message, each byte once. 0 when the session is over.
+  uint64_t Send(std::shared_ptr<Call> call, std::string_view input, std::string_view packed) {
     std::lock_guard<std::mutex> lock(mu_);
     if (ended_) return 0;
     uint64_t sid = ++next_;
-    std::string one;
-    PutUint(&one, 1, sid);
-    PutLen(&one, 2, body);
-    PutLen(&pending_, 1, one);
+    size_t input_len = input.size() + 1 + VarintSize(packed.size()) + packed.size();
+    size_t message_len = 1 + VarintSize(input_len) + input_len;
+    size_t one_len = 1 + VarintSize(sid) + 1 + VarintSize(message_len) + message_len;
+    pending_.reserve(pending_.size() + 1 + VarintSize(one_len) + one_len);
+    PutLenHeader(&pending_, 1, one_len);      // SessionRequest.requests: one
+    PutUint(&pending_, 1, sid);               //   .stream
+    PutLenHeader(&pending_, 2, message_len);  //   .generate: a DecodeGenerateRequest
+    PutLenHeader(&pending_, 6, input_len);    //     .input
+    pending_.append(input.data(), input.size());
+    PutLenHeader(&pending_, 2, packed.size());  //     .prompt_token_ids, packed
+    pending_.append(packed.data(), packed.size());
     waiting_.push_back(call);
     streams_[sid] = std::move(call);
     if (!writing_) WriteNextLocked();
@@ -729,11 +760,10 @@ PyObject* g_decide = nullptr;  // decide(call, body, auth, request_id_metadata, 
 constexpr int32_t kInts = 1 << 18;
 PyObject** g_ints = nullptr;
 
+
 PyObject* Int(int32_t v) {
   if (v >= 0 && v < kInts) {
-    if (g_ints == nullptr) {
-      g_ints = new PyObject*[kInts]();
-    }
+    if (g_ints == nullptr) g_ints = new PyObject*[kInts]();
     PyObject*& slot = g_ints[v];
     if (slot == nullptr) slot = PyLong_FromLong(v);  // kept for good
     Py_XINCREF(slot);
@@ -745,7 +775,19 @@ PyObject* Int(int32_t v) {
 PyObject* IdsTuple(const std::vector<int32_t>& ids) {
   PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(ids.size()));
   if (t == nullptr) return nullptr;
+  if (g_ints == nullptr) g_ints = new PyObject*[kInts]();
+  // Each id reads its slot, then writes its object's count: both far apart in memory, so
+  // they are fetched ahead (slots 2 * kAhead ids on, objects kAhead on) and their misses
+  // overlap instead of following one another.
+  constexpr size_t kAhead = 16;
+  auto in_range = [](int32_t v) { return v >= 0 && v < kInts; };
   for (size_t i = 0; i < ids.size(); ++i) {
+    if (i + 2 * kAhead < ids.size() && in_range(ids[i + 2 * kAhead])) {
+      __builtin_prefetch(&g_ints[ids[i + 2 * kAhead]]);
+    }
+    if (i + kAhead < ids.size() && in_range(ids[i + kAhead])) {
+      if (PyObject* ahead = g_ints[ids[i + kAhead]]) __builtin_prefetch(ahead, 1);
+    }
     PyObject* v = Int(ids[i]);
     if (v == nullptr) {
       Py_DECREF(t);
@@ -763,6 +805,23 @@ PyObject* CallArgs(const Event& e) {
                        e.auth.data(), static_cast<Py_ssize_t>(e.auth.size()), e.status, ids);
 }
 
+// This grpc thread's Python thread state: made on its first decision and kept, the GIL
+// taken and let go around each decision with it. (PyGILState_Ensure/Release per decision
+// would make and delete a thread state each time, and with it the frame stack Python maps
+// for it: ~50 us of every request's way to its worker, cold.) grpc's threads last as long as
+// their server; a state left by one that ended is cleared with the interpreter.
+thread_local PyThreadState* t_python = nullptr;
+
+void EnterPython() {
+  if (t_python != nullptr) {
+    PyEval_RestoreThread(t_python);
+    return;
+  }
+  PyGILState_Ensure();  // never released: the state stays this thread's
+}
+
+void LeavePython() { t_python = PyEval_SaveThread(); }
+
 // Python's decision on `e` now, on this thread; false when no handoff is installed.
 bool Handoff(Event* e) {
   {
@@ -773,7 +832,7 @@ bool Handoff(Event* e) {
     --g_waiting;
     g_deciding = true;
   }
-  PyGILState_STATE gil = PyGILState_Ensure();
+  EnterPython();
   if (g_decide != nullptr) {  // read again: cleared, under the GIL, when the loop ends
     PyObject* args = CallArgs(*e);
     PyObject* out = args != nullptr ? PyObject_Call(g_decide, args, nullptr) : nullptr;
@@ -781,7 +840,7 @@ bool Handoff(Event* e) {
     Py_XDECREF(out);
     Py_XDECREF(args);
   }
-  PyGILState_Release(gil);
+  LeavePython();
   {
     std::lock_guard<std::mutex> lock(g_turn_mu);
     g_deciding = false;
@@ -883,14 +942,8 @@ bool Call::Route(std::shared_ptr<Session> session, const std::string& body, std:
   stall_at_ = Clock::now() + stall_;
   mode_ = Mode::kLocal;
   session_ = session;
-  // The worker's DecodeGenerateRequest: its `input` (field 6) is Python's GenerateInput
-  // without the prompt, then the prompt (field 2), packed as the client sent it.
-  std::string input = body;
-  PutLen(&input, 2, packed_ids_);
-  std::string message;
-  PutLen(&message, 6, input);
   // Session::Send locks the session, which locks calls only after releasing its own lock.
-  stream_ = session->Send(self_, message);
+  stream_ = session->Send(self_, body, packed_ids_);
   if (stream_ == 0) {  // it ended before this request got on it
     mode_ = Mode::kHandedBack;
     session_.reset();

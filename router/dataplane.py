@@ -271,13 +271,13 @@ class CompiledDataPlane:
             lease.release()
             return False
         try:
-            decode, _, decision = router.place_now(req)
+            chosen, cpu_s = router.choose(req)
         except Exception:
             router.admission.release(ticket)
             lease.release()
             return False
-        if decision.route is not Route.LOCAL:
-            router.ledger.release(req.request_id)
+        decode, decision = chosen.decode, chosen.decision
+        if decision.route is not Route.LOCAL:  # the grpc.aio server places it again
             router.admission.release(ticket)
             lease.release()
             return False
@@ -289,12 +289,13 @@ class CompiledDataPlane:
                                 decode.worker_id, self._first_timeouts[req.latency_class],
                                 cfg.token_timeout_s, cfg.liveness.stall_probe_s,
                                 request.return_timings):
-            router.ledger.release(req.request_id)  # the client left while it was decided
-            router.admission.release(ticket)
+            router.admission.release(ticket)  # the client left while it was decided
             lease.release()
             return True
-        # The request is on its way: the rest is not. (Its events come through the loop,
-        # which runs nothing before this returns.)
+        # The request is on its way: the rest is not, its ledger entry included (nothing
+        # else is placed before this returns). Its events come through the loop, which runs
+        # nothing before this returns either.
+        router.enter(req, chosen, cpu_s)
         self._routed[call] = _Routed(req, label, lease, ticket, decode, decision, placed_at)
         router.metrics.decided(decision.route.value, decision.reason)
         self._paths["routed"].inc()

@@ -216,6 +216,15 @@ class Router(AsyncResource):
                   ) -> tuple[WorkerInfo, WorkerInfo | None, Decision]:
         """Place `req` (not on `exclude`) and enter it in the ledger; CapacityError when no
         decode worker is left."""
+        p, cpu_s = self.choose(req, exclude)
+        self.enter(req, p, cpu_s)
+        return p.decode, p.prefill, p.decision
+
+    def choose(self, req: GenerateRequest, exclude: frozenset[str] = frozenset()
+               ) -> tuple[placement.Placement, float]:
+        """`place_now`'s placement, not yet entered: the placement and the CPU seconds it
+        took; `enter` it before anything else is placed (the compiled data plane sends the
+        request on its way in between)."""
         cpu = time.thread_time()  # its own thread's: not the gRPC threads sharing its core
         decoders, prefills = self._live_workers()
         listing = self._live_key  # names these very lists (`_live_workers`)
@@ -232,13 +241,16 @@ class Router(AsyncResource):
                             inflight_tokens=self.ledger.inflight_tokens,
                             tiebreak=next(self._tiebreak), table=self._decode_table,
                             listing=listing)
+        return p, time.thread_time() - cpu
+
+    def enter(self, req: GenerateRequest, p: placement.Placement, cpu_s: float) -> None:
+        """`choose`'s placement of `req` in the ledger (and its CPU in the metrics)."""
         self.ledger.place(req.request_id, p.decode.worker_id)  # before any await
         # Its prompt is pending work where it is prefilled until its first token.
         where = p.prefill if p.decision.route is Route.REMOTE else p.decode
         self.ledger.charge(req.request_id, where.worker_id if where else None,
                            p.decision.uncached_tokens)
-        self.metrics.placement_cpu.inc(time.thread_time() - cpu)
-        return p.decode, p.prefill, p.decision
+        self.metrics.placement_cpu.inc(cpu_s)
 
     # ------------------------------------------------------------------ generation
 

@@ -97,6 +97,21 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     )
 
 
+def sampling_wire(params: SamplingParams) -> bytes:
+    """`sampling_to_proto(params)` serialized, remembered by the very instance: requests
+    share a few SamplingParams (`sampling_from_proto` makes one per distinct message), and
+    building the message field by field is most of what a worker's message costs the
+    router. Bounded like `_SAMPLING_MADE`."""
+    made = _SAMPLING_WIRE.get(id(params))
+    if made is not None and made[0] is params:
+        return made[1]
+    wire = sampling_to_proto(params).SerializeToString()
+    if len(_SAMPLING_WIRE) >= _SAMPLING_MADE_MAX:
+        _SAMPLING_WIRE.clear()
+    _SAMPLING_WIRE[id(params)] = (params, wire)  # kept alive with it: its id stays its own
+    return wire
+
+
 _DEFAULT_SAMPLING = SamplingParams()  # frozen: one instance serves every unset field
 # SamplingParams already made, by their message's bytes: requests repeat a few settings, and
 # SamplingParams' validation is a lot of code to run on a request's first step, which runs
@@ -106,6 +121,7 @@ _DEFAULT_SAMPLING = SamplingParams()  # frozen: one instance serves every unset 
 _SAMPLING_MADE: dict[bytes, SamplingParams] = {}
 _SAMPLING_MADE_MAX = 1024
 _SAMPLING_KEY_MAX_BYTES = 512
+_SAMPLING_WIRE: dict[int, tuple[SamplingParams, bytes]] = {}
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams | None) -> SamplingParams:
@@ -240,7 +256,7 @@ def fill_input(dst: common_pb2.GenerateInput, request: GenerateRequest, *,
     if prompt:
         dst.prompt_token_ids.extend(wire[1] if wire is not None and wire[0] is
                                     request.prompt_token_ids else request.prompt_token_ids)
-    dst.sampling.CopyFrom(sampling_to_proto(request.sampling))
+    dst.sampling.MergeFromString(sampling_wire(request.sampling))  # empty: a copy
     dst.latency_class = latency_to_proto(request.latency_class)
     dst.resume_output_ids.extend(request.resume_output_ids)
     return dst
