@@ -436,6 +436,29 @@ def test_sampling_made_once_per_message_bytes(monkeypatch: pytest.MonkeyPatch) -
     assert len(convert._SAMPLING_MADE) <= 3
 
 
+def test_sampling_wire_is_the_message_serialized_once_per_instance(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's sampling bytes: sampling_to_proto's, kept per instance (equal instances
+    each get their own entry, a new instance is never served another's bytes), bounded, and
+    an invalid one refused every time."""
+    monkeypatch.setattr(convert, "_SAMPLING_WIRE", {})
+    monkeypatch.setattr(convert, "_SAMPLING_MADE_MAX", 3)
+    made = [SamplingParams(max_tokens=n, seed=n) for n in range(1, 6)]
+    for params in [*made, *made]:
+        assert convert.sampling_wire(params) == (
+            convert.sampling_to_proto(params).SerializeToString())
+        assert len(convert._SAMPLING_WIRE) <= 3
+    first = convert.sampling_wire(made[0])
+    assert convert.sampling_wire(made[0]) is first
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError):
+            convert.sampling_wire(SamplingParams(seed=2**64))
+    msg = common_pb2.GenerateInput()
+    request = GenerateRequest("r-1", (5, 6, 7), made[1])
+    convert.fill_input(msg, request, prompt=False)
+    assert msg.sampling == convert.sampling_to_proto(made[1]) and not msg.prompt_token_ids
+
+
 def test_enum_round_trips() -> None:
     for latency in LatencyClass:
         assert convert.latency_from_proto(convert.latency_to_proto(latency)) == latency
