@@ -2,7 +2,8 @@
  *
  * chain(tokens, block_size, extra, stop=None) -> list[bytes]
  *
- * For each full block of `block_size` tokens (a list or tuple of ints, packed as int32):
+ * For each full block of `block_size` tokens (a list or tuple of ints, packed as int32, or
+ * a buffer of native int32s: array('i'), memoryview.cast('i'), read as they are):
  * digest = BLAKE2b-128(parent || packed tokens || extra), parent starting as 16 zero bytes.
  * Tokens are converted only as far as the walk goes. Exactly what
  * pdserve.engine.block_manager.block_hashes computes with hashlib (tests compare the two on
@@ -155,36 +156,47 @@ static int pack(PyObject **tokens, Py_ssize_t block_size, uint8_t *out) {
     return 0;
 }
 
-/* The next block's digest: packs its tokens behind the parent already in `msg`, hashes, and
- * moves the digest into the parent slot for the block after it. */
-static PyObject *next_digest(uint8_t *msg, size_t msg_len, PyObject **tokens,
-                             Py_ssize_t block_size) {
-    uint8_t digest[DIGEST];
-    if (pack(tokens, block_size, msg + DIGEST) < 0) return NULL;
-    blake2b_16(msg, msg_len, digest);
-    memcpy(msg, digest, DIGEST);
-    return PyBytes_FromStringAndSize((const char *)digest, DIGEST);
-}
-
 /* Parsed arguments shared by chain() and match(). */
 typedef struct {
-    PyObject *seq;  /* tokens as a list or tuple (PySequence_Fast) */
+    PyObject *seq;  /* tokens as a list or tuple (PySequence_Fast); NULL: in `ids` */
+    Py_buffer ids;  /* tokens as contiguous int32s (a buffer of format 'i'), when seq is NULL */
     Py_ssize_t block_size, n;
     uint8_t *msg;
     size_t msg_len;
 } Walk;
 
+/* Whether `view` is a C-contiguous run of native int32s (array('i'), memoryview.cast('i')). */
+static int int32_view(const Py_buffer *view) {
+    const char *f = view->format;
+    if (view->itemsize != 4 || f == NULL) return 0;
+    if (*f == '@' || *f == '=') f++;
+    return (f[0] == 'i' || f[0] == 'l') && f[1] == '\0';
+}
+
 static int walk_open(Walk *w, PyObject *tokens, Py_ssize_t block_size, Py_buffer *extra) {
     w->msg = NULL;
     w->seq = NULL;
+    w->ids.obj = NULL;
     if (block_size <= 0) {
         PyErr_SetString(PyExc_ValueError, "block_size must be positive");
         return -1;
     }
-    w->seq = PySequence_Fast(tokens, "tokens must be a sequence of ints");
-    if (w->seq == NULL) return -1;
+    /* Packed int32s are read as they are: no int object per token to reach (each a cache
+     * miss in a cold walk). Any other buffer is a sequence like any other. */
+    if (PyObject_CheckBuffer(tokens)) {
+        if (PyObject_GetBuffer(tokens, &w->ids, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+            PyErr_Clear();
+        else if (!int32_view(&w->ids))
+            PyBuffer_Release(&w->ids);
+    }
+    if (w->ids.obj != NULL) {
+        w->n = w->ids.len / 4 / block_size;
+    } else {
+        w->seq = PySequence_Fast(tokens, "tokens must be a sequence of ints");
+        if (w->seq == NULL) return -1;
+        w->n = PySequence_Fast_GET_SIZE(w->seq) / block_size;
+    }
     w->block_size = block_size;
-    w->n = PySequence_Fast_GET_SIZE(w->seq) / block_size;
     w->msg_len = DIGEST + 4 * (size_t)block_size + (size_t)extra->len;
     w->msg = PyMem_Malloc(w->msg_len);
     if (w->msg == NULL) {
@@ -196,14 +208,47 @@ static int walk_open(Walk *w, PyObject *tokens, Py_ssize_t block_size, Py_buffer
     return 0;
 }
 
+/* Block i's tokens packed behind the parent already in `msg`. */
+static int pack_block(Walk *w, Py_ssize_t i) {
+    uint8_t *out = w->msg + DIGEST;
+    if (w->seq == NULL) {
+        const uint8_t *src = (const uint8_t *)w->ids.buf + 4 * i * w->block_size;
+        for (Py_ssize_t j = 0; j < w->block_size; j++) {
+            int32_t v;
+            memcpy(&v, src + 4 * j, 4);
+            store32(out + 4 * j, (uint32_t)v);
+        }
+        return 0;
+    }
+    PyObject **tokens = PySequence_Fast_ITEMS(w->seq) + i * w->block_size;
+    /* The block after this one's int objects are read next: their cache misses (a prompt's
+     * ids are spread over a vocabulary's worth of objects) overlap this block's hashing. */
+    if (i + 1 < w->n) {
+        for (Py_ssize_t j = w->block_size; j < 2 * w->block_size; j++)
+            __builtin_prefetch(tokens[j]);
+    }
+    return pack(tokens, w->block_size, out);
+}
+
+/* Block i's digest into `out`, and into the parent slot for the block after it. */
+static int walk_digest(Walk *w, Py_ssize_t i, uint8_t out[DIGEST]) {
+    if (pack_block(w, i) < 0) return -1;
+    blake2b_16(w->msg, w->msg_len, out);
+    memcpy(w->msg, out, DIGEST);
+    return 0;
+}
+
+/* walk_digest as a bytes object. */
 static PyObject *walk_next(Walk *w, Py_ssize_t i) {
-    return next_digest(w->msg, w->msg_len, PySequence_Fast_ITEMS(w->seq) + i * w->block_size,
-                       w->block_size);
+    uint8_t digest[DIGEST];
+    if (walk_digest(w, i, digest) < 0) return NULL;
+    return PyBytes_FromStringAndSize((const char *)digest, DIGEST);
 }
 
 static void walk_close(Walk *w) {
     PyMem_Free(w->msg);
     Py_XDECREF(w->seq);
+    if (w->ids.obj != NULL) PyBuffer_Release(&w->ids);
 }
 
 static int stop_holds(PyObject *stop, const uint8_t d[DIGEST], PyObject *h);
@@ -267,22 +312,6 @@ static int append_pair(PyObject *out, Py_ssize_t depth, PyObject *mask) {
     int rc = PyList_Append(out, pair);
     Py_DECREF(pair);
     return rc;
-}
-
-/* The next block's digest into `out` (the raw form of walk_next). */
-static int walk_digest(Walk *w, Py_ssize_t i, uint8_t out[DIGEST]) {
-    PyObject **tokens = PySequence_Fast_ITEMS(w->seq) + i * w->block_size;
-    /* The block after this one's int objects are read next: their cache misses (a prompt's
-     * ids are spread over a vocabulary's worth of objects) overlap this block's hashing. */
-    if (i + 1 < w->n) {
-        for (Py_ssize_t j = w->block_size; j < 2 * w->block_size; j++)
-            __builtin_prefetch(tokens[j]);
-    }
-    if (pack(tokens, w->block_size, w->msg + DIGEST) < 0)
-        return -1;
-    blake2b_16(w->msg, w->msg_len, out);
-    memcpy(w->msg, out, DIGEST);
-    return 0;
 }
 
 /* ------------------------------------------------------------------ BlockTable */
@@ -661,25 +690,32 @@ done:
     return rc;
 }
 
+/* Blocks hashed before their slots are looked up, in batches: the slots are then fetched
+ * one right after another, so that their misses (in a cold walk, a TLB miss each: a 1M-block
+ * table spans 64 MiB) overlap one another instead of each waiting out the last. At most
+ * BATCH - 1 blocks past where the walk ends are hashed for nothing. */
+#define BATCH 8
+
 static PyObject *match_table(Walk *w, BlockTable *t) {
     PyObject *out = PyList_New(0);
     Mask active = {0, NULL};
     int have = 0;
-    uint8_t cur[DIGEST], next[DIGEST];
-    uint64_t k0, k1;
-    Py_ssize_t depth = 0;
+    uint64_t keys[BATCH][2];
+    uint8_t d[DIGEST];
+    Py_ssize_t depth = 0, hashed = 0;
     if (out == NULL) return NULL;
-    if (w->n == 0) return out;
-    if (walk_digest(w, 0, cur) < 0) goto fail;
-    key_of(cur, &k0, &k1);
-    __builtin_prefetch(&t->slots[(size_t)k0 & (t->cap - 1)]);
     for (; depth < w->n; depth++) {
-        uint64_t n0 = 0, n1 = 0;
-        if (depth + 1 < w->n) {  /* hash the next block while this one's slot arrives */
-            if (walk_digest(w, depth + 1, next) < 0) goto fail;
-            key_of(next, &n0, &n1);
-            __builtin_prefetch(&t->slots[(size_t)n0 & (t->cap - 1)]);
+        if (depth == hashed) {  /* the next batch: hash, then fetch their slots */
+            Py_ssize_t k = w->n - depth < BATCH ? w->n - depth : BATCH;
+            for (Py_ssize_t j = 0; j < k; j++) {
+                if (walk_digest(w, depth + j, d) < 0) goto fail;
+                key_of(d, &keys[j][0], &keys[j][1]);
+            }
+            for (Py_ssize_t j = 0; j < k; j++)
+                __builtin_prefetch(&t->slots[(size_t)keys[j][0] & (t->cap - 1)]);
+            hashed = depth + k;
         }
+        uint64_t k0 = keys[depth % BATCH][0], k1 = keys[depth % BATCH][1];
         const Slot *s = table_lookup(t, k0, k1);
         if (s == NULL) break;  /* nobody holds this block: everyone still active ends here */
         if (!have) {
@@ -695,8 +731,6 @@ static PyObject *match_table(Walk *w, BlockTable *t) {
                 break;
             }
         }
-        k0 = n0;
-        k1 = n1;
     }
     if (have) {
         PyObject *m = mask_object(&active);

@@ -82,12 +82,6 @@ void PutTag(std::string* s, int field, int wire_type) {
   PutVarint(s, (static_cast<uint64_t>(field) << 3) | wire_type);
 }
 
-void PutLen(std::string* s, int field, std::string_view bytes) {
-  PutTag(s, field, 2);
-  PutVarint(s, bytes.size());
-  s->append(bytes.data(), bytes.size());
-}
-
 size_t VarintSize(uint64_t v) {
   size_t n = 1;
   for (; v >= 0x80; v >>= 7) ++n;
@@ -98,6 +92,11 @@ size_t VarintSize(uint64_t v) {
 void PutLenHeader(std::string* s, int field, size_t len) {
   PutTag(s, field, 2);
   PutVarint(s, len);
+}
+
+void PutLen(std::string* s, int field, std::string_view bytes) {
+  PutLenHeader(s, field, bytes.size());
+  s->append(bytes.data(), bytes.size());
 }
 
 void PutUint(std::string* s, int field, uint64_t v) {  // proto3: zero is not written
@@ -753,17 +752,15 @@ std::condition_variable g_turn_cv;
 bool g_loop_running = true;  // the loop thread is running Python code
 int g_waiting = 0;           // decisions waiting for the loop to park
 bool g_deciding = false;     // a decision is running
-PyObject* g_decide = nullptr;  // decide(call, body, auth, request_id_metadata, ids)
+PyObject* g_decide = nullptr;  // decide(call, body, auth, request_id_metadata, ids, packed)
 
 // Python ints 0..kInts-1, made once: a prompt's ids become a tuple of references to them,
 // not thousands of new objects per request (a vocabulary's ids are all below this).
 constexpr int32_t kInts = 1 << 18;
-PyObject** g_ints = nullptr;
-
+PyObject** g_ints = nullptr;  // made by IdsTuple, Int's only caller
 
 PyObject* Int(int32_t v) {
   if (v >= 0 && v < kInts) {
-    if (g_ints == nullptr) g_ints = new PyObject*[kInts]();
     PyObject*& slot = g_ints[v];
     if (slot == nullptr) slot = PyLong_FromLong(v);  // kept for good
     Py_XINCREF(slot);
@@ -798,18 +795,29 @@ PyObject* IdsTuple(const std::vector<int32_t>& ids) {
   return t;
 }
 
+// decide's arguments. The prompt comes twice: as a tuple of ints (the request's), and as its
+// native int32s, which placement hashes without reaching an int object per token.
 PyObject* CallArgs(const Event& e) {
   PyObject* ids = e.has_ids ? IdsTuple(e.streamed) : (Py_INCREF(Py_None), Py_None);
   if (ids == nullptr) return nullptr;
-  return Py_BuildValue("(Ky#y#iN)", e.call, e.body.data(), static_cast<Py_ssize_t>(e.body.size()),
-                       e.auth.data(), static_cast<Py_ssize_t>(e.auth.size()), e.status, ids);
+  PyObject* packed = e.has_ids ? PyBytes_FromStringAndSize(
+                                     reinterpret_cast<const char*>(e.streamed.data()),
+                                     static_cast<Py_ssize_t>(e.streamed.size() * sizeof(int32_t)))
+                               : (Py_INCREF(Py_None), Py_None);
+  if (packed == nullptr) {
+    Py_DECREF(ids);
+    return nullptr;
+  }
+  return Py_BuildValue("(Ky#y#iNN)", e.call, e.body.data(),
+                       static_cast<Py_ssize_t>(e.body.size()), e.auth.data(),
+                       static_cast<Py_ssize_t>(e.auth.size()), e.status, ids, packed);
 }
 
 // This grpc thread's Python thread state: made on its first decision and kept, the GIL
 // taken and let go around each decision with it. (PyGILState_Ensure/Release per decision
 // would make and delete a thread state each time, and with it the frame stack Python maps
-// for it: ~50 us of every request's way to its worker, cold.) grpc's threads last as long as
-// their server; a state left by one that ended is cleared with the interpreter.
+// for it, on every request's way to its worker.) grpc's threads last as long as their
+// server; a state left by one that ended is cleared with the interpreter.
 thread_local PyThreadState* t_python = nullptr;
 
 void EnterPython() {

@@ -211,21 +211,21 @@ class CompiledDataPlane:
                 log.exception("data_plane_event_failed", kind=event[0], call=event[1])
 
     def _decide_now(self, call: int, body: bytes, auth: bytes, request_id_metadata: int,
-                    ids: tuple[int, ...] | None) -> None:
+                    ids: tuple[int, ...] | None, packed: bytes | None) -> None:
         """`_arrived`, on grpc's thread with the loop parked (the extension's handoff)."""
         assert _dataplane is not None
         try:
-            self._arrived(call, body, auth, request_id_metadata, ids)
+            self._arrived(call, body, auth, request_id_metadata, ids, packed)
         except Exception:  # never into the extension: the grpc.aio server serves it
             log.exception("data_plane_decision_failed", call=call)
             _dataplane.relay(call, "")
 
     def _arrived(self, call: int, body: bytes, auth: bytes, request_id_metadata: int,
-                 ids: tuple[int, ...] | None) -> None:
+                 ids: tuple[int, ...] | None, packed: bytes | None) -> None:
         assert _dataplane is not None
         try:
             placed = self._decide(call, body, auth.decode(errors="replace"),
-                                  bool(request_id_metadata), ids)
+                                  bool(request_id_metadata), ids, packed)
         except OverloadedError as exc:
             status, message, trailers = refusal(exc, GENERATE)
             if _dataplane.refuse(call, status.value[0], message, list(trailers)):
@@ -236,11 +236,11 @@ class CompiledDataPlane:
             self._paths["relayed"].inc()
 
     def _decide(self, call: int, body: bytes, auth: str, request_id_metadata: bool,
-                ids: tuple[int, ...] | None) -> bool:
+                ids: tuple[int, ...] | None, packed: bytes | None) -> bool:
         """Route `call` to a decode worker (True), or leave it to the grpc.aio server (False).
         `body` is its request, with its prompt's token ids apart (`ids`; None where the
-        request has none, or they did not parse). OverloadedError: its tenant's quota or
-        admission refused it."""
+        request has none, or they did not parse; `packed`: the same as native int32s, which
+        placement hashes). OverloadedError: its tenant's quota or admission refused it."""
         assert _dataplane is not None
         if request_id_metadata:
             return False  # its checks and echo are the grpc.aio server's (ErrorInterceptor)
@@ -271,7 +271,8 @@ class CompiledDataPlane:
             lease.release()
             return False
         try:
-            chosen, cpu_s = router.choose(req)
+            chosen, cpu_s = router.choose(
+                req, hash_ids=None if packed is None else memoryview(packed).cast("i"))
         except Exception:
             router.admission.release(ticket)
             lease.release()

@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import itertools
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Sequence
 from typing import Any
 
 import structlog
@@ -220,12 +220,16 @@ class Router(AsyncResource):
         self.enter(req, p, cpu_s)
         return p.decode, p.prefill, p.decision
 
-    def choose(self, req: GenerateRequest, exclude: frozenset[str] = frozenset()
-               ) -> tuple[placement.Placement, float]:
+    def choose(self, req: GenerateRequest, exclude: frozenset[str] = frozenset(), *,
+               hash_ids: Sequence[int] | None = None) -> tuple[placement.Placement, float]:
         """`place_now`'s placement, not yet entered: the placement and the CPU seconds it
         took; `enter` it before anything else is placed (the compiled data plane sends the
-        request on its way in between)."""
+        request on its way in between). `hash_ids`: `req.token_ids` as the caller has them
+        in a form faster to hash (native int32s: the compiled data plane's)."""
         cpu = time.thread_time()  # its own thread's: not the gRPC threads sharing its core
+        ids: Sequence[int] = req.token_ids
+        if hash_ids is not None and len(hash_ids) == len(ids):
+            ids = hash_ids
         decoders, prefills = self._live_workers()
         listing = self._live_key  # names these very lists (`_live_workers`)
         if exclude:
@@ -234,7 +238,7 @@ class Router(AsyncResource):
         if not decoders:
             raise CapacityError("no decode worker is available", code=ErrorCode.NO_DECODE_WORKER)
         # A migrated request's output counts too: it is prefilled with it.
-        p = placement.place(req.token_ids, req.latency_class, decoders, prefills,
+        p = placement.place(ids, req.latency_class, decoders, prefills,
                             self.kv_index, self.ledger.placed, self.config.policy,
                             cost=self._cost,
                             target_s=self.config.ttft_target_s(req.latency_class),

@@ -306,6 +306,9 @@ def test_the_c_block_hashes_equal_hashlibs() -> None:
             want.append(parent)
         assert block_hashes(ids, bs, extra) == want
         assert block_hashes(tuple(ids), bs, extra) == want
+        # Packed int32s (the compiled data plane's prompt) are read as they are.
+        assert block_hashes(array("i", ids), bs, extra) == want
+        assert block_hashes(memoryview(array("i", ids).tobytes()).cast("i"), bs, extra) == want
         raw = memoryview(array("i", ids[: n // bs * bs]).tobytes())
         stop = {h: 1 for h in want[: rng.randrange(len(want) + 1)]}
         assert block_hashes(ids, bs, extra, stop) == block_manager._chain(
@@ -314,6 +317,24 @@ def test_the_c_block_hashes_equal_hashlibs() -> None:
         block_hashes([2**31] * 16, 16)
     with pytest.raises(TypeError):
         block_hashes(["a"] * 16, 16)  # type: ignore[list-item]
+
+
+def test_the_walk_is_the_same_over_packed_ids_and_in_python() -> None:
+    """KVIndex.walk (hashing fused with the table walk, in batches of blocks hashed ahead of
+    their lookups) gives the same (depth, mask) pairs for a prompt as a tuple of ints, as
+    packed int32s and in Python, wherever along a batch some worker's prefix ends."""
+    rng = random.Random(11)
+    idx = KVIndex()
+    prompt = [rng.randrange(50_000) for _ in range(40 * BS + 3)]
+    hashes = block_hashes(prompt, BS, EXTRA)
+    for k, depth in enumerate((1, 7, 8, 9, 16, 17, 33, 40)):
+        assert idx.apply(f"w{k}", batch(1, *((S, x) for x in hashes[:depth]),
+                                        snapshot=True)) is Applied.OK
+    for cut in range(0, len(prompt) + 1, 5):
+        ids = prompt[:cut] + [rng.randrange(50_000) for _ in range(rng.randrange(3 * BS))]
+        want = idx._pairs(block_hashes(ids, BS, EXTRA, stop=idx._holders))
+        assert idx.walk(ids, BS, EXTRA) == want
+        assert idx.walk(memoryview(array("i", ids).tobytes()).cast("i"), BS, EXTRA) == want
 
 
 def test_the_c_block_table_is_a_dict_of_masks() -> None:
