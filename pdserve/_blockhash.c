@@ -690,10 +690,12 @@ done:
     return rc;
 }
 
-/* Blocks hashed before their slots are looked up, in batches: the slots are then fetched
- * one right after another, so that their misses (in a cold walk, a TLB miss each: a 1M-block
- * table spans 64 MiB) overlap one another instead of each waiting out the last. At most
- * BATCH - 1 blocks past where the walk ends are hashed for nothing. */
+/* Packed ids: blocks hashed before their slots are looked up, in batches, the slots then
+ * fetched one right after another, so that their misses (in a cold walk, a TLB miss each: a
+ * 1M-block table spans 64 MiB) overlap one another instead of each waiting out the last. At
+ * most BATCH - 1 blocks past where the walk ends are hashed for nothing. Python ints: the
+ * next block hashed while this one's slot arrives (their int objects' misses, overlapped
+ * with the lookup, weigh more there: batches made that form slower; bench/walk_cold.py). */
 #define BATCH 8
 
 static PyObject *match_table(Walk *w, BlockTable *t) {
@@ -705,15 +707,25 @@ static PyObject *match_table(Walk *w, BlockTable *t) {
     Py_ssize_t depth = 0, hashed = 0;
     if (out == NULL) return NULL;
     for (; depth < w->n; depth++) {
-        if (depth == hashed) {  /* the next batch: hash, then fetch their slots */
-            Py_ssize_t k = w->n - depth < BATCH ? w->n - depth : BATCH;
-            for (Py_ssize_t j = 0; j < k; j++) {
-                if (walk_digest(w, depth + j, d) < 0) goto fail;
-                key_of(d, &keys[j][0], &keys[j][1]);
+        if (w->seq != NULL) {  /* Python ints: this block and the next hashed */
+            for (; hashed < w->n && hashed <= depth + 1; hashed++) {
+                uint64_t *k = keys[hashed % BATCH];
+                if (walk_digest(w, hashed, d) < 0) goto fail;
+                key_of(d, &k[0], &k[1]);
+                __builtin_prefetch(&t->slots[(size_t)k[0] & (t->cap - 1)]);
             }
-            for (Py_ssize_t j = 0; j < k; j++)
-                __builtin_prefetch(&t->slots[(size_t)keys[j][0] & (t->cap - 1)]);
-            hashed = depth + k;
+        } else if (depth == hashed) {  /* packed ids: the next batch hashed, then fetched */
+            Py_ssize_t n = w->n - depth < BATCH ? w->n - depth : BATCH;
+            for (Py_ssize_t j = 0; j < n; j++) {
+                uint64_t *k = keys[(depth + j) % BATCH];
+                if (walk_digest(w, depth + j, d) < 0) goto fail;
+                key_of(d, &k[0], &k[1]);
+            }
+            for (Py_ssize_t j = 0; j < n; j++) {
+                size_t at = (size_t)keys[(depth + j) % BATCH][0] & (t->cap - 1);
+                __builtin_prefetch(&t->slots[at]);
+            }
+            hashed = depth + n;
         }
         uint64_t k0 = keys[depth % BATCH][0], k1 = keys[depth % BATCH][1];
         const Slot *s = table_lookup(t, k0, k1);
