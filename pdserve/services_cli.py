@@ -156,11 +156,28 @@ def parse_cpus(spec: str) -> set[int]:
 
 
 def _place_process(args: argparse.Namespace) -> None:
-    """Apply --cpus and --nice before the engine starts its threads."""
-    if args.cpus is not None:
-        os.sched_setaffinity(0, args.cpus)
-    if args.nice:
-        os.nice(args.nice)
+    """Apply --cpus and --nice to every thread of this process, before the engine starts its
+    own (a new thread takes its creator's). On Linux both are a thread's, not the process's,
+    and imports may have started threads already: set on the main thread alone, those stayed
+    on every CPU at the worker's old priority."""
+    threads = _threads()
+    for tid in threads:
+        try:
+            if args.cpus is not None:
+                os.sched_setaffinity(tid, args.cpus)
+            if args.nice:
+                os.setpriority(os.PRIO_PROCESS, tid,
+                               os.getpriority(os.PRIO_PROCESS, tid) + args.nice)
+        except ProcessLookupError:
+            pass  # that thread has ended
+
+
+def _threads() -> list[int]:
+    """This process's threads (Linux: /proc/self/task), else 0 (the calling thread)."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
 
 
 def served_name(args: argparse.Namespace) -> str | None:

@@ -297,3 +297,30 @@ def test_ask_reports_an_unreachable_gateway(capsys: pytest.CaptureFixture[str]) 
         port = s.getsockname()[1]
     assert main(["ask", "--url", f"http://127.0.0.1:{port}", "hi"]) == 1
     assert "pdserve ask:" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux threads only")
+def test_cpus_and_nice_reach_threads_started_before() -> None:
+    """A worker's --cpus and --nice hold for every thread it has, those an import started
+    before the flags were applied included (Linux keeps both per thread)."""
+    cpu = min(os.sched_getaffinity(0))
+    code = f"""
+import argparse, os, threading
+from pdserve.services_cli import _place_process
+stop = threading.Event()
+early = threading.Thread(target=stop.wait)
+early.start()
+_place_process(argparse.Namespace(cpus={{{cpu}}}, nice=3))
+late = threading.Thread(target=stop.wait)
+late.start()
+base = os.getpriority(os.PRIO_PROCESS, 0)
+for tid in map(int, os.listdir("/proc/self/task")):
+    print(tid, sorted(os.sched_getaffinity(tid)), os.getpriority(os.PRIO_PROCESS, tid))
+stop.set()
+"""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT, check=True).stdout.split("\n")
+    rows = [line.split(" ", 1)[1] for line in out if line]
+    assert len(rows) == 3, out
+    assert set(rows) == {f"[{cpu}] {before + 3}"}, rows
