@@ -275,12 +275,15 @@ BESIDE_DECODE = (1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3)
 
 
 def fit_prefill_sharing(root: Path, layout: str, overheads: Overheads, cost: StepCost,
-                        seed: int) -> tuple[Overheads, list[dict[str, Any]]]:
+                        seed: int, corun: dict[tuple[str, str], float] | None = None
+                        ) -> tuple[Overheads, list[dict[str, Any]]]:
     """Replay the probes beside streams in the simulator of `layout` and pick the prefill
     side's sharing constants for which the probes' simulated TTFT is nearest the measured
     (median ratio): its slowdown while a decode worker computes (BESIDE_DECODE) and, on
     cluster-up's 1P2D where it runs unpinned at nice 5, the CPU weight it competes with
-    (PREFILL_WEIGHTS; 1P1D pins it, so its weight is moot)."""
+    (PREFILL_WEIGHTS; 1P1D pins it, so its weight is moot). `corun`: the engines' own
+    slowdowns beside each other, which the validated runs are replayed with: the fitted
+    slowdown is the cluster's on top of them (`Overheads.prefill_beside_decode`)."""
     setup = records.read_json(root / "setup.json")
     passes = [int(c) for c in setup["runs"] if int(c) > 0]
     traces = {c: probe_trace(root, c, seed) for c in passes}
@@ -289,7 +292,7 @@ def fit_prefill_sharing(root: Path, layout: str, overheads: Overheads, cost: Ste
     def ratios(o: Overheads) -> dict[int, list[float]]:
         out = {}
         for c, (reqs, probe_ids, measured) in traces.items():
-            cfg = layout_config(layout, engine, "threshold", o, seed, {})
+            cfg = layout_config(layout, engine, "threshold", o, seed, corun or {})
             sim = simulate(cfg, reqs, MIXED_SLO, cost)
             by_id = {r.rid: res for r, res in zip(reqs, sim.requests, strict=True)}
             out[c] = [(by_id[i].ttft_s or 0.0) / m for i, m in zip(probe_ids, measured,
@@ -391,7 +394,8 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
             overheads, points = calibrate_streaming(streaming, overheads, cost, seed)
         weights: list[dict[str, Any]] = []
         if probe is not None:
-            overheads, weights = fit_prefill_sharing(probe, layout, overheads, cost, seed)
+            overheads, weights = fit_prefill_sharing(probe, layout, overheads, cost, seed,
+                                                     corun)
         calib[f"{layout} {root.name}"] = {"unloaded": {k: asdict(v) for k, v in unloaded.items()},
                          "streaming": points, "prefill_idle": idle,
                          "prefill_beside_streams": weights, "overheads": asdict(overheads)}

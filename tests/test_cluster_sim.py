@@ -23,7 +23,15 @@ from bench.cluster_sim import (
     trace_mixed,
 )
 from bench.sim.cluster import Overheads, SimConfig, SimResult, Simulation, simulate
-from bench.sim.workers import Host, SimRequest, SimWorker, StepCost
+from bench.sim.workers import (
+    DECODE_ONE,
+    Host,
+    SimRequest,
+    SimWorker,
+    StepCost,
+    corun_slowdown,
+    load_corun,
+)
 from pdserve.types import LatencyClass
 from router.config import RouterConfig
 
@@ -245,6 +253,24 @@ def test_prefill_beside_decode_slows_the_prefill_worker_on_a_shared_host() -> No
     assert sim.prefills[0].host.corun == {("prefill", "decode"): 1.2}
     assert Simulation(SimConfig(sharing="1p1d", overheads=OVERHEADS, corun={}),
                       COST).prefills[0].host.corun == {}
+
+
+def test_a_decode_steps_corun_slowdown_follows_its_rows(tmp_path: Path) -> None:
+    """bench.engine_profile --corun's one-row and eight-row decode steps: a step between
+    them is slowed by its rows, linearly; without a one-row measurement every decode step
+    takes the eight-row one (records made before it)."""
+    table = {"corun": {f"{name} beside decode": {"slowdown": x} for name, x in (
+        ("decode b=8", 1.1), ("decode b=1", 1.5), ("prefill 512", 1.2))}}
+    (tmp_path / "corun.json").write_text(json.dumps(table))
+    corun = load_corun(tmp_path / "corun.json")
+    assert corun == {("decode", "decode"): 1.1, (DECODE_ONE, "decode"): 1.5,
+                     ("prefill", "decode"): 1.2}
+    by_rows = [corun_slowdown(corun, "decode", r, "decode") for r in (1, 4, 8, 32)]
+    assert by_rows == pytest.approx([1.5, 1.5 - 0.4 * 3 / 7, 1.1, 1.1])
+    assert corun_slowdown(corun, "prefill", 1, "decode") == 1.2
+    assert corun_slowdown(corun, "decode", 1, "prefill") == 1.0  # not measured: none
+    del corun[(DECODE_ONE, "decode")]
+    assert corun_slowdown(corun, "decode", 1, "decode") == 1.1
 
 
 def test_prefill_probes_calibrate_the_prefill_side_from_a_real_record() -> None:

@@ -68,16 +68,37 @@ class SimRequest:
     class_name: str = ""
 
 
+# A decode step of this many rows or more is priced beside another core's work as the
+# measured "decode b=8"; a one-row step as "decode b=1" (kind DECODE_ONE) where measured,
+# those between by their rows, linearly.
+CORUN_ROWS = 8
+DECODE_ONE = "decode b=1"
+
+
 def load_corun(path: Path = CORUN) -> dict[tuple[str, str], float]:
     """(this step's kind, the kind computing on another core) -> slowdown, measured by
-    `bench.engine_profile --corun` (kinds: "decode", "prefill"); {} where not measured."""
+    `bench.engine_profile --corun` (kinds: "decode" for its batch of CORUN_ROWS, DECODE_ONE
+    for one row where measured, "prefill"); {} where not measured."""
     if not records.exists(path):
         return {}
     out = {}
     for name, row in records.read_json(path)["corun"].items():
         mine, _, other = name.partition(" beside ")
-        out[(mine.split()[0], other)] = float(row["slowdown"])
+        kind = mine if mine == DECODE_ONE else mine.split()[0]
+        out[(kind, other)] = float(row["slowdown"])
     return out
+
+
+def corun_slowdown(corun: dict[tuple[str, str], float], kind: str, rows: int,
+                   other: str) -> float:
+    """A step's slowdown while `other` computes on another core: a decode step's by its
+    rows, between the one-row and the CORUN_ROWS measurements (the latter alone where the
+    one-row step was not measured)."""
+    many = corun.get((kind, other), 1.0)
+    if kind != "decode" or rows >= CORUN_ROWS or (DECODE_ONE, other) not in corun:
+        return many
+    one = corun[(DECODE_ONE, other)]
+    return one + (many - one) * (max(rows, 1) - 1) / (CORUN_ROWS - 1)
 
 
 class Host:
@@ -86,7 +107,8 @@ class Host:
     (nice 0: 1024, nice 5: 335); an unpinned one runs on the core with the least busy weight.
     One worker alone on its core runs at full speed (the profile's), divided by `corun`'s
     slowdown while another core of the host computes (shared caches, memory bandwidth and,
-    on this VM, execution units: two busy cores each run slower than one)."""
+    on a VM, execution units: two busy cores each run slower than one); a decode step's by
+    its rows (`corun_slowdown`: one row, the most memory-bound step, is slowed most)."""
 
     def __init__(self, cores: int, corun: dict[tuple[str, str], float] | None = None):
         self.cores = cores
@@ -110,8 +132,8 @@ class Host:
         if self.corun:
             for w, c in where.items():
                 others = {x.step_kind for x, k in where.items() if k != c}
-                slow = max((self.corun.get((w.step_kind, o), 1.0) for o in others),
-                           default=1.0)
+                slow = max((corun_slowdown(self.corun, w.step_kind, w.step_rows, o)
+                            for o in others), default=1.0)
                 speeds[w] /= slow
         return speeds
 
@@ -152,6 +174,7 @@ class SimWorker:
         self.price_factor = 1.0  # the profile's price of a step, times this
         self.busy = False
         self.step_kind = "decode"
+        self.step_rows = 0  # the current step's sequences
         self.steps = 0
         self._out: SchedulerOutput | None = None
         self._left = 0.0  # work (seconds at full speed) left in the current step
@@ -178,6 +201,7 @@ class SimWorker:
         streamed = sum(1 for s in out.scheduled if s.samples)
         prompt = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
         self.step_kind = "prefill" if prompt >= PREFILL_STEP_TOKENS else "decode"
+        self.step_rows = len(out.scheduled)
         context = sum(s.start for s in out.scheduled if s.num_new_tokens == 1)
         self._left = (self.step_overhead_s + self.token_overhead_s * streamed
                       + self.context_overhead_s * context
