@@ -363,14 +363,18 @@ def metrics_of(summary: Any) -> dict[str, dict[str, float | None]]:
 def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
              streaming: Path | None = None,
              corun: dict[tuple[str, str], float] | None = None,
-             probes: dict[str, Path] | None = None, lease: str = "renewed"
-             ) -> dict[str, Any]:
+             probes: dict[str, Path] | None = None, lease: str = "renewed",
+             shared_local: bool = False) -> dict[str, Any]:
     """Each real run's requests replayed in the simulator of its layout; `corun`: the
     two-busy-cores slowdown table (bench.sim.workers.load_corun; {}: none); `probes`: per
     layout, a bench.sim.real prefill output that calibrates the prefill side; `lease`: the
-    records' router and decode workers' rule for a remote prefill's lease (`LEASES`)."""
+    records' router and decode workers' rule for a remote prefill's lease (`LEASES`);
+    `shared_local`: every layout's local path gets the least fixed cost any of the records
+    measured (the same HTTP, router and gRPC code on each layout; a record's few unloaded
+    requests scatter: stop 71's 1P2D record put it at 43 ms, its 1P1D record at 7)."""
     rows = []
     calib: dict[str, Any] = {}
+    fitted: list[tuple[Path, str, Overheads]] = []
     for root, layout in reals:
         systems = SYSTEMS[layout]
         # Interference from other processes only adds time: per class, the fastest of the
@@ -399,6 +403,14 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
         calib[f"{layout} {root.name}"] = {"unloaded": {k: asdict(v) for k, v in unloaded.items()},
                          "streaming": points, "prefill_idle": idle,
                          "prefill_beside_streams": weights, "overheads": asdict(overheads)}
+        fitted.append((root, layout, overheads))
+    if shared_local:
+        local_s = min(o.local_s for _, _, o in fitted)
+        fitted = [(root, layout, replace(o, local_s=local_s)) for root, layout, o in fitted]
+        for root, layout, o in fitted:
+            calib[f"{layout} {root.name}"]["overheads"] = asdict(o)
+    for root, layout, overheads in fitted:
+        systems = SYSTEMS[layout]
         engine = record_engine(root)
         for system, policy in systems:
             for path in records.glob(root / system, "rate_*.json"):
@@ -680,6 +692,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                        f"{k}: {v}" for k, v in LEASES.items()))
     v.add_argument("--fixed-lease", dest="lease", action="store_const", const="fixed",
                    help="the same as --lease fixed")
+    v.add_argument("--shared-local", action="store_true",
+                   help="every layout's local path at the least fixed cost any record's "
+                        "unloaded requests measured (the same code on each layout)")
     v.add_argument("--out", type=Path, required=True)
     c = sub.add_parser("compare", help="policies at scale")
     c.add_argument("--workers", default="8,16,64,256")
@@ -711,7 +726,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         record.update(validate(args.real, cost, args.seed, args.streaming,
                                load_corun(args.corun) if args.corun else {},
                                {layout: path for path, layout in args.prefill_probe},
-                               lease=args.lease))
+                               lease=args.lease, shared_local=args.shared_local))
         record["corun"] = str(args.corun) if args.corun else None
         print(validation_table(record))
         print(json.dumps(record["within_15pct"], indent=1))
