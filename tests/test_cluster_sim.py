@@ -163,7 +163,7 @@ def test_step_target_takes_smaller_prefill_steps() -> None:
 class _Busy(SimWorker):
     def __init__(self, core: int | None, weight: float, host: Host) -> None:
         self.core, self.weight, self.busy = core, weight, True
-        self.step_kind = "decode"
+        self.step_kind, self.step_rows = "decode", 1
         host.workers.append(self)
 
 
@@ -181,6 +181,10 @@ def test_cpu_sharing_follows_cfs_weights() -> None:
     q.step_kind = "prefill"
     s = slow.speeds()  # two busy cores: each runs slower, by what runs beside it
     assert s[d] == pytest.approx(1 / 1.25) and s[q] == pytest.approx(1 / 2.0)
+    slow.corun[(DECODE_ONE, "prefill")] = 1.5  # a one-row step is slowed more
+    assert slow.speeds()[d] == pytest.approx(1 / 1.5)
+    d.step_rows = 8
+    assert slow.speeds()[d] == pytest.approx(1 / 1.25)
 
 
 def test_scales_to_many_workers() -> None:
