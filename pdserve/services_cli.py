@@ -160,8 +160,7 @@ def _place_process(args: argparse.Namespace) -> None:
     own (a new thread takes its creator's). On Linux both are a thread's, not the process's,
     and imports may have started threads already: set on the main thread alone, those stayed
     on every CPU at the worker's old priority."""
-    threads = _threads()
-    for tid in threads:
+    for tid in _threads():
         try:
             if args.cpus is not None:
                 os.sched_setaffinity(tid, args.cpus)

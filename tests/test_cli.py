@@ -313,7 +313,6 @@ early.start()
 _place_process(argparse.Namespace(cpus={{{cpu}}}, nice=3))
 late = threading.Thread(target=stop.wait)
 late.start()
-base = os.getpriority(os.PRIO_PROCESS, 0)
 for tid in map(int, os.listdir("/proc/self/task")):
     print(tid, sorted(os.sched_getaffinity(tid)), os.getpriority(os.PRIO_PROCESS, tid))
 stop.set()
