@@ -16,8 +16,10 @@ Failures raise `RouterError` with the gRPC status name and pdserve's stable erro
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
+import random
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -151,6 +153,11 @@ def replicas_target(addresses: Sequence[str]) -> str:
 # fails with UNAVAILABLE before any response reached us (a router that is down, or refused it
 # while draining) is retried on another by gRPC itself. A stream that has started is never
 # retried: it ends with the error (its tokens could not be replayed exactly by the client).
+# gRPC commits a call to its attempt once the server's response headers arrive, and a router
+# killed while it writes a stream's first response can leave the headers with the client and
+# the response itself lost ("Stream removed"): gRPC then will not retry it, though the caller
+# has seen nothing. `RouterClient.generate` sends such a stream again itself (up to
+# _STREAM_ATTEMPTS calls in all, within the one timeout, a jittered pause between them).
 _REPLICAS_SERVICE_CONFIG = json.dumps({
     "loadBalancingConfig": [{"round_robin": {}}],
     "methodConfig": [{
@@ -159,6 +166,8 @@ _REPLICAS_SERVICE_CONFIG = json.dumps({
                         "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
     }],
 })
+_STREAM_ATTEMPTS = 3
+_BACKOFF_S = 0.05
 
 
 def tls_credentials(ca: str, cert: str | None = None,
@@ -188,6 +197,7 @@ class RouterClient:
                  timeout_s: float | None = 600.0, api_key: str | None = None,
                  credentials: grpc.ChannelCredentials | None = None,
                  server_name: str | None = None):
+        channel_is_ours = channel is None
         if channel is None:
             options: list[tuple[str, str | int]] = []
             if server_name is not None:
@@ -195,14 +205,19 @@ class RouterClient:
             if not isinstance(target, str):
                 options += [("grpc.service_config", _REPLICAS_SERVICE_CONFIG),
                             ("grpc.enable_retries", 1)]
-                target = replicas_target(target)
-            channel = (grpc.aio.insecure_channel(target, options=options or None)
+            address = target if isinstance(target, str) else replicas_target(target)
+            channel = (grpc.aio.insecure_channel(address, options=options or None)
                        if credentials is None
-                       else grpc.aio.secure_channel(target, credentials, options=options))
+                       else grpc.aio.secure_channel(address, credentials, options=options))
         self._channel = channel
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._timeout_s = timeout_s
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        # Several replicas: a stream that ended UNAVAILABLE before its first response reached
+        # the caller is sent again (see _REPLICAS_SERVICE_CONFIG for why gRPC's own retry
+        # does not cover every such stream).
+        self._attempts = _STREAM_ATTEMPTS if channel_is_ours and not isinstance(
+            target, str) else 1
 
     async def __aenter__(self) -> RouterClient:
         return self
@@ -234,14 +249,25 @@ class RouterClient:
             assert messages is not None
             req.chat.messages.extend(router_pb2.ChatMessage(role=r, content=c)
                                      for r, c in messages)
-        call = self._stub.Generate(req, timeout=self._timeout_s, metadata=self._metadata)
-        try:
-            async for resp in call:
-                yield _chunk(resp)
-        except grpc.aio.AioRpcError as exc:
-            raise RouterError.from_rpc(exc) from exc
-        finally:
-            call.cancel()
+        loop = asyncio.get_running_loop()
+        deadline = None if self._timeout_s is None else loop.time() + self._timeout_s
+        for attempt in range(1, self._attempts + 1):
+            timeout = None if deadline is None else max(deadline - loop.time(), 0.0)
+            call = self._stub.Generate(req, timeout=timeout, metadata=self._metadata)
+            received = False
+            try:
+                async for resp in call:
+                    received = True
+                    yield _chunk(resp)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if (received or exc.code() != grpc.StatusCode.UNAVAILABLE
+                        or attempt == self._attempts
+                        or (deadline is not None and deadline - loop.time() <= _BACKOFF_S)):
+                    raise RouterError.from_rpc(exc) from exc
+            finally:
+                call.cancel()
+            await asyncio.sleep(random.uniform(0.0, _BACKOFF_S * attempt))
 
     async def complete(self, **kwargs: object) -> Completion:
         """`generate` collected into one result (same arguments)."""

@@ -1,17 +1,25 @@
 """The typed asyncio client (`pdserve.client`, also shipped alone by clients/python): it
-imports nothing heavy, and against a real cluster it streams the same tokens as a raw stub
-call, collects completions, maps failures to RouterError with the stable code, and aborts."""
+imports nothing heavy; naming several replicas, it sends again a stream that failed before
+its first response reached the caller; and against a real cluster it streams the same tokens
+as a raw stub call, collects completions, maps failures to RouterError with the stable code,
+and aborts."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 
+from pdserve import client as client_module
 from pdserve.client import RouterClient, RouterError, Sampling
 from pdserve.cluster import LocalCluster
+from pdserve.rpc import transport
+from pdserve.v1 import router_pb2, router_pb2_grpc
 from tests.helpers.cluster_util import cluster_fixture, generate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,3 +76,71 @@ async def test_typed_client_against_a_cluster(cluster: LocalCluster,
         assert await client.abort("no-such-request") is False
         with pytest.raises(ValueError):
             await client.complete(text="a", token_ids=[1])
+
+
+class _FlakyRouter(router_pb2_grpc.RouterServicer):
+    """A router whose first call (over every replica sharing `calls`) fails UNAVAILABLE after
+    `before_failing` responses, its response headers already sent: what a client sees when a
+    router is killed as it writes a stream's first response. Later calls stream "ok"."""
+
+    def __init__(self, calls: list[str], name: str, before_failing: int) -> None:
+        self.calls, self.name, self.before_failing = calls, name, before_failing
+
+    async def Generate(self, request: router_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        self.calls.append(self.name)
+        if len(self.calls) == 1:
+            await context.send_initial_metadata(())
+            for i in range(self.before_failing):
+                yield router_pb2.GenerateResponse(request_id="r", token_ids=[i])
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
+        for i, ch in enumerate("ok"):
+            yield router_pb2.GenerateResponse(request_id="r", token_ids=[100 + i], text=ch)
+
+
+@contextlib.asynccontextmanager
+async def _replicas(before_failing: int) -> AsyncIterator[tuple[list[str], list[str]]]:
+    """Two real routers on loopback sharing one call log: (their addresses, the log)."""
+    calls: list[str] = []
+    servers, addresses = [], []
+    for name in ("a", "b"):
+        srv = transport.new_server()
+        router_pb2_grpc.add_RouterServicer_to_server(_FlakyRouter(calls, name, before_failing),
+                                                     srv)
+        addresses.append(f"127.0.0.1:{srv.add_insecure_port('127.0.0.1:0')}")
+        await srv.start()
+        servers.append(srv)
+    try:
+        yield addresses, calls
+    finally:
+        for srv in servers:
+            await srv.stop(None)
+
+
+async def test_replicas_client_resends_a_stream_that_failed_before_its_first_response(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream whose router answered with headers and then UNAVAILABLE, nothing yet yielded
+    to the caller: gRPC's own retry has committed to that call and gives up; the client sends
+    the stream again. One that had yielded a response is not sent again."""
+    async with _replicas(before_failing=0) as (addresses, calls):
+        async with RouterClient(addresses, timeout_s=10) as client:
+            done = await client.complete(token_ids=[1, 2])
+        assert done.text == "ok" and len(calls) == 2, calls
+
+    # Without the client's own attempts, the call fails: gRPC did not retry it.
+    monkeypatch.setattr(client_module, "_STREAM_ATTEMPTS", 1)
+    async with _replicas(before_failing=0) as (addresses, calls):
+        async with RouterClient(addresses, timeout_s=10) as client:
+            with pytest.raises(RouterError) as info:
+                await client.complete(token_ids=[1, 2])
+        assert info.value.status == "UNAVAILABLE" and len(calls) == 1, (info.value, calls)
+    monkeypatch.undo()
+
+    async with _replicas(before_failing=1) as (addresses, calls):
+        async with RouterClient(addresses, timeout_s=10) as client:
+            seen: list[int] = []
+            with pytest.raises(RouterError) as info:
+                async for chunk in client.generate(token_ids=[1, 2]):
+                    seen.extend(chunk.token_ids)
+        assert info.value.status == "UNAVAILABLE" and seen == [0] and len(calls) == 1, calls
