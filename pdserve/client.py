@@ -136,12 +136,15 @@ def _chunk(resp: router_pb2.GenerateResponse) -> Chunk:
 
 
 def replicas_target(addresses: Sequence[str]) -> str:
-    """One gRPC target naming several routers by IP (``ipv4:a:p,b:p`` / ``ipv6:...``). For
-    host names, give one DNS name that resolves to every replica (a headless Service)."""
+    """One gRPC target naming several routers by IP (``ipv4:a:p,b:p`` / ``ipv6:...``), or
+    one ``host:port`` whose DNS name resolves to every replica (a headless Service):
+    ``dns:///host:port``, every address it resolves to a replica."""
     hosts = [a.rpartition(":")[0].strip("[]") for a in addresses]
     try:
         versions = {ipaddress.ip_address(h).version for h in hosts}
     except ValueError:
+        if len(addresses) == 1:
+            return f"dns:///{addresses[0]}"
         raise ValueError("several router addresses must be IP:port; for host names use one "
                          "DNS name that resolves to every replica") from None
     if len(versions) != 1:
@@ -185,9 +188,10 @@ def tls_credentials(ca: str, cert: str | None = None,
 
 
 class RouterClient:
-    """A channel to a router, or to several replicas (`target` a list of ``IP:port``: load
-    spread over them, and requests that had not started streaming retried on another when
-    one fails); use ``async with`` (or call `close`). `api_key` is sent as
+    """A channel to a router, or to several replicas (`target` a list of ``IP:port``, or a
+    list of one ``host:port`` whose name resolves to every replica: load spread over them,
+    and a stream that fails before its first response retried on another); use
+    ``async with`` (or call `close`). `api_key` is sent as
     ``authorization: Bearer <key>`` metadata, for a router started with API keys.
     `credentials` (`tls_credentials`) make the channel TLS, for a router started with
     ``--tls-*``; `server_name` is the name its certificate must carry when that is not the

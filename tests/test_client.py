@@ -144,3 +144,16 @@ async def test_replicas_client_resends_a_stream_that_failed_before_its_first_res
                 async for chunk in client.generate(token_ids=[1, 2]):
                     seen.extend(chunk.token_ids)
         assert info.value.status == "UNAVAILABLE" and seen == [0] and len(calls) == 1, calls
+
+
+async def test_a_list_of_one_host_name_is_every_replica_it_resolves_to() -> None:
+    """``RouterClient(["name:port"])``: a DNS name for the replicas (a headless Service), with
+    the replicas' load spreading and the client's own second attempt."""
+    assert client_module.replicas_target(["pdserve-router:50051"]) == "dns:///pdserve-router:50051"
+    with pytest.raises(ValueError):
+        client_module.replicas_target(["pdserve-router:50051", "10.0.0.2:50051"])
+    async with _replicas(before_failing=0) as (addresses, calls):
+        port = addresses[0].rpartition(":")[2]
+        async with RouterClient([f"localhost:{port}"], timeout_s=10) as client:
+            done = await client.complete(token_ids=[1, 2])
+        assert done.text == "ok" and calls == ["a", "a"], calls
