@@ -58,7 +58,7 @@ from bench.loadgen.config import RunConfig
 from bench.loadgen.errors import LoadgenError, TargetError
 from bench.loadgen.metrics import Percentiles, RequestResult
 from bench.loadgen.plots import plot_sweeps
-from bench.loadgen.report import compare, write_json, write_sweep
+from bench.loadgen.report import compare, to_jsonable, write_json, write_sweep
 from bench.loadgen.runner import RunResult, SweepResult, run_load, sweep
 from bench.loadgen.workload import Workload
 from pdserve.cluster import free_port
@@ -252,6 +252,8 @@ class Unloaded:
     prompt_tokens: float
     ttft_ms: Percentiles | None
     tpot_ms: Percentiles | None
+    # Each request as measured (route, server stage timings), written to unloaded.json.
+    requests: tuple[RequestResult, ...] = field(default=(), compare=False, repr=False)
 
 
 async def calibrate(config: RunConfig, n: int) -> list[Unloaded]:
@@ -279,6 +281,7 @@ async def calibrate(config: RunConfig, n: int) -> list[Unloaded]:
                 float(np.mean([r.prompt_tokens for r in ok])),
                 Percentiles.of([r.ttft_s * 1000 for r in ok if r.ttft_s is not None]),
                 Percentiles.of(tpots),
+                tuple(run.requests),
             )
         )
     return out
@@ -497,6 +500,10 @@ def write_comparison(
     parts = [f"SLOs: {first.config.slo.describe()}; goodput target {first.config.slo.target:.0%}."]
     if unloaded:
         parts += ["", "Unloaded (one request at a time):", "", unloaded_table(unloaded)]
+        for name, rows in unloaded.items():
+            write_json(out_dir / name / "unloaded.json",
+                       {row.request_class: [{**to_jsonable(r), "tpot_s": r.tpot_s}
+                                            for r in row.requests] for row in rows})
     parts += [
         "",
         compare(results, baseline=BASELINE if BASELINE in results else None),

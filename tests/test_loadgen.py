@@ -377,6 +377,25 @@ async def test_sweep_writes_results_and_plots(tmp_path: Path) -> None:
     assert "| a | 20 | 20 (not reached: sweep higher) | 1.00x |" in table
 
 
+async def test_goodput_calibration_keeps_every_unloaded_request(tmp_path: Path) -> None:
+    """bench.goodput's unloaded probes: the table in comparison.md (the simulator reads it)
+    and each request as measured in <system>/unloaded.json."""
+    from bench.goodput import calibrate, write_comparison
+
+    async with serve(Behaviour()) as url:
+        config = RunConfig(url=url, workload=WORKLOAD, num_requests=4, slo=LOOSE_SLO,
+                           max_duration_s=60, model="fake-model")
+        unloaded = await calibrate(config, 3)
+        result = await sweep(config, [20.0], label="fake")
+    assert [len(u.requests) for u in unloaded] == [3] and unloaded[0].n == 3
+    table = write_comparison({"fake": result}, tmp_path, unloaded={"fake": unloaded})
+    assert "Unloaded (one request at a time)" in table
+    kept = json.loads((tmp_path / "fake" / "unloaded.json").read_text())
+    (name, rows), = kept.items()
+    assert name == unloaded[0].request_class and len(rows) == 3
+    assert all(r["ttft_s"] > 0 and r["error"] is None and r["route"] is None for r in rows)
+
+
 async def test_a_sweep_raises_the_rate_until_the_slo_breaks() -> None:
     """With `raise_until_below`, a system that still meets its SLOs at the highest planned
     rate is run again at 1.5x, so the sweep ranks it; never more than the runs allowed."""
