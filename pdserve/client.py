@@ -288,7 +288,9 @@ class RouterClient:
                           finish_reason=last.finish_reason, usage=last.usage, route=last.route)
 
     async def abort(self, request_id: str) -> bool:
-        """Cancel a running request by id; False when it is unknown or already finished."""
+        """Cancel a running request by id; False when it is unknown or already finished.
+        With several replicas the call reaches one of them, which knows only its own requests:
+        there, cancel a stream by leaving its `generate` loop."""
         try:
             resp = await self._stub.Abort(common_pb2.AbortRequest(request_id=request_id),
                                           timeout=self._timeout_s, metadata=self._metadata)
