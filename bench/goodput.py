@@ -58,7 +58,7 @@ from bench.loadgen.config import RunConfig
 from bench.loadgen.errors import LoadgenError, TargetError
 from bench.loadgen.metrics import Percentiles, RequestResult
 from bench.loadgen.plots import plot_sweeps
-from bench.loadgen.report import compare, to_jsonable, write_json, write_sweep
+from bench.loadgen.report import compare, request_to_dict, write_json, write_sweep
 from bench.loadgen.runner import RunResult, SweepResult, run_load, sweep
 from bench.loadgen.workload import Workload
 from pdserve.cluster import free_port
@@ -502,8 +502,8 @@ def write_comparison(
         parts += ["", "Unloaded (one request at a time):", "", unloaded_table(unloaded)]
         for name, rows in unloaded.items():
             write_json(out_dir / name / "unloaded.json",
-                       {row.request_class: [{**to_jsonable(r), "tpot_s": r.tpot_s}
-                                            for r in row.requests] for row in rows})
+                       {row.request_class: [request_to_dict(r) for r in row.requests]
+                        for row in rows})
     parts += [
         "",
         compare(results, baseline=BASELINE if BASELINE in results else None),

@@ -201,12 +201,15 @@ class RouterClient:
                  timeout_s: float | None = 600.0, api_key: str | None = None,
                  credentials: grpc.ChannelCredentials | None = None,
                  server_name: str | None = None):
-        channel_is_ours = channel is None
+        # Several replicas on a channel of ours: round robin, gRPC's retry, and a stream that
+        # ended UNAVAILABLE before its first response reached the caller sent again (see
+        # _REPLICAS_SERVICE_CONFIG for why gRPC's own retry does not cover every such stream).
+        replicas = channel is None and not isinstance(target, str)
         if channel is None:
             options: list[tuple[str, str | int]] = []
             if server_name is not None:
                 options.append(("grpc.ssl_target_name_override", server_name))
-            if not isinstance(target, str):
+            if replicas:
                 options += [("grpc.service_config", _REPLICAS_SERVICE_CONFIG),
                             ("grpc.enable_retries", 1)]
             address = target if isinstance(target, str) else replicas_target(target)
@@ -217,11 +220,7 @@ class RouterClient:
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._timeout_s = timeout_s
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
-        # Several replicas: a stream that ended UNAVAILABLE before its first response reached
-        # the caller is sent again (see _REPLICAS_SERVICE_CONFIG for why gRPC's own retry
-        # does not cover every such stream).
-        self._attempts = _STREAM_ATTEMPTS if channel_is_ours and not isinstance(
-            target, str) else 1
+        self._attempts = _STREAM_ATTEMPTS if replicas else 1
 
     async def __aenter__(self) -> RouterClient:
         return self

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from bench.loadgen.metrics import GroupSummary, Percentiles
+from bench.loadgen.metrics import GroupSummary, Percentiles, RequestResult
 from bench.loadgen.runner import RunResult, SweepResult
 
 
@@ -27,6 +27,11 @@ def to_jsonable(obj: Any) -> Any:
     return obj
 
 
+def request_to_dict(r: RequestResult) -> dict[str, Any]:
+    """One request as measured, with its derived `ok` and `tpot_s`."""
+    return {**to_jsonable(r), "ok": r.ok, "tpot_s": r.tpot_s}
+
+
 def run_to_dict(run: RunResult, *, include_requests: bool = True) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": run.model,
@@ -35,7 +40,7 @@ def run_to_dict(run: RunResult, *, include_requests: bool = True) -> dict[str, A
         "summary": to_jsonable(run.summary),
     }
     if include_requests:
-        out["requests"] = [{**to_jsonable(r), "ok": r.ok, "tpot_s": r.tpot_s} for r in run.requests]
+        out["requests"] = [request_to_dict(r) for r in run.requests]
     return out
 
 
