@@ -23,11 +23,19 @@ same code). Then:
   from the request read to its message handed to grpc, and from the worker's first chunk
   read to the client's response handed to grpc) and at its end (the ledger, admission and
   the quota let go);
-- a refusal by the tenant's quota or admission: the call ends there, with the status and
-  trailers the grpc.aio server would have sent;
-- everything else (text and chat prompts, a remote prefill, a bad key or request, a call
-  with ``x-request-id`` metadata) is relayed by the extension to the router's grpc.aio
-  server on a loopback port, which serves it as it always has.
+- a text or chat prompt: tokenized off the loop (in a thread, as the grpc.aio servicer
+  does it), then decided on the loop as a token-id prompt is, Python writing the prompt's
+  ids into the worker's message;
+- a remote prefill: placed here and entered in the ledger, then handed to the grpc.aio
+  server with a one-use token (`RESUME_KEY`, as below): it runs the allocation, the prefill
+  and the decode stream on that placement, neither tokenizing, admitting nor placing the
+  request again (the extension relays that call: a second hop);
+- a refusal by the tenant's quota or admission, or a text or chat prompt the servicer's
+  checks refuse: the call ends there, with the status and trailers the grpc.aio server
+  would have sent;
+- everything else (a bad key or request, a call with ``x-request-id`` metadata) is relayed
+  by the extension to the router's grpc.aio server on a loopback port, which serves it as
+  it always has.
 
 When a routed request's worker fails it (an error from the worker, the session's end, no
 chunk within the request's timeouts), Python decides again: the call is relayed to the
@@ -67,7 +75,7 @@ from pdserve.errors import (
 from pdserve.rpc import convert, transport
 from pdserve.rpc.errors import error_from_status, refusal
 from pdserve.rpc.tls import TLSConfig
-from pdserve.tenants import Lease, Tenants
+from pdserve.tenants import Lease, Tenant, Tenants
 from pdserve.types import GenerateRequest, LatencyClass, check_request_id
 from pdserve.v1 import common_pb2, router_pb2
 from router.admission import Ticket
@@ -129,6 +137,8 @@ class CompiledDataPlane:
         self._routed: dict[int, _Routed] = {}
         self._handbacks: dict[str, tuple[Handback, asyncio.TimerHandle]] = {}
         self._efd = -1
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Future[None]] = set()  # text and chat prompts tokenized
         cfg = router.config
         # A routed request's first-token timeout by latency class: the router's, capped by
         # the class's deadline where admission runs (`Router._generate`'s).
@@ -139,11 +149,12 @@ class CompiledDataPlane:
         self.calls = Counter(
             "pdserve_router_data_plane_calls", "Generate calls the compiled data plane took, "
             "by what became of them: routed (relayed to a decode worker with no Python per "
-            "token), relayed (served by the grpc.aio server), refused (by admission), "
-            "handed_back (their worker failed them: the grpc.aio server goes on with them)",
-            ["path"], registry=router.metrics_registry)
+            "token), remote (placed for a remote prefill, which the grpc.aio server runs "
+            "as placed), relayed (served by the grpc.aio server), refused (by the quota, "
+            "admission or the request's checks), handed_back (their worker failed them: the "
+            "grpc.aio server goes on with them)", ["path"], registry=router.metrics_registry)
         self._paths = {p: self.calls.labels(p)
-                       for p in ("routed", "relayed", "refused", "handed_back")}
+                       for p in ("routed", "remote", "relayed", "refused", "handed_back")}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -159,7 +170,7 @@ class CompiledDataPlane:
             None if (t := self._tls) is None else (
                 t.cert_pem, t.key_pem, t.ca_pem, t.client_auth == "require",
                 t.server_name or ""))
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         loop.add_reader(self._efd, self._drain)
         # Decisions on grpc's thread while the loop is parked (router/_dataplane.cc's
         # handoff): where the loop's selector can report it; else each request is an event.
@@ -175,6 +186,9 @@ class CompiledDataPlane:
         assert _dataplane is not None
         await asyncio.to_thread(_dataplane.stop, grace_s)
         _dataplane.handoff(None)
+        for task in list(self._tasks):  # their calls have ended with the server
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         loop = asyncio.get_running_loop()
         selector = getattr(loop, "_selector", None)
         if isinstance(selector, _ParkingSelector):
@@ -224,31 +238,43 @@ class CompiledDataPlane:
                  ids: tuple[int, ...] | None, packed: bytes | None) -> None:
         assert _dataplane is not None
         try:
-            placed = self._decide(call, body, auth.decode(errors="replace"),
-                                  bool(request_id_metadata), ids, packed)
+            taken = self._decide(call, body, auth.decode(errors="replace"),
+                                 bool(request_id_metadata), ids, packed)
         except OverloadedError as exc:
-            status, message, trailers = refusal(exc, GENERATE)
-            if _dataplane.refuse(call, status.value[0], message, list(trailers)):
-                self._paths["refused"].inc()
+            self._refuse(call, exc)
             return
-        if not placed:
-            _dataplane.relay(call, "")
-            self._paths["relayed"].inc()
+        if not taken:
+            self._relay(call)
+
+    def _refuse(self, call: int, exc: Exception) -> None:
+        """End `call` with `exc` as the grpc.aio server would (`refusal`)."""
+        assert _dataplane is not None
+        status, message, trailers = refusal(exc, GENERATE)
+        if _dataplane.refuse(call, status.value[0], message, list(trailers)):
+            self._paths["refused"].inc()
+
+    def _relay(self, call: int) -> None:
+        """Leave `call` to the grpc.aio server, as the client sent it."""
+        assert _dataplane is not None
+        _dataplane.relay(call, "")
+        self._paths["relayed"].inc()
 
     def _decide(self, call: int, body: bytes, auth: str, request_id_metadata: bool,
                 ids: tuple[int, ...] | None, packed: bytes | None) -> bool:
-        """Route `call` to a decode worker (True), or leave it to the grpc.aio server (False).
-        `body` is its request, with its prompt's token ids apart (`ids`; None where the
-        request has none, or they did not parse; `packed`: the same as native int32s, which
-        placement hashes). OverloadedError: its tenant's quota or admission refused it."""
-        assert _dataplane is not None
+        """Take `call` (True: routed, handed back placed, or its text or chat prompt being
+        tokenized, to be decided on the loop: `_tokenized`), or leave it to the grpc.aio
+        server (False). `body` is its request, with its prompt's token ids apart (`ids`;
+        None where the request has none, or they did not parse; `packed`: the same as
+        native int32s, which placement hashes). OverloadedError: its tenant's quota or
+        admission refused it."""
         if request_id_metadata:
             return False  # its checks and echo are the grpc.aio server's (ErrorInterceptor)
         try:
             request = router_pb2.GenerateRequest.FromString(body)
         except Exception:  # protobuf's DecodeError: the grpc.aio server says what is wrong
             return False
-        if ids is None or request.WhichOneof("input") != "token_ids":
+        which = request.WhichOneof("input")
+        if (which != "token_ids") if ids is not None else (which not in ("text", "chat")):
             return False
         scheme, _, key = auth.partition(" ")
         tenant = self.tenants.identify(key.strip() if scheme.lower() == "bearer" else None)
@@ -260,9 +286,61 @@ class CompiledDataPlane:
         except PdserveError:
             return False
         lease = self.tenants.admit(tenant)  # QuotaExceededError, an OverloadedError: refused
-        router = self.router
+        if ids is None:  # text or chat: tokenized off the loop, then decided on it
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._tokenize, call, request, label, tenant, lease)
+            return True
         try:
             req = self.servicer.token_request(request, label, tenant, ids)
+        except Exception:
+            lease.release()
+            return False
+        return self._place(call, request, label, lease, req, spliced=True,
+                           hash_ids=None if packed is None else memoryview(packed).cast("i"))
+
+    def _tokenize(self, call: int, request: router_pb2.GenerateRequest, label: str,
+                  tenant: Tenant, lease: Lease) -> None:
+        task = asyncio.ensure_future(self._tokenized(call, request, label, tenant, lease))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _tokenized(self, call: int, request: router_pb2.GenerateRequest, label: str,
+                         tenant: Tenant, lease: Lease) -> None:
+        """A text or chat prompt's call: tokenized off the loop (as the grpc.aio servicer
+        does), then placed as a token-id prompt is, its ids written by Python."""
+        try:
+            req = await self.servicer.tokenized_request(request, label, tenant)
+        except BaseException as exc:
+            lease.release()
+            if isinstance(exc, PdserveError):  # an invalid request: the servicer's error
+                self._refuse(call, exc)
+            elif isinstance(exc, Exception):
+                log.exception("data_plane_tokenize_failed", call=call)
+                self._relay(call)
+            else:
+                raise
+            return
+        try:
+            if not self._place(call, request, label, lease, req, spliced=False):
+                self._relay(call)
+        except OverloadedError as exc:
+            self._refuse(call, exc)
+        except Exception:  # one request's bug: the grpc.aio server serves it
+            log.exception("data_plane_decision_failed", call=call)
+            self._relay(call)
+
+    def _place(self, call: int, request: router_pb2.GenerateRequest, label: str,
+               lease: Lease, req: GenerateRequest, *, spliced: bool,
+               hash_ids: memoryview | None = None) -> bool:
+        """Admit and place `req` (`call`'s, holding `lease`); route it to its decode worker,
+        or hand it to the grpc.aio server placed (a remote prefill): True. False where
+        something failed that the grpc.aio server reports (having released what it held).
+        `spliced`: the extension splices the client's token ids into the worker's message
+        (else Python writes the prompt: a tokenized one); `hash_ids`: those ids as native
+        int32s, for placement. OverloadedError: admission refused it."""
+        assert _dataplane is not None
+        router = self.router
+        try:
             ticket = router.admit(req)
         except OverloadedError:
             lease.release()
@@ -271,20 +349,23 @@ class CompiledDataPlane:
             lease.release()
             return False
         try:
-            chosen, cpu_s = router.choose(
-                req, hash_ids=None if packed is None else memoryview(packed).cast("i"))
+            chosen, cpu_s = router.choose(req, hash_ids=hash_ids)
         except Exception:
             router.admission.release(ticket)
             lease.release()
             return False
         decode, decision = chosen.decode, chosen.decision
-        if decision.route is not Route.LOCAL:  # the grpc.aio server places it again
-            router.admission.release(ticket)
-            lease.release()
-            return False
+        if decision.route is not Route.LOCAL:
+            # A remote prefill: the grpc.aio server streams it, on this very placement
+            # (entered now, before anything else is placed), neither tokenized nor
+            # admitted nor placed again.
+            router.enter(req, chosen, cpu_s)
+            self._hand_back(call, Handback(req, label, lease, Resumed(ticket, placed=chosen)),
+                            "remote")
+            return True
         placed_at = time.monotonic()
-        msg = common_pb2.GenerateInput()  # the extension appends the prompt
-        convert.fill_input(msg, req, prompt=False)
+        msg = common_pb2.GenerateInput()
+        convert.fill_input(msg, req, prompt=not spliced)
         cfg = router.config
         if not _dataplane.route(call, decode.grpc_address, msg.SerializeToString(), label,
                                 decode.worker_id, self._first_timeouts[req.latency_class],
@@ -339,13 +420,18 @@ class CompiledDataPlane:
         else:
             error = error_from_status(status, text, why or None,
                                       param.decode(errors="replace") or None)
+        self._hand_back(call, Handback(routed.request, routed.label, routed.lease, Resumed(
+            routed.ticket, routed.decode.worker_id, error, tuple(streamed))), "handed_back")
+
+    def _hand_back(self, call: int, handback: Handback, path: str) -> None:
+        """Relay `call` to the grpc.aio server with a one-use token that claims `handback`
+        there (`claim`)."""
+        assert _dataplane is not None and self._loop is not None
         token = secrets.token_urlsafe(24)
-        handback = Handback(routed.request, routed.label, routed.lease, Resumed(
-            routed.ticket, routed.decode.worker_id, error, tuple(streamed)))
-        expiry = asyncio.get_running_loop().call_later(HANDBACK_TTL_S, self._expire, token)
+        expiry = self._loop.call_later(HANDBACK_TTL_S, self._expire, token)
         self._handbacks[token] = (handback, expiry)
         if _dataplane.relay(call, token):
-            self._paths["handed_back"].inc()
+            self._paths[path].inc()
         else:  # the client left meanwhile
             self._expire(token)
 
@@ -355,6 +441,7 @@ class CompiledDataPlane:
         if entry is not None:
             handback, expiry = entry
             expiry.cancel()
+            self.router.ledger.release(handback.request.request_id)  # a placed one's entry
             self.router.admission.release(handback.resumed.ticket)
             handback.lease.release()
 

@@ -61,15 +61,18 @@ _WORKER_FAILURES = (CapacityError, WorkerTimeoutError, TimeoutError)
 
 @dataclasses.dataclass(frozen=True)
 class Resumed:
-    """A request the compiled data plane (router.dataplane) placed and streamed from decode
-    worker `worker_id` until that worker failed it with `error`, the client holding
-    `streamed`: `Router.generate` goes on with it as after a failed attempt of its own, under
-    its admission `ticket`."""
+    """A request the compiled data plane (router.dataplane) admitted under `ticket` and
+    placed, handed to `Router.generate` to go on with. Either it streamed from decode worker
+    `worker_id` until that worker failed it with `error`, the client holding `streamed`:
+    `generate` goes on as after a failed attempt of its own; or (`placed`) it is placed, and
+    entered in the ledger, on a route the data plane does not stream itself (a remote
+    prefill): `generate` runs that placement as its first attempt, not placing it again."""
 
     ticket: Ticket
-    worker_id: str
-    error: BaseException
-    streamed: tuple[int, ...]
+    worker_id: str = ""
+    error: BaseException | None = None
+    streamed: tuple[int, ...] = ()
+    placed: placement.Placement | None = None
 
 
 class Router(AsyncResource):
@@ -323,8 +326,9 @@ class Router(AsyncResource):
         Admission happens before anything else (`admit`): a refused request raises
         OverloadedError before its first event. The last event carries `timings`
         (`router.timings.StageClock`): stages measured where they happen that add up to the
-        time to first token. `resumed`: a request the compiled data plane started, admitted
-        there, whose decode worker failed it; its stream goes on after what the client has."""
+        time to first token. `resumed`: a request the compiled data plane admitted and placed
+        (`Resumed`): its stream goes on after what the client has, or starts on the route
+        placed there."""
         ticket = self.admit(req) if resumed is None else resumed.ticket
         try:
             async with contextlib.aclosing(self._generate(req, resumed)) as events:
@@ -356,7 +360,9 @@ class Router(AsyncResource):
         streamed: list[int] = []  # output token ids the client has
         retries = migrations = 0
         failed: tuple[str, BaseException] | None = None  # the last attempt's worker and error
-        if resumed is not None:  # the data plane's attempt failed: as if it had been ours
+        placed = resumed.placed if resumed is not None else None  # the data plane's, entered
+        if resumed is not None and placed is None:  # its attempt failed: as if it were ours
+            assert resumed.error is not None
             if not isinstance(resumed.error, _WORKER_FAILURES):
                 raise resumed.error
             streamed = list(resumed.streamed)
@@ -369,7 +375,11 @@ class Router(AsyncResource):
             sub = req if not streamed else dataclasses.replace(
                 req, resume_output_ids=tuple(streamed))
             try:
-                decode, prefill, decision = await self.place(sub, frozenset(tried))
+                if placed is not None:
+                    decode, prefill, decision = placed.decode, placed.prefill, placed.decision
+                    placed = None
+                else:
+                    decode, prefill, decision = await self.place(sub, frozenset(tried))
             except CapacityError as exc:
                 if failed is None or exc.code != ErrorCode.NO_DECODE_WORKER:
                     raise

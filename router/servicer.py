@@ -89,7 +89,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                        tenant: Tenant) -> GenerateRequest:
         if request.WhichOneof("input") == "token_ids":
             return self.token_request(request, label, tenant)
-        return await self._tokenized_request(request, label, tenant)
+        return await self.tokenized_request(request, label, tenant)
 
     def token_request(self, request: router_pb2.GenerateRequest, label: str,
                       tenant: Tenant, ids: tuple[int, ...] | None = None) -> GenerateRequest:
@@ -116,8 +116,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return GenerateRequest(tenant.request_id(label), ids, sampling, latency_class,
                                prompt_wire=wire)
 
-    async def _tokenized_request(self, request: router_pb2.GenerateRequest, label: str,
-                                 tenant: Tenant) -> GenerateRequest:
+    async def tokenized_request(self, request: router_pb2.GenerateRequest, label: str,
+                                tenant: Tenant) -> GenerateRequest:
+        """The request of a call whose prompt is text or chat, tokenized off the loop."""
         # Everything cheap first, so an invalid request is refused before it is tokenized.
         has_sampling = request.HasField("sampling")
         sampling = convert.sampling_from_proto(request.sampling if has_sampling else None)

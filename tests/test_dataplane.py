@@ -4,9 +4,10 @@ decode workers as processes, the default model, driven through the router's gRPC
 
 - What the extension makes of a worker's TokenChunk is the GenerateResponse the grpc.aio
   servicer makes of it, field for field (protobuf parses both).
-- Local routes go through the data plane, the rest (a remote prefill, a text prompt, a bad
-  request, Abort, health) through the grpc.aio server behind it; every output is
-  transformers' greedy output, token for token.
+- Local routes go through the data plane, text and chat prompts tokenized there too; a remote
+  prefill is placed there and run as placed by the grpc.aio server behind it; the rest (a
+  bad request, Abort, health) goes through that server; every output is transformers'
+  greedy output, token for token.
 - SIGKILL or SIGSTOP of the decode worker holding most of 6 streams: every stream finishes
   with the output of an uninterrupted run (the data plane hands each back to Python, which
   migrates it), and every KV block is freed.
@@ -64,7 +65,7 @@ def _counter(url: str, name: str, **labels: str) -> float:
 def _paths(cluster) -> dict[str, float]:  # type: ignore[no-untyped-def]
     url = f"{cluster.http_url}/metrics"
     return {p: _counter(url, "pdserve_router_data_plane_calls_total", path=p)
-            for p in ("routed", "relayed", "refused", "handed_back")}
+            for p in ("routed", "remote", "relayed", "refused", "handed_back")}
 
 
 def test_responses_are_the_servicers() -> None:
@@ -98,7 +99,7 @@ def test_responses_are_the_servicers() -> None:
         assert got == want, (chunk, got, want)
 
 
-async def test_routes_and_outputs(cluster, model_dir, prompt_ids) -> None:
+async def test_routes_and_outputs(cluster, model_dir, prompt_ids, tokenizer) -> None:
 
     short, long = [list(p) for p in prompt_ids[:2]], list(prompt_ids[-1])
     assert max(len(p) for p in short) < REMOTE_THRESHOLD < len(long)
@@ -111,23 +112,40 @@ async def test_routes_and_outputs(cluster, model_dir, prompt_ids) -> None:
         assert g.timings is not None and g.timings.first_token_ms > 0, g
     after = _paths(cluster)
     assert after["routed"] - before["routed"] == 2
-    assert after["relayed"] - before["relayed"] == 1
+    # The remote prefill: placed by the data plane, run as placed by the grpc.aio server.
+    assert after["remote"] - before["remote"] == 1
+    assert after["relayed"] == before["relayed"]
+    text = "The capital of France is"
+    messages = [{"role": "user", "content": "Name a color."}]
+    want = hf_greedy(model_dir, [tokenizer.encode(text),
+                                 tokenizer.apply_chat_template(messages)], 8)
+    greedy = common_pb2.SamplingParams(max_tokens=8, temperature=0.0)
     async with transport.insecure_channel(cluster.grpc_address) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
-        # A text prompt, tokenized by the router: relayed to the grpc.aio server.
-        text = [r async for r in stub.Generate(router_pb2.GenerateRequest(
-            text="The capital of France is", sampling=common_pb2.SamplingParams(
-                max_tokens=4, temperature=0.0)), timeout=120)]
-        assert text[-1].finish_reason and sum(len(r.token_ids) for r in text) == 4
-        # A bad request: INVALID_ARGUMENT with its code in the trailers, as without the
-        # data plane.
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in stub.Generate(router_pb2.GenerateRequest(
-                    token_ids=router_pb2.TokenIds(ids=short[0]),
-                    sampling=common_pb2.SamplingParams(max_tokens=0)), timeout=60):
-                pass
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert dict(err.value.trailing_metadata() or ()).get("pdserve-error-code")
+        # Text and chat prompts, tokenized by the router: routed by the data plane too.
+        before = after
+        chat = router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(**m) for m in messages])
+        for request in (router_pb2.GenerateRequest(text=text, sampling=greedy),
+                        router_pb2.GenerateRequest(chat=chat, sampling=greedy)):
+            got_text = [r async for r in stub.Generate(request, timeout=120)]
+            assert [t for r in got_text for t in r.token_ids] == want.pop(0)
+            assert got_text[-1].finish_reason
+            assert {r.route for r in got_text if r.route} == {common_pb2.PREFILL_ROUTE_LOCAL}
+        after = _paths(cluster)
+        assert after["routed"] - before["routed"] == 2
+        # Bad requests: INVALID_ARGUMENT with its code in the trailers, as without the
+        # data plane (a token-id prompt's relayed to the grpc.aio server, a text prompt's
+        # refused by the data plane with the servicer's error).
+        for bad in (router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=short[0]),
+                                               sampling=common_pb2.SamplingParams(max_tokens=0)),
+                    router_pb2.GenerateRequest(text=text, sampling=common_pb2.SamplingParams(
+                        max_tokens=10**7))):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.Generate(bad, timeout=60):
+                    pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert dict(err.value.trailing_metadata() or ()).get("pdserve-error-code")
+        assert _paths(cluster)["refused"] - after["refused"] == 1
         # Abort of an unknown request and the health service: relayed.
         assert not (await stub.Abort(common_pb2.AbortRequest(request_id="nobody"),
                                      timeout=10)).found
