@@ -6,8 +6,11 @@ with `--data-plane compiled --placement threshold --remote-threshold 256`), then
 at a time over one channel, `--n` of each kind after 3 warm-up requests: a short text prompt
 and a chat prompt (both routed locally) and a ~450-token token-id prompt (a remote prefill),
 16 greedy tokens each. Per kind: the router process's CPU seconds per request (utime + stime
-from /proc over the kind's requests, background included), the client's TTFT and total time
-(p50), and what the data plane counted (`pdserve_router_data_plane_calls_total` by path).
+from /proc over the kind's requests), and net of its background: less what it spent idle
+over as long, measured over `--idle-s` before the kind's requests (directory polls, KV
+events, metrics: most of a remote prefill's share, which waits ~0.6 s for its prefill); the
+client's TTFT and total time (p50), and what the data plane counted
+(`pdserve_router_data_plane_calls_total` by path).
 
     python docs/bench/dataplane_s73/text_ab.py --out F.json
 """
@@ -62,7 +65,7 @@ async def _one(stub: router_pb2_grpc.RouterStub, req: router_pb2.GenerateRequest
     return ttft, time.perf_counter() - started, route
 
 
-async def _run(cluster: LocalCluster, pid: int, n: int) -> dict[str, object]:
+async def _run(cluster: LocalCluster, pid: int, n: int, idle_s: float) -> dict[str, object]:
     greedy = common_pb2.SamplingParams(max_tokens=16, temperature=0.0)
     long_ids = [(i * 7919) % 30000 + 100 for i in range(450)]
     kinds = {
@@ -79,6 +82,9 @@ async def _run(cluster: LocalCluster, pid: int, n: int) -> dict[str, object]:
         for kind, make in kinds.items():
             for i in range(3):
                 await _one(stub, make(10_000 + i))
+            idle0, i0 = _cpu_s(pid), time.perf_counter()
+            await asyncio.sleep(idle_s)
+            idle_per_s = (_cpu_s(pid) - idle0) / (time.perf_counter() - i0)
             paths0, cpu0 = _paths(cluster.http_url), _cpu_s(pid)
             t0 = time.perf_counter()
             got = [await _one(stub, make(i)) for i in range(n)]
@@ -87,6 +93,9 @@ async def _run(cluster: LocalCluster, pid: int, n: int) -> dict[str, object]:
             out[kind] = {
                 "n": n, "wall_s": round(wall, 3),
                 "router_cpu_ms_per_request": round((cpu1 - cpu0) / n * 1e3, 3),
+                "router_idle_cpu_per_s": round(idle_per_s, 4),
+                "router_cpu_ms_per_request_net": round(
+                    (cpu1 - cpu0 - idle_per_s * wall) / n * 1e3, 3),
                 "ttft_ms_p50": round(statistics.median(g[0] for g in got) * 1e3, 2),
                 "total_ms_p50": round(statistics.median(g[1] for g in got) * 1e3, 2),
                 "routes": sorted({g[2] for g in got}),
@@ -99,6 +108,7 @@ async def _run(cluster: LocalCluster, pid: int, n: int) -> dict[str, object]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=50)
+    ap.add_argument("--idle-s", type=float, default=20.0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -109,7 +119,7 @@ def main() -> None:
     try:
         cluster.start()
         pid = cluster.procs["router"].pid
-        result = asyncio.run(_run(cluster, pid, args.n))
+        result = asyncio.run(_run(cluster, pid, args.n, args.idle_s))
     finally:
         cluster.close()
     with open(args.out, "w") as f:
