@@ -273,8 +273,9 @@ class CompiledDataPlane:
             request = router_pb2.GenerateRequest.FromString(body)
         except Exception:  # protobuf's DecodeError: the grpc.aio server says what is wrong
             return False
-        which = request.WhichOneof("input")
-        if (which != "token_ids") if ids is not None else (which not in ("text", "chat")):
+        # Token ids the extension read, or a prompt to tokenize; anything else is relayed.
+        if request.WhichOneof("input") not in (("token_ids",) if ids is not None
+                                               else ("text", "chat")):
             return False
         scheme, _, key = auth.partition(" ")
         tenant = self.tenants.identify(key.strip() if scheme.lower() == "bearer" else None)
@@ -310,16 +311,18 @@ class CompiledDataPlane:
         does), then placed as a token-id prompt is, its ids written by Python."""
         try:
             req = await self.servicer.tokenized_request(request, label, tenant)
-        except BaseException as exc:
+        except PdserveError as exc:  # an invalid request: the servicer's error
             lease.release()
-            if isinstance(exc, PdserveError):  # an invalid request: the servicer's error
-                self._refuse(call, exc)
-            elif isinstance(exc, Exception):
-                log.exception("data_plane_tokenize_failed", call=call)
-                self._relay(call)
-            else:
-                raise
+            self._refuse(call, exc)
             return
+        except Exception:
+            lease.release()
+            log.exception("data_plane_tokenize_failed", call=call)
+            self._relay(call)
+            return
+        except BaseException:
+            lease.release()
+            raise
         try:
             if not self._place(call, request, label, lease, req, spliced=False):
                 self._relay(call)
