@@ -197,13 +197,16 @@ def _overhead_window(router_extra: str | None) -> int:
 
 
 def layout_config(layout: str, engine: dict[str, Any], policy: str, overheads: Overheads,
-                  seed: int, corun: dict[tuple[str, str], float]) -> SimConfig:
+                  seed: int, corun: dict[tuple[str, str], float],
+                  prefill_threads: int = 0) -> SimConfig:
     """The simulator of a real record's 2-core layout (1p1d: bench.goodput's, 1p2d: `pdserve
-    cluster up`'s), with the record's engine flags (`record_engine`)."""
+    cluster up`'s), with the record's engine flags (`record_engine`); `prefill_threads`:
+    `SimConfig.prefill_threads`."""
     return SimConfig(n_decode=2 if layout == "1p2d" else 1, n_prefill=1, **engine,
                      policy=policy, router=GOODPUT_ROUTER,  # type: ignore[arg-type]
                      sharing="cluster-up" if layout == "1p2d" else "1p1d",
-                     overheads=overheads, seed=seed, corun=corun)
+                     overheads=overheads, seed=seed, corun=corun,
+                     prefill_threads=prefill_threads)
 
 
 def calibrate_streaming(root: Path, overheads: Overheads, cost: StepCost, seed: int
@@ -270,13 +273,13 @@ def probe_trace(root: Path, c: int, seed: int) -> tuple[list[SimRequest], list[s
             [measured[r.rid] for r in probes])
 
 
-PREFILL_WEIGHTS = (150.0, 200.0, 250.0, 335.0, 500.0, 700.0, 1024.0)
+PREFILL_WEIGHTS = (50.0, 100.0, 150.0, 200.0, 250.0, 335.0, 500.0, 700.0, 1024.0)
 BESIDE_DECODE = (1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3)
 
 
 def fit_prefill_sharing(root: Path, layout: str, overheads: Overheads, cost: StepCost,
-                        seed: int, corun: dict[tuple[str, str], float] | None = None
-                        ) -> tuple[Overheads, list[dict[str, Any]]]:
+                        seed: int, corun: dict[tuple[str, str], float] | None = None,
+                        prefill_threads: int = 0) -> tuple[Overheads, list[dict[str, Any]]]:
     """Replay the probes beside streams in the simulator of `layout` and pick the prefill
     side's sharing constants for which the probes' simulated TTFT is nearest the measured
     (median ratio): its slowdown while a decode worker computes (BESIDE_DECODE) and, on
@@ -292,7 +295,8 @@ def fit_prefill_sharing(root: Path, layout: str, overheads: Overheads, cost: Ste
     def ratios(o: Overheads) -> dict[int, list[float]]:
         out = {}
         for c, (reqs, probe_ids, measured) in traces.items():
-            cfg = layout_config(layout, engine, "threshold", o, seed, corun or {})
+            cfg = layout_config(layout, engine, "threshold", o, seed, corun or {},
+                                prefill_threads)
             sim = simulate(cfg, reqs, MIXED_SLO, cost)
             by_id = {r.rid: res for r, res in zip(reqs, sim.requests, strict=True)}
             out[c] = [(by_id[i].ttft_s or 0.0) / m for i, m in zip(probe_ids, measured,
@@ -364,7 +368,7 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
              streaming: Path | None = None,
              corun: dict[tuple[str, str], float] | None = None,
              probes: dict[str, Path] | None = None, lease: str = "renewed",
-             shared_local: bool = False) -> dict[str, Any]:
+             shared_local: bool = False, prefill_threads: int = 0) -> dict[str, Any]:
     """Each real run's requests replayed in the simulator of its layout; `corun`: the
     two-busy-cores slowdown table (bench.sim.workers.load_corun; {}: none); `probes`: per
     layout, a bench.sim.real prefill output that calibrates the prefill side; `lease`: the
@@ -375,6 +379,11 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
     rows = []
     calib: dict[str, Any] = {}
     fitted: list[tuple[Path, str, Overheads]] = []
+    idles = {layout: idle_probes(path, cost) for layout, path in (probes or {}).items()}
+    # 1P1D's prefill worker computes on one pinned core, 1P2D's on every core: how much
+    # faster the second is idle (`Overheads.prefill_speedup`).
+    speedup = (idles["1p1d"][1] / idles["1p2d"][1]
+               if idles.keys() >= {"1p1d", "1p2d"} else 0.0)
     for root, layout in reals:
         systems = SYSTEMS[layout]
         # Interference from other processes only adds time: per class, the fastest of the
@@ -391,15 +400,17 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
         if probe is None:
             overheads = calibrate(unloaded, cost)
         else:
-            transfer, factor, fixed, idle = idle_probes(probe, cost)
+            transfer, factor, fixed, idle = idles[layout]
             overheads = calibrate(unloaded, cost, transfer, factor, fixed)
+            if layout == "1p2d":
+                overheads = replace(overheads, prefill_speedup=speedup)
         points: list[dict[str, Any]] = []
         if streaming is not None:
             overheads, points = calibrate_streaming(streaming, overheads, cost, seed)
         weights: list[dict[str, Any]] = []
         if probe is not None:
             overheads, weights = fit_prefill_sharing(probe, layout, overheads, cost, seed,
-                                                     corun)
+                                                     corun, prefill_threads)
         calib[f"{layout} {root.name}"] = {"unloaded": {k: asdict(v) for k, v in unloaded.items()},
                          "streaming": points, "prefill_idle": idle,
                          "prefill_beside_streams": weights, "overheads": asdict(overheads)}
@@ -415,7 +426,8 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
         for system, policy in systems:
             for path in records.glob(root / system, "rate_*.json"):
                 reqs, rec = trace_from_record(path, seed)
-                cfg = layout_config(layout, engine, policy, overheads, seed, corun or {})
+                cfg = layout_config(layout, engine, policy, overheads, seed, corun or {},
+                                    prefill_threads)
                 if lease == "fixed":
                     cfg = replace(cfg, max_remote_lease_s=cfg.remote_lease_s)
                 cfg = replace(cfg, lease_renews=lease == "renewed")
@@ -695,6 +707,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     v.add_argument("--shared-local", action="store_true",
                    help="every layout's local path at the least fixed cost any record's "
                         "unloaded requests measured (the same code on each layout)")
+    v.add_argument("--prefill-threads", type=int, default=0,
+                   help="threads of cluster-up's unpinned prefill worker, which share the "
+                        "cores as Linux's scheduler does (default 0: one per core, as "
+                        "`pdserve cluster up` runs it; 1: the simulator before stop 74)")
     v.add_argument("--out", type=Path, required=True)
     c = sub.add_parser("compare", help="policies at scale")
     c.add_argument("--workers", default="8,16,64,256")
@@ -726,8 +742,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         record.update(validate(args.real, cost, args.seed, args.streaming,
                                load_corun(args.corun) if args.corun else {},
                                {layout: path for path, layout in args.prefill_probe},
-                               lease=args.lease, shared_local=args.shared_local))
+                               lease=args.lease, shared_local=args.shared_local,
+                               prefill_threads=args.prefill_threads))
         record["corun"] = str(args.corun) if args.corun else None
+        record["prefill_threads"] = args.prefill_threads
         print(validation_table(record))
         print(json.dumps(record["within_15pct"], indent=1))
     elif args.cmd == "cost-vs-threshold":

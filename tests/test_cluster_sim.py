@@ -161,8 +161,10 @@ def test_step_target_takes_smaller_prefill_steps() -> None:
 
 
 class _Busy(SimWorker):
-    def __init__(self, core: int | None, weight: float, host: Host) -> None:
-        self.core, self.weight, self.busy = core, weight, True
+    def __init__(self, core: int | None, weight: float, host: Host, threads: int = 1,
+                 speedup: float = 0.0) -> None:
+        self.core, self.weight, self.busy, self.threads = core, weight, True, threads
+        self.speedup = speedup or threads
         self.step_kind, self.step_rows = "decode", 1
         host.workers.append(self)
 
@@ -185,6 +187,41 @@ def test_cpu_sharing_follows_cfs_weights() -> None:
     assert slow.speeds()[d] == pytest.approx(1 / 1.5)
     d.step_rows = 8
     assert slow.speeds()[d] == pytest.approx(1 / 1.25)
+
+
+def test_an_unpinned_workers_threads_share_every_core() -> None:
+    """`pdserve cluster up`'s 1P2D: the prefill worker's two threads at nice 5 take a
+    quarter of both decode workers' cores while both stream; with one idle, both threads
+    go to its core. How fast it goes on the CPU it gets follows its measured speedup on
+    two idle cores over one: with perfect scaling, half its speed; with none (the 2-vCPU
+    guests measured), all of it."""
+    host = Host(2)
+    d0, d1 = _Busy(0, 1024.0, host), _Busy(1, 1024.0, host)
+    p = _Busy(None, 335.0, host, threads=2)
+    s = host.speeds()
+    assert s[d0] == s[d1] == pytest.approx(1024 / 1359)
+    assert s[p] == pytest.approx(335 / 1359)
+    p.speedup = 1.0
+    assert host.speeds()[p] == pytest.approx(2 * 335 / 1359)
+    p.speedup = 2.0
+    d1.busy = False
+    s = host.speeds()
+    assert s[d0] == 1.0 and s[p] == pytest.approx(0.5)
+    p.speedup = 1.5
+    assert host.speeds()[p] == pytest.approx(1 / 1.5)
+    d0.busy = False
+    assert host.speeds()[p] == 1.0
+    corun = Host(2, {("prefill", "decode"): 2.0, ("decode", "prefill"): 1.25})
+    d, q = _Busy(0, 1024.0, corun), _Busy(None, 335.0, corun, threads=2)
+    q.step_kind = "prefill"
+    s = corun.speeds()  # both of q's threads on core 1: d computes beside it, not with it
+    assert s[d] == pytest.approx(1 / 1.25) and s[q] == pytest.approx(0.5 / 2.0)
+    cfg = SimConfig(n_decode=2, sharing="cluster-up", corun={},
+                    overheads=dataclasses.replace(OVERHEADS, prefill_speedup=1.1))
+    assert (Simulation(cfg, COST).prefills[0].threads,
+            Simulation(cfg, COST).prefills[0].speedup) == (2, 1.1)
+    one = dataclasses.replace(cfg, prefill_threads=1)
+    assert Simulation(one, COST).prefills[0].threads == 1
 
 
 def test_scales_to_many_workers() -> None:

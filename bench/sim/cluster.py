@@ -57,6 +57,7 @@ POLICIES: tuple[Policy, ...] = ("threshold", "cost", "least-loaded", "random", "
 # to core 0, decode to core 1), "cluster-up" (pdserve cluster up on 2 cores: decode i pinned
 # to core i, prefill unpinned at nice 5).
 Sharing = Literal["own", "1p1d", "cluster-up"]
+SHARED_CORES = 2  # the host of the 1p1d and cluster-up layouts
 NICE_5 = 335.0  # CFS weight of nice 5 (nice 0: 1024)
 
 
@@ -84,6 +85,10 @@ class Overheads:
     # on top of the engines' own (`SimConfig.corun`): in a running cluster the router,
     # gateway, client and Redis share the cores too (calibrated as above).
     prefill_beside_decode: float = 1.0
+    # An unpinned prefill worker's speed on all the CPUs its threads may use over one CPU's
+    # (cluster-up: a thread per core; bench.sim.workers.SimWorker.speedup): its idle
+    # prompts' compute on 1P1D (one thread, one core) over on 1P2D; 0: perfect scaling.
+    prefill_speedup: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,9 @@ class SimConfig:
     # Two-core hosts (1p1d, cluster-up): slowdown of a step while the other core computes,
     # (step kind, other kind) -> factor (bench.engine_profile --corun); None: measured file.
     corun: dict[tuple[str, str], float] | None = None
+    # Threads of an unpinned prefill worker (cluster-up; bench.sim.workers.Host: how they
+    # share the cores); 0: as `pdserve cluster up` runs it, one per CPU of its host.
+    prefill_threads: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -179,7 +187,7 @@ class Simulation(Clock):
 
         def host() -> Host:
             if c.sharing == "own" or not hosts:
-                hosts.append(Host(1) if c.sharing == "own" else Host(2, corun))
+                hosts.append(Host(1) if c.sharing == "own" else Host(SHARED_CORES, corun))
             return hosts[-1]
 
         kw: dict[str, Any] = dict(num_blocks=c.num_blocks, block_size=c.block_size,
@@ -198,6 +206,8 @@ class Simulation(Clock):
                          for i in range(c.n_decode)]
         self.prefills = [PrefillSim(f"prefill-{i:03d}", self, cost, host(),
                                     core=0 if c.sharing in ("own", "1p1d") else None,
+                                    threads=c.prefill_threads or SHARED_CORES // c.n_prefill,
+                                    speedup=c.overheads.prefill_speedup,
                                     weight=(c.overheads.prefill_weight
                                             if c.sharing == "cluster-up" else 1024.0),
                                     transfer_s_per_token=c.overheads.transfer_s_per_token,

@@ -104,11 +104,20 @@ def corun_slowdown(corun: dict[tuple[str, str], float], kind: str, rows: int,
 class Host:
     """Cores shared by the workers placed on it, as Linux's CFS shares them: a busy worker
     pinned to a core shares it with the other busy ones there in proportion to their weights
-    (nice 0: 1024, nice 5: 335); an unpinned one runs on the core with the least busy weight.
-    One worker alone on its core runs at full speed (the profile's), divided by `corun`'s
-    slowdown while another core of the host computes (shared caches, memory bandwidth and,
-    on a VM, execution units: two busy cores each run slower than one); a decode step's by
-    its rows (`corun_slowdown`: one row, the most memory-bound step, is slowed most)."""
+    (nice 0: 1024, nice 5: 335); an unpinned one's threads each go to the core with the least
+    busy weight (the kernel's load balancing; two may share one), and it advances by the
+    CPU its threads get together, e (the sum of their shares): as one thread at e up to one
+    CPU, and from there linearly to its `speedup` (its speed on as many idle CPUs as it has
+    threads over one CPU's) at all of them; relative to that, its full speed. So `pdserve
+    cluster up`'s prefill worker, two threads at nice 5 on two cores, takes a quarter of
+    both decode workers' cores while both stream and has half a CPU; with one of them
+    streaming, it has the other CPU. On the 2-vCPU guests measured, its two threads
+    computed a prompt no faster than one (speedup ~1: bench.cluster_sim's probes).
+    One worker alone on its cores runs at full speed (the profile's, times its own factor),
+    divided by `corun`'s slowdown while another core of the host computes (shared caches,
+    memory bandwidth and, on a VM, execution units: two busy cores each run slower than
+    one); a decode step's by its rows (`corun_slowdown`: one row, the most memory-bound
+    step, is slowed most)."""
 
     def __init__(self, cores: int, corun: dict[tuple[str, str], float] | None = None):
         self.cores = cores
@@ -118,20 +127,25 @@ class Host:
     def speeds(self) -> dict[SimWorker, float]:
         load = [0.0] * self.cores
         busy = [w for w in self.workers if w.busy]
-        where: dict[SimWorker, int] = {}
+        where: dict[SimWorker, list[int]] = {}
         for w in busy:
             if w.core is not None:
-                where[w] = w.core
+                where[w] = [w.core]
                 load[w.core] += w.weight
         for w in busy:
             if w.core is None:
-                c = min(range(self.cores), key=lambda i: (load[i], i))
-                where[w] = c
-                load[c] += w.weight
-        speeds = {w: w.weight / load[c] for w, c in where.items()}
+                where[w] = []
+                for _ in range(w.threads):
+                    c = min(range(self.cores), key=lambda i: (load[i], i))
+                    where[w].append(c)
+                    load[c] += w.weight
+        speeds = {w: w.parallel_speed(sum(w.weight / load[c] for c in cs))
+                  for w, cs in where.items()}
         if self.corun:
-            for w, c in where.items():
-                others = {x.step_kind for x, k in where.items() if k != c}
+            for w, cs in where.items():
+                # what computes on a core other than one of w's threads'
+                others = {x.step_kind for x, ks in where.items() if x is not w
+                          and any(k != c for k in ks for c in cs)}
                 slow = max((corun_slowdown(self.corun, w.step_kind, w.step_rows, o)
                             for o in others), default=1.0)
                 speeds[w] /= slow
@@ -151,7 +165,9 @@ class SimWorker:
     """One worker's engine: steps, CPU share, measured rates (`StepRates`, as published)."""
 
     def __init__(self, worker_id: str, clock: Clock, cost: StepCost, host: Host, *,
-                 core: int | None = None, weight: float = 1024.0, num_blocks: int = 728,
+                 core: int | None = None, threads: int = 1, speedup: float = 0.0,
+                 weight: float = 1024.0,
+                 num_blocks: int = 728,
                  block_size: int = 16, max_num_batched_tokens: int = 2048,
                  max_prefill_chunk: int = 512, max_num_seqs: int = 64,
                  step_target_ms: float = 0.0, interactive_step_target_ms: float = 0.0,
@@ -160,6 +176,9 @@ class SimWorker:
         self.worker_id = worker_id
         self.clock, self.cost, self.host = clock, cost, host
         self.core, self.weight = core, weight
+        self.threads = 1 if core is not None else max(1, threads)  # a pinned one: its core
+        # its speed on `threads` idle CPUs over one CPU's (0: `threads`, perfect scaling)
+        self.speedup = min(max(speedup or self.threads, 1.0), self.threads)
         self.step_overhead_s = step_overhead_s
         self.token_overhead_s = token_overhead_s
         self.context_overhead_s = context_overhead_s
@@ -184,6 +203,14 @@ class SimWorker:
         self._started = 0.0
         self._version = 0
         host.workers.append(self)
+
+    def parallel_speed(self, cpus: float) -> float:
+        """Its speed (1: its threads alone on their CPUs) when they get `cpus` CPUs
+        together (`Host`)."""
+        if self.threads == 1:
+            return cpus
+        more = (self.speedup - 1.0) * max(0.0, cpus - 1.0) / (self.threads - 1)
+        return (min(cpus, 1.0) + more) / self.speedup
 
     # ------------------------------------------------------------------ stepping
 
