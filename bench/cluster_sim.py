@@ -169,16 +169,31 @@ def record_engine(root: Path) -> dict[str, Any]:
     """The engines' flags in a bench.goodput / bench.sim.real record's setup, as SimConfig
     fields: the step targets (before a flag existed there was none: 0, the token budget
     alone; the interactive one since 60412ad), the KV pool (`kv_cache_mb`; bench.goodput's
-    default 512 where a record does not say) and the token budget and chunk; and the
-    router's --remote-overhead-window."""
+    default 512 where a record does not say) and the token budget and chunk; the router's
+    --remote-overhead-window; and the workers' --threads (`record_threads`)."""
     path = root / "setup.json"
-    setup = records.read_json(path).get("setup", {}) if records.exists(path) else {}
+    whole = records.read_json(path) if records.exists(path) else {}
+    setup = whole.get("setup", {})
     return {"remote_overhead_window": _overhead_window(setup.get("router_extra")),
+            "prefill_threads": record_threads(whole),
             "step_target_ms": float(setup.get("step_target_ms", 0.0)),
             "interactive_step_target_ms": float(setup.get("interactive_step_target_ms", 0.0)),
             "num_blocks": int(float(setup.get("kv_cache_mb", 512))) * 2**20 // BLOCK_BYTES,
             "max_num_batched_tokens": int(setup.get("max_num_batched_tokens", 2048)),
             "max_prefill_chunk": int(setup.get("max_prefill_chunk", 512))}
+
+
+def record_threads(setup: dict[str, Any]) -> int:
+    """The workers' --threads in a record's layout (bench.goodput / bench.sim.real
+    setup.json: "workers `--threads 1 ...`"), 0 where none is given (`pdserve cluster up`'s
+    placement chooses: bench.sim.real's 1P2D from stop 74 on)."""
+    layouts = [setup.get("layout") or "", *(s.get("layout") or ""
+                                            for s in (setup.get("systems") or {}).values())]
+    for layout in layouts:
+        m = re.search(r"workers `[^`]*--threads[ =](\d+)", layout)
+        if m:
+            return int(m.group(1))
+    return 0
 
 
 def _overhead_window(router_extra: str | None) -> int:
@@ -201,12 +216,13 @@ def layout_config(layout: str, engine: dict[str, Any], policy: str, overheads: O
                   prefill_threads: int = 0) -> SimConfig:
     """The simulator of a real record's 2-core layout (1p1d: bench.goodput's, 1p2d: `pdserve
     cluster up`'s), with the record's engine flags (`record_engine`); `prefill_threads`:
-    `SimConfig.prefill_threads`."""
-    return SimConfig(n_decode=2 if layout == "1p2d" else 1, n_prefill=1, **engine,
+    `SimConfig.prefill_threads` (0: the record's)."""
+    return SimConfig(n_decode=2 if layout == "1p2d" else 1, n_prefill=1,
+                     **{**engine, "prefill_threads": prefill_threads
+                        or engine.get("prefill_threads", 0)},
                      policy=policy, router=GOODPUT_ROUTER,  # type: ignore[arg-type]
                      sharing="cluster-up" if layout == "1p2d" else "1p1d",
-                     overheads=overheads, seed=seed, corun=corun,
-                     prefill_threads=prefill_threads)
+                     overheads=overheads, seed=seed, corun=corun)
 
 
 def calibrate_streaming(root: Path, overheads: Overheads, cost: StepCost, seed: int
@@ -709,8 +725,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "unloaded requests measured (the same code on each layout)")
     v.add_argument("--prefill-threads", type=int, default=0,
                    help="threads of cluster-up's unpinned prefill worker, which share the "
-                        "cores as Linux's scheduler does (default 0: one per core, as "
-                        "`pdserve cluster up` runs it; 1: the simulator before stop 74)")
+                        "cores as Linux's scheduler does (default 0: the record's --threads, "
+                        "else one per core, as `pdserve cluster up` runs it)")
     v.add_argument("--out", type=Path, required=True)
     c = sub.add_parser("compare", help="policies at scale")
     c.add_argument("--workers", default="8,16,64,256")

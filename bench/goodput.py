@@ -107,9 +107,11 @@ class Setup:
     worker_env: Mapping[str, str] = field(default_factory=lambda: dict(UCX_NO_SPIN_ENV))
     start_timeout_s: float = 300.0
 
-    def engine_args(self, threads: int) -> list[str]:
+    def engine_args(self, threads: int | None) -> list[str]:
+        """The engine's flags; `threads` None: no --threads (the worker's default, a torch
+        thread per CPU it may run on)."""
         args = [
-            "--threads", str(threads),
+            *(() if threads is None else ("--threads", str(threads))),
             "--kv-cache-mb", str(self.kv_cache_mb),
             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
             "--max-prefill-chunk", str(self.max_prefill_chunk),

@@ -390,3 +390,16 @@ def test_a_records_router_flags_set_the_simulated_learner(tmp_path: Path) -> Non
     assert window({"router_extra": "()"}) == RouterConfig().remote_overhead_window
     assert window({"router_extra": "('--remote-overhead-window', '0')"}) == 0
     assert window({"router_extra": "('--remote-overhead-window=8',)"}) == 8
+
+
+def test_a_records_worker_threads_come_from_its_layout() -> None:
+    """The 1P2D records made before stop 74 ran every worker with --threads 1, and their
+    replays model that; a record without the flag ran `pdserve cluster up`'s placement."""
+    from bench.cluster_sim import record_threads
+
+    old = "LocalCluster 1P2D (...), workers `--threads 1 --kv-cache-mb 512`, router `--x 1`"
+    assert record_threads({"layout": old}) == 1
+    assert record_threads({"systems": {"1p2d": {"layout": old}}}) == 1
+    assert record_threads({"layout": "LocalCluster 1P2D (...), workers `--kv-cache-mb 512`, "
+                                      "router `--threads 3`"}) == 0
+    assert record_threads({}) == 0

@@ -6,9 +6,10 @@
 
 bench.goodput starts only 1P1D clusters; this starts `LocalCluster(prefill=1, decode=2)` the
 way `pdserve cluster up --prefill 1 --decode 2` lays it out on this machine (decode worker i
-pinned to CPU i, the prefill worker unpinned at nice 5), with bench.goodput's engine and
-router flags (one torch thread per worker), and sweeps it with bench.goodput's own functions,
-so the records have the same format. `--systems` picks the placements (threshold, cost).
+pinned to CPU i with one torch thread, the prefill worker unpinned at nice 5 with a thread
+per CPU; before stop 74 every worker ran one thread), with bench.goodput's other engine and
+router flags, and sweeps it with bench.goodput's own functions, so the records have the same
+format. `--systems` picks the placements (threshold, cost).
 
     python -m bench.sim.real streaming --out docs/bench/cluster_sim/streaming_1p1d \
         --concurrency 1,4,8,12
@@ -69,7 +70,10 @@ NAMES = {"threshold": "1p2d", "cost": "1p2d-cost"}
 def one_p_two_d(setup: Setup, placement: str) -> Iterator[StartedSystem]:
     from pdserve.cluster import LocalCluster
 
-    worker_args = (*setup.engine_args(1), "--log-level", "WARNING")
+    # No --threads: `pdserve cluster up` gives each decode worker one CPU (so one thread) and
+    # the prefill worker a thread per CPU at nice 5, and a flag here would override that
+    # (records before stop 74 ran every worker with --threads 1).
+    worker_args = (*setup.engine_args(None), "--log-level", "WARNING")
     router_args = (
         "--remote-threshold", str(setup.remote_threshold),
         "--max-prefill-backlog", str(setup.max_prefill_backlog),
