@@ -193,8 +193,7 @@ def test_an_unpinned_workers_threads_share_every_core() -> None:
     """`pdserve cluster up`'s 1P2D: the prefill worker's two threads at nice 5 take a
     quarter of both decode workers' cores while both stream; with one idle, both threads
     go to its core. How fast it goes on the CPU it gets follows its measured speedup on
-    two idle cores over one: with perfect scaling, half its speed; with none (the 2-vCPU
-    guests measured), all of it."""
+    two idle cores over one: with perfect scaling, half its speed; with none, all of it."""
     host = Host(2)
     d0, d1 = _Busy(0, 1024.0, host), _Busy(1, 1024.0, host)
     p = _Busy(None, 335.0, host, threads=2)

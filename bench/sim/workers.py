@@ -111,8 +111,8 @@ class Host:
     threads over one CPU's) at all of them; relative to that, its full speed. So `pdserve
     cluster up`'s prefill worker, two threads at nice 5 on two cores, takes a quarter of
     both decode workers' cores while both stream and has half a CPU; with one of them
-    streaming, it has the other CPU. On the 2-vCPU guests measured, its two threads
-    computed a prompt no faster than one (speedup ~1: bench.cluster_sim's probes).
+    streaming, it has the other CPU. (The engine alone on a 2-vCPU Zen 4 guest computes a
+    long prompt 1.9x faster on two threads than on one: docs/bench/placement_s74.)
     One worker alone on its cores runs at full speed (the profile's, times its own factor),
     divided by `corun`'s slowdown while another core of the host computes (shared caches,
     memory bandwidth and, on a VM, execution units: two busy cores each run slower than
@@ -166,8 +166,7 @@ class SimWorker:
 
     def __init__(self, worker_id: str, clock: Clock, cost: StepCost, host: Host, *,
                  core: int | None = None, threads: int = 1, speedup: float = 0.0,
-                 weight: float = 1024.0,
-                 num_blocks: int = 728,
+                 weight: float = 1024.0, num_blocks: int = 728,
                  block_size: int = 16, max_num_batched_tokens: int = 2048,
                  max_prefill_chunk: int = 512, max_num_seqs: int = 64,
                  step_target_ms: float = 0.0, interactive_step_target_ms: float = 0.0,
