@@ -170,12 +170,14 @@ def record_engine(root: Path) -> dict[str, Any]:
     fields: the step targets (before a flag existed there was none: 0, the token budget
     alone; the interactive one since 60412ad), the KV pool (`kv_cache_mb`; bench.goodput's
     default 512 where a record does not say) and the token budget and chunk; the router's
-    --remote-overhead-window; and the workers' --threads (`record_threads`)."""
+    --remote-overhead-window; and the workers' --threads (`record_threads`) and whether the
+    prefill worker adapted them (`record_adapts`)."""
     path = root / "setup.json"
     whole = records.read_json(path) if records.exists(path) else {}
     setup = whole.get("setup", {})
     return {"remote_overhead_window": _overhead_window(setup.get("router_extra")),
             "prefill_threads": record_threads(whole),
+            "prefill_adapt": record_adapts(whole),
             "step_target_ms": float(setup.get("step_target_ms", 0.0)),
             "interactive_step_target_ms": float(setup.get("interactive_step_target_ms", 0.0)),
             "num_blocks": int(float(setup.get("kv_cache_mb", 512))) * 2**20 // BLOCK_BYTES,
@@ -194,6 +196,15 @@ def record_threads(setup: dict[str, Any]) -> int:
         if m:
             return int(m.group(1))
     return 0
+
+
+def record_adapts(setup: dict[str, Any]) -> bool:
+    """Whether a record's unpinned prefill worker adapted its threads to the CPUs left free
+    (bench.sim.real's layout names `pdserve cluster up`'s prefill flags from stop 75 on;
+    before, it ran all of them)."""
+    layouts = [setup.get("layout") or "", *(s.get("layout") or ""
+                                            for s in (setup.get("systems") or {}).values())]
+    return any("--adapt-threads" in layout for layout in layouts)
 
 
 def _overhead_window(router_extra: str | None) -> int:

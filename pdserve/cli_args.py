@@ -174,6 +174,10 @@ ENGINE_SETTINGS = {
         "--step-target-ms budget)", ge=0, metavar="MS", group="engine"),
     "num_threads": Setting("torch intra-op threads (default: the CPUs this process may run "
                            "on)", flag="--threads", kind=int, ge=1, group="engine"),
+    "adapt_threads": Setting("run each step on as many of --threads as this process's CPUs "
+                             "other processes leave free (a worker sharing its CPUs at a "
+                             "lower priority: pdserve cluster up's prefill workers)",
+                             group="engine"),
     "device": Setting("torch device of the engine", group="engine"),
     "dtype": Setting("weights: float32 (exact); bfloat16/float16 (needs native bf16 on CPU); "
                      "int8 (per-channel int8 weights, per-token int8 activations); "

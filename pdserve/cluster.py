@@ -337,11 +337,14 @@ class LocalCluster:
         wait_port(port, self._redis, 10, "redis-server")
         return f"redis://:{password}@127.0.0.1:{port}/0"
 
-    def _placement(self, role: str, index: int) -> list[str]:
+    def placement(self, role: str, index: int) -> list[str]:
         """Share the machine instead of oversubscribing it. Decode workers (latency) split the
         CPUs between them; prefill workers (throughput) may use every CPU, at a lower priority,
         so a decode step preempts prefill rather than running on half the cores (a hard split
-        halves decode speed on a small machine). Flags in extra_worker_args override these."""
+        halves decode speed on a small machine), and each prefill step runs on a thread per
+        CPU the others leave free (--adapt-threads: a thread on a CPU a decode worker
+        computes on would hold every parallel region up). Flags in extra_worker_args
+        override these (`--threads 1`: one thread throughout)."""
         if not self.place_workers:
             return []
         cpus = sorted(os.sched_getaffinity(0))
@@ -355,7 +358,7 @@ class LocalCluster:
                 group = cpus[index * size:end]
             return ["--cpus", ",".join(map(str, group))]
         threads = max(1, len(cpus) // max(1, self.n_prefill))
-        return ["--threads", str(threads), "--nice", str(self.prefill_nice)]
+        return ["--threads", str(threads), "--nice", str(self.prefill_nice), "--adapt-threads"]
 
     def add_worker(self, role: str, index: int, wait: bool = True,
                    timeout_s: float = 180) -> str:
@@ -364,7 +367,7 @@ class LocalCluster:
         mport = self.metrics_ports[name] = free_port()
         proc = self._spawn(name, self._pdserve(f"{role}-worker", "--worker-id", name,
                                                "--port", str(port), "--metrics-port",
-                                               str(mport), *self._placement(role, index),
+                                               str(mport), *self.placement(role, index),
                                                *self._tls_args(role), *self.extra,
                                                *self.extra_by_role.get(role, ())))
         if wait:

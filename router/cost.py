@@ -22,13 +22,15 @@ worker p holding c_p in its own (both from the router's KV index, router.kv_inde
                 computes only after w's own queued prompt work (w's priority), so that is
                 in its TTFT too. On one shared host a remote prefill adds no compute, but
                 at a lower priority it stalls w's streams less than a local one. Where
-                every CPU p may use is wanted by a busy worker beside it (decode workers
-                running streams or prefilling), p computes at the share of a CPU the
-                kernel gives it there (`WorkerInfo.cpu_share_beside`: a quarter at nice 5
-                beside nice 0) for `contention_horizon_s`, then at its measured rate,
-                unless that rate was measured at the share already (`cpu_factor`): on
-                `pdserve cluster up`'s 1P2D layout, two decode workers each running a
-                stream held a 120-token prompt on the prefill worker 1.4 s, not 0.3.
+                busy worker beside it (decode workers running streams or prefilling)
+                computes on some of the CPUs p may use, p runs a thread per CPU left free
+                (`EngineConfig.adapt_threads`), so at that many of its CPUs' rate; with
+                none free, one thread at the share of a CPU the kernel gives it there
+                (`WorkerInfo.cpu_share_beside`: a quarter at nice 5 beside nice 0); for
+                `contention_horizon_s`, then at its measured rate, unless that rate was
+                measured so already (`cpu_factor`): on `pdserve cluster up`'s 1P2D layout,
+                two decode workers each running a stream held a 120-token prompt on the
+                prefill worker 1.4 s, not 0.3.
                 p computes what *its* cache lacks; only the blocks w lacks cross the wire.
 - either way, the stream then decodes on w: its TPOT is w's measured decode step, grown by
   `decode_row_fraction` of it for each stream more than w ran when it measured (the ones
@@ -153,19 +155,25 @@ def prefill_capacity(loads: Iterable[WorkerLoad], model: CostModel) -> float:
     return sum(model.prefill_rate(load, peer) for load in loads)
 
 
-def cpu_factor(measured_share: float | None, cpus: int, beside_busy: Iterable[float]
-               ) -> float:
+def cpu_factor(measured_share: float | None, cpus: int, beside_busy: Iterable[float],
+               busy_cpus: float | None = None) -> float:
     """What a prefill worker's measured rate is multiplied by for the CPUs it will find now
     (at most 1): `cpus`, how many CPUs it may run on (0: unknown, nothing is assumed);
     `beside_busy`, the share of a CPU it gets beside each busy worker that competes for
-    them (`WorkerInfo.cpu_share_beside`). With fewer of those than its CPUs, one is free and
-    it runs at its measured rate; else at the best of those shares, over the share it had
-    while it measured (`WorkerLoad.prefill_cpu_share`; unknown: all of its CPUs), so a rate
-    measured beside the same busy workers is not slowed twice."""
+    them (`WorkerInfo.cpu_share_beside`); `busy_cpus`, how many of its CPUs those workers
+    compute on (`WorkerInfo.cpus_shared`; default: one each). Such a worker runs a thread
+    per CPU the busy ones leave free (`EngineConfig.adapt_threads`, as `pdserve cluster up`
+    starts it), so it computes at that many of its CPUs; with none free, one thread at the
+    best of those shares. That is over the share of its CPUs it had while it measured
+    (`WorkerLoad.prefill_cpu_share`, over all of its threads; unknown: all of them), so a
+    rate measured beside the same busy workers, or on fewer threads, is not slowed twice.
+    With no busy worker beside it: its measured rate."""
     shares = list(beside_busy)
-    if not cpus or len(shares) < cpus:
+    if not cpus or not shares:
         return 1.0
-    return min(1.0, max(shares) / (measured_share or 1.0))
+    taken = min(float(cpus), len(shares) if busy_cpus is None else busy_cpus)
+    have = (cpus - taken) / cpus if taken < cpus else max(shares) / cpus
+    return min(1.0, have / (measured_share or 1.0))
 
 
 def contended_factor(factor: float, work_s: float, horizon_s: float) -> float:

@@ -192,12 +192,14 @@ class DecodeTable:
 
 @dataclass(frozen=True)
 class _Beside:
-    """Per [prefill, decode] position: whether they compete for CPUs, and the share of a CPU
-    the prefill worker gets beside that decode worker busy (`WorkerInfo.cpu_share_beside`);
-    per prefill position, how many CPUs it may run on (0: unknown)."""
+    """Per [prefill, decode] position: whether they compete for CPUs, the share of a CPU
+    the prefill worker gets beside that decode worker busy (`WorkerInfo.cpu_share_beside`),
+    and how many of its CPUs that one computes on (`WorkerInfo.cpus_shared`); per prefill
+    position, how many CPUs it may run on (0: unknown)."""
 
     competes: npt.NDArray[np.bool_]
     share: Floats
+    taken: Floats
     cpus: Floats
 
 
@@ -209,17 +211,23 @@ def _beside(prefills: Sequence[WorkerInfo], decoders: Sequence[WorkerInfo]) -> _
         return None
     share = np.array([[p.cpu_share_beside(d) for d in decoders] for p in prefills],
                      dtype=float).reshape(shape)
-    return _Beside(competes, share, np.array([len(p.cpus) for p in prefills], dtype=float))
+    taken = np.array([[p.cpus_shared(d) for d in decoders] for p in prefills],
+                     dtype=float).reshape(shape)
+    return _Beside(competes, share, taken,
+                   np.array([len(p.cpus) for p in prefills], dtype=float))
 
 
 def cpu_factors(beside: _Beside, pcols: _Columns, busy: npt.NDArray[np.bool_]) -> Floats:
     """router.cost.cpu_factor for every prefill worker at once: `busy`, per decode position,
     whether it computes now (streams running or prompt work pending)."""
     mask = beside.competes & busy[None, :]
-    starved = (beside.cpus > 0) & (mask.sum(axis=1) >= beside.cpus)
+    cpus = np.maximum(beside.cpus, 1.0)
+    taken = np.minimum(np.where(mask, beside.taken, 0.0).sum(axis=1), beside.cpus)
     best = np.where(mask, beside.share, 0.0).max(axis=1, initial=0.0)
+    have = np.where(taken < beside.cpus, (beside.cpus - taken) / cpus, best / cpus)
     measured = np.where(pcols.cpu_share > 0, pcols.cpu_share, 1.0)
-    return np.where(starved, np.minimum(1.0, best / measured), 1.0)
+    return np.where((beside.cpus > 0) & mask.any(axis=1), np.minimum(1.0, have / measured),
+                    1.0)
 
 
 def shares_matrix(prefills: Sequence[WorkerInfo], decoders: Sequence[WorkerInfo]

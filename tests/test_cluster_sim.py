@@ -18,7 +18,9 @@ from bench.cluster_sim import (
     MIXED_SLO,
     Unloaded,
     calibrate,
+    record_adapts,
     record_engine,
+    record_threads,
     trace_chat,
     trace_mixed,
 )
@@ -162,8 +164,9 @@ def test_step_target_takes_smaller_prefill_steps() -> None:
 
 class _Busy(SimWorker):
     def __init__(self, core: int | None, weight: float, host: Host, threads: int = 1,
-                 speedup: float = 0.0) -> None:
+                 speedup: float = 0.0, adapt: bool = False) -> None:
         self.core, self.weight, self.busy, self.threads = core, weight, True, threads
+        self.adapt_threads = adapt
         self.speedup = speedup or threads
         self.step_kind, self.step_rows = "decode", 1
         host.workers.append(self)
@@ -221,6 +224,37 @@ def test_an_unpinned_workers_threads_share_every_core() -> None:
             Simulation(cfg, COST).prefills[0].speedup) == (2, 1.1)
     one = dataclasses.replace(cfg, prefill_threads=1)
     assert Simulation(one, COST).prefills[0].threads == 1
+    assert Simulation(cfg, COST).prefills[0].adapt_threads  # as cluster up starts it
+    assert not Simulation(dataclasses.replace(cfg, prefill_adapt=False),
+                          COST).prefills[0].adapt_threads
+
+
+def test_an_adapting_worker_runs_a_thread_per_free_core() -> None:
+    """`pdserve cluster up`'s prefill worker from stop 75 on (`--adapt-threads`): beside
+    one busy decode worker it runs one thread, on the free core, at its one-thread speed
+    (1 / speedup of its full one); beside two, one thread at a quarter of a core (nice 5
+    beside nice 0), where two threads would take a quarter of each; alone, both."""
+    host = Host(2)
+    d0, d1 = _Busy(0, 1024.0, host), _Busy(1, 1024.0, host)
+    p = _Busy(None, 335.0, host, threads=2, speedup=1.9, adapt=True)
+    s = host.speeds()  # its one thread goes to core 0
+    assert s[d0] == pytest.approx(1024 / 1359) and s[d1] == 1.0
+    assert s[p] == pytest.approx(335 / 1359 / 1.9)
+    d1.busy = False
+    s = host.speeds()
+    assert s[d0] == 1.0 and s[p] == pytest.approx(1 / 1.9)
+    d0.busy = False
+    assert host.speeds()[p] == 1.0
+
+
+def test_records_say_whether_the_prefill_worker_adapted() -> None:
+    """bench.sim.real's layout names cluster up's prefill flags from stop 75 on."""
+    new = {"systems": {"1p2d": {"layout": "LocalCluster 1P2D (... prefill unpinned at nice 5: "
+                                          "`--threads 2 --nice 5 --adapt-threads`), workers "
+                                          "`--kv-cache-mb 512`"}}}
+    old = {"systems": {"1p2d": {"layout": "LocalCluster 1P2D (... nice 5), workers `--x`"}}}
+    assert record_adapts(new) and not record_adapts(old)
+    assert record_threads(new) == record_threads(old) == 0
 
 
 def test_scales_to_many_workers() -> None:
@@ -394,8 +428,6 @@ def test_a_records_router_flags_set_the_simulated_learner(tmp_path: Path) -> Non
 def test_a_records_worker_threads_come_from_its_layout() -> None:
     """The 1P2D records made before stop 74 ran every worker with --threads 1, and their
     replays model that; a record without the flag ran `pdserve cluster up`'s placement."""
-    from bench.cluster_sim import record_threads
-
     old = "LocalCluster 1P2D (...), workers `--threads 1 --kv-cache-mb 512`, router `--x 1`"
     assert record_threads({"layout": old}) == 1
     assert record_threads({"systems": {"1p2d": {"layout": old}}}) == 1

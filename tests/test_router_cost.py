@@ -142,7 +142,7 @@ loads = st.builds(
 
 # Where a worker computes: unknown, or a host with a CPU set (("h1", ()): every CPU of h1).
 wheres = st.sampled_from([("", ()), ("h1", ()), ("h1", (0,)), ("h1", (1,)), ("h1", (0, 1)),
-                          ("h2", (0,))])
+                          ("h1", (0, 1, 2)), ("h2", (0,))])
 
 
 @settings(max_examples=400, deadline=None)
@@ -193,9 +193,10 @@ def test_cost_placement_takes_the_cheapest_candidate(
                 or max(d.load.waiting_prompt_tokens or 0.0, infl[d.worker_id]) > 0)
 
     def factor(q: WorkerInfo) -> float:
+        beside = [d for d in decoders if q.shares_cpus(d) and busy(d)]
         return cpu_factor(q.load.prefill_cpu_share, len(q.cpus),
-                          [q.cpu_share_beside(d) for d in decoders
-                           if q.shares_cpus(d) and busy(d)])
+                          [q.cpu_share_beside(d) for d in beside],
+                          sum(q.cpus_shared(d) for d in beside))
 
     cands: list[tuple[Estimate, str, str | None, int]] = []
     for d in decoders:
@@ -487,10 +488,12 @@ def test_a_prefill_worker_whose_cpus_busy_decode_workers_want_is_priced_at_its_s
     """`pdserve cluster up --prefill 1 --decode 2`: the decode workers pinned to CPU 0 and 1,
     the prefill worker on both at nice 5. With a stream running on each decode worker, a
     short interactive prompt sent remote got a quarter of a CPU: 1.4 s for 122 tokens where
-    it takes 0.3 s on a free one (docs/bench/placement_s64). Priced at that share it stays
-    local; with a third CPU free the prefill worker runs there and remote wins as before;
-    a rate the prefill worker measured beside the same busy workers (`prefill_cpu_share`)
-    is already slow and is not slowed again. A 1,146-token batch prompt is slowed only for
+    it takes 0.3 s on a free one (docs/bench/placement_s64). Priced at that share (one
+    thread, as it adapts: `EngineConfig.adapt_threads`) it stays local; with a third CPU
+    free it runs one thread there, at a third of a rate it measured on all three (local
+    still) or at the whole of one it measured on one thread (remote wins as before); a rate
+    the prefill worker measured beside the same busy workers (`prefill_cpu_share`) is
+    already slow and is not slowed again. A 1,146-token batch prompt is slowed only for
     the seconds the busy workers are expected to stay so (`contention_horizon_s`): it
     still goes remote rather than hold a decode worker's CPU for seconds."""
     busy = WorkerLoad(running=1, prefill_tokens_per_s=450.0, decode_step_s=0.045)
@@ -511,16 +514,18 @@ def test_a_prefill_worker_whose_cpus_busy_decode_workers_want_is_priced_at_its_s
     def route(cpus: tuple[int, ...], measured_share: float | None = None) -> Route:
         return placed(cpus, measured_share).decision.route
 
-    assert route((0, 1, 2)) is Route.REMOTE
+    assert route((0, 1, 2)) is Route.LOCAL
+    assert route((0, 1, 2), measured_share=1 / 3) is Route.REMOTE
     assert route((0, 1)) is Route.LOCAL
-    assert route((0, 1), measured_share=0.25) is Route.REMOTE
+    assert route((0, 1), measured_share=0.125) is Route.REMOTE
     batch = placed((0, 1), n=1146, cls=LatencyClass.BATCH, rate=260.0)
     throughout = placed((0, 1), n=1146, cls=LatencyClass.BATCH, rate=260.0,
                         model=dataclasses.replace(MODEL, contention_horizon_s=math.inf))
     assert batch.decision.route is Route.REMOTE
     assert batch.decision.predicted_ttft_s is not None
-    assert throughout.decision.predicted_ttft_s is not None
-    assert batch.decision.predicted_ttft_s < 7.0 < 17.0 < throughout.decision.predicted_ttft_s
+    assert batch.decision.predicted_ttft_s < 7.0
+    # Priced at one thread's quarter of a CPU throughout it would take ~35 s remote.
+    assert throughout.decision.route is Route.LOCAL
     assert contended_factor(0.25, 0.3, 2.0) == 0.25  # within the horizon: the share
     assert contended_factor(0.25, 4.5, 2.0) == pytest.approx(4.5 / 6.0)
     assert contended_factor(1.0, 4.5, 2.0) == 1.0
@@ -528,7 +533,14 @@ def test_a_prefill_worker_whose_cpus_busy_decode_workers_want_is_priced_at_its_s
     d0 = _worker("d0", "decode", busy, ("h1", (0,)))
     assert p0.cpu_share_beside(d0) == pytest.approx(1 / (1 + 1.25 ** 5))
     assert _worker("p1", "prefill", PREFILL, ("h2", ()), 5).cpu_share_beside(d0) == 1.0
-    assert cpu_factor(None, 2, [0.25]) == 1.0  # one CPU is free
-    assert cpu_factor(None, 2, [0.25, 0.5]) == 0.5  # it runs beside the lighter claim
-    assert cpu_factor(0.25, 2, [0.25, 0.25]) == 1.0
+    assert cpu_factor(None, 2, [0.25]) == 0.5  # one CPU is free: one thread of two
+    assert cpu_factor(0.5, 2, [0.25]) == 1.0  # measured on one thread already
+    assert cpu_factor(None, 2, [0.25, 0.5]) == 0.25  # one thread beside the lighter claim
+    assert cpu_factor(0.125, 2, [0.25, 0.25]) == 1.0  # measured so
+    assert cpu_factor(None, 2, [0.25], busy_cpus=2) == 0.125  # one busy on both its CPUs
+    assert cpu_factor(None, 2, []) == 1.0  # nothing busy beside it: its measured rate
     assert cpu_factor(None, 0, [0.25]) == 1.0  # its CPUs unknown: nothing assumed
+    d01 = _worker("d01", "decode", busy, ("h1", (0, 1)))
+    assert (p0.cpus_shared(d0), p0.cpus_shared(d01)) == (1, 2)
+    assert p0.cpus_shared(_worker("d", "decode", busy, ("h2", (0,)))) == 0
+    assert p0.cpus_shared(_worker("d", "decode", busy, ("h1", ()))) == 1  # unknown: one

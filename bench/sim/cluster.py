@@ -137,6 +137,9 @@ class SimConfig:
     # Threads of an unpinned prefill worker (cluster-up; bench.sim.workers.Host: how they
     # share the cores); 0: as `pdserve cluster up` runs it, one per CPU of its host.
     prefill_threads: int = 0
+    # Whether it runs a thread per core the others leave free (`--adapt-threads`, as
+    # `pdserve cluster up` starts it from stop 75 on; records before ran all of them).
+    prefill_adapt: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -208,6 +211,7 @@ class Simulation(Clock):
                                     core=0 if c.sharing in ("own", "1p1d") else None,
                                     threads=c.prefill_threads or SHARED_CORES // c.n_prefill,
                                     speedup=c.overheads.prefill_speedup,
+                                    adapt_threads=c.prefill_adapt,
                                     weight=(c.overheads.prefill_weight
                                             if c.sharing == "cluster-up" else 1024.0),
                                     transfer_s_per_token=c.overheads.transfer_s_per_token,

@@ -88,7 +88,8 @@ def one_p_two_d(setup: Setup, placement: str) -> Iterator[StartedSystem]:
     with cluster:
         affinity = {name: allowed_cpus(proc.pid) for name, proc in cluster.procs.items()}
         layout = (f"LocalCluster 1P2D (pdserve cluster up placement: decode-i on CPU i, "
-                  f"prefill unpinned at nice {cluster.prefill_nice}), workers "
+                  f"prefill unpinned at nice {cluster.prefill_nice}: "
+                  f"`{' '.join(cluster.placement('prefill', 0))}`), workers "
                   f"`{' '.join(worker_args)}`, router `{' '.join(router_args)}`")
         yield StartedSystem(NAMES[placement], cluster.http_url, layout, affinity)
 

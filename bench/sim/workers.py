@@ -108,11 +108,14 @@ class Host:
     busy weight (the kernel's load balancing; two may share one), and it advances by the
     CPU its threads get together, e (the sum of their shares): as one thread at e up to one
     CPU, and from there linearly to its `speedup` (its speed on as many idle CPUs as it has
-    threads over one CPU's) at all of them; relative to that, its full speed. So `pdserve
-    cluster up`'s prefill worker, two threads at nice 5 on two cores, takes a quarter of
-    both decode workers' cores while both stream and has half a CPU; with one of them
-    streaming, it has the other CPU. (The engine alone on a 2-vCPU Zen 4 guest computes a
-    long prompt 1.9x faster on two threads than on one: docs/bench/placement_s74.)
+    threads over one CPU's) at all of them; relative to that, its full speed. One that
+    adapts its threads (`--adapt-threads`, as `pdserve cluster up` starts its prefill
+    workers from stop 75 on) runs one per core nothing else computes on, at least one. So
+    `pdserve cluster up`'s prefill worker at nice 5 on two cores has, while both decode
+    workers stream, a quarter of one core (two threads without adapting: a quarter of each,
+    half a CPU); with one of them streaming, the other CPU; with none, both. (The engine
+    alone on a 2-vCPU Zen 4 guest computes a long prompt 1.9x faster on two threads than on
+    one: docs/bench/placement_s74.)
     One worker alone on its cores runs at full speed (the profile's, times its own factor),
     divided by `corun`'s slowdown while another core of the host computes (shared caches,
     memory bandwidth and, on a VM, execution units: two busy cores each run slower than
@@ -135,7 +138,10 @@ class Host:
         for w in busy:
             if w.core is None:
                 where[w] = []
-                for _ in range(w.threads):
+                n = w.threads
+                if w.adapt_threads:
+                    n = max(1, min(n, sum(1 for x in load if x == 0.0)))
+                for _ in range(n):
                     c = min(range(self.cores), key=lambda i: (load[i], i))
                     where[w].append(c)
                     load[c] += w.weight
@@ -166,6 +172,7 @@ class SimWorker:
 
     def __init__(self, worker_id: str, clock: Clock, cost: StepCost, host: Host, *,
                  core: int | None = None, threads: int = 1, speedup: float = 0.0,
+                 adapt_threads: bool = False,
                  weight: float = 1024.0, num_blocks: int = 728,
                  block_size: int = 16, max_num_batched_tokens: int = 2048,
                  max_prefill_chunk: int = 512, max_num_seqs: int = 64,
@@ -178,6 +185,8 @@ class SimWorker:
         self.threads = 1 if core is not None else max(1, threads)  # a pinned one: its core
         # its speed on `threads` idle CPUs over one CPU's (0: `threads`, perfect scaling)
         self.speedup = min(max(speedup or self.threads, 1.0), self.threads)
+        # an unpinned one runs a thread per core the others leave free (EngineConfig)
+        self.adapt_threads = adapt_threads
         self.step_overhead_s = step_overhead_s
         self.token_overhead_s = token_overhead_s
         self.context_overhead_s = context_overhead_s

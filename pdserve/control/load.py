@@ -46,6 +46,7 @@ class WorkerLoad:
     decode_step_s: float | None = None
     # Of its CPUs while it prefilled (CPU over wall seconds per thread; 0: no sample yet).
     prefill_cpu_share: float | None = None
+    engine_threads: float | None = None  # torch threads of its last step (--adapt-threads)
     waiting_prompt_tokens: float | None = None
     # Prefill workers: seconds of KV transfer per prompt token (moving average; 0: none yet).
     kv_transfer_s_per_token: float | None = None

@@ -88,6 +88,15 @@ class WorkerInfo:
                 and (not self.cpus or not other.cpus
                      or not set(self.cpus).isdisjoint(other.cpus)))
 
+    def cpus_shared(self, other: WorkerInfo) -> int:
+        """How many of this worker's CPUs `other` computes on when busy: the CPUs both may
+        run on (one where either set is unknown); 0 where they do not share (`shares_cpus`)."""
+        if not self.shares_cpus(other):
+            return 0
+        if not self.cpus or not other.cpus:
+            return 1
+        return len(set(self.cpus) & set(other.cpus))
+
     def stall_share(self, other: WorkerInfo) -> float:
         """How much `other`'s work is slowed per second of CPU this worker computes: 0 where
         they do not share CPUs (`shares_cpus`); else the scheduler's weight of this worker's

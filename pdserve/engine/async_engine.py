@@ -124,6 +124,7 @@ class AsyncEngine(AsyncResource):
         self._wake.set()
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+        self._engine.close()
 
 
     # ------------------------------------------------------------------ read-only views

@@ -158,6 +158,11 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    # Each step runs on as many of those threads as this process's CPUs other processes leave
+    # free (at least one; pdserve.engine.free_cpus): for a worker that shares its CPUs at a
+    # lower priority (`pdserve cluster up`'s prefill workers), whose threads on a CPU a busy
+    # neighbour takes would make every parallel region wait for them.
+    adapt_threads: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -15,6 +15,7 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.free_cpus import FreeCpus, threads_for
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import _DTYPES, ModelRunner
 from pdserve.engine.sampler import Sampler
@@ -68,8 +69,15 @@ class LLMEngine:
         self.queue_time = DurationHistogram(QUEUE_TIME_BUCKETS)
         self.rates = StepRates()
         # The CPU a step gets is counted for the whole process (torch's threads and the
-        # worker's own), per thread of torch's: a step alone on free CPUs is ~1.
+        # worker's own), per thread of torch's: a step alone on free CPUs is ~1. With
+        # adapt_threads a step may run on fewer; its share still counts all of them (on one
+        # of two free CPUs it is ~0.5), which is what the router scales by
+        # (router.cost.cpu_factor).
         self._threads = max(1, torch.get_num_threads())
+        self._free_cpus: FreeCpus | None = None
+        if config.adapt_threads:
+            self._free_cpus = FreeCpus()
+        self.step_threads = self._threads  # what the last step ran on
 
     @classmethod
     def from_dir(cls, model_dir: Path, config: EngineConfig | None = None) -> LLMEngine:
@@ -116,6 +124,7 @@ class LLMEngine:
             prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
             decode_step_s=self.rates.decode_step_s,
             prefill_cpu_share=self.rates.prefill_cpu_share,
+            threads=self.step_threads,
             waiting_prompt_tokens=s.waiting_prompt_tokens,
             queue_time=self.queue_time.snapshot())
 
@@ -253,6 +262,8 @@ class LLMEngine:
                 self.queue_time.observe(now - s.seq.arrival)
         prefill_tokens = sum(s.num_new_tokens for s in out.scheduled
                              if s.start < s.seq.num_prompt_tokens)
+        if self._free_cpus is not None:
+            self._adapt_threads(self._free_cpus)
         sampling, logits = self.runner.run(out)
         self.scheduler.postprocess(out)
         self.num_steps += 1
@@ -264,6 +275,20 @@ class LLMEngine:
         self.rates.observe(time.monotonic() - now, prefill_tokens,
                            (time.process_time() - cpu) / self._threads)
         return events
+
+    def _adapt_threads(self, free_cpus: FreeCpus) -> None:
+        """Run the next step on a thread per CPU that others leave free (at least one).
+        torch's thread count is the calling thread's (OpenMP's), and only the engine thread
+        runs steps."""
+        n = threads_for(free_cpus.free, self._threads)
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+        self.step_threads = n
+
+    def close(self) -> None:
+        """Stop what the engine runs beside its steps (the free-CPU sampler)."""
+        if self._free_cpus is not None:
+            self._free_cpus.close()
 
     def fail_all(self, message: str) -> list[TokenEvent]:
         """End every live request with an error (used when a step raised)."""

@@ -87,6 +87,10 @@ ENGINE_METRICS: tuple[EngineMetric, ...] = (
                  "Share of its CPUs the engine had in steps that prefilled: CPU seconds over "
                  "wall seconds per thread (moving average; 0: none yet).",
                  lambda s: s.prefill_cpu_share, "prefill_cpu_share"),
+    EngineMetric("pdserve_engine_threads", "gauge",
+                 "Torch threads the engine's last step ran on (fewer than configured where "
+                 "other processes took its CPUs and it adapts: --adapt-threads).",
+                 lambda s: s.threads, "engine_threads"),
     EngineMetric("pdserve_engine_waiting_prompt_tokens", "gauge",
                  "Prompt tokens admitted and not computed yet.",
                  lambda s: s.waiting_prompt_tokens, "waiting_prompt_tokens"),

@@ -84,6 +84,7 @@ class EngineStats:
     prefill_tokens_per_s: float = 0.0  # 0: no sample yet
     decode_step_s: float = 0.0
     prefill_cpu_share: float = 0.0  # of its CPUs while it prefilled; 0: no sample yet
+    threads: int = 0  # torch threads its last step ran on (EngineConfig.adapt_threads)
     waiting_prompt_tokens: int = 0  # prompt tokens admitted and not computed yet
     queue_time: HistogramSnapshot = field(
         default_factory=lambda: DurationHistogram(QUEUE_TIME_BUCKETS).snapshot())
