@@ -41,7 +41,7 @@ def settled(free_cpus: FreeCpus) -> float:
 
 
 def test_threads_for_the_free_cpus() -> None:
-    assert [threads_for(f, 2) for f in (0.0, 0.5, 1.0, 1.7, 1.85, 2.0)] == [1, 1, 1, 1, 2, 2]
+    assert [threads_for(f, 2) for f in (0.0, 0.5, 1.0, 1.4, 1.6, 2.0)] == [1, 1, 1, 1, 2, 2]
     assert threads_for(3.0, 2) == 2 and threads_for(0.0, 1) == 1
 
 
