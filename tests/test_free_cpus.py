@@ -15,12 +15,13 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from pdserve.engine.free_cpus import FreeCpus, threads_for
+from pdserve.engine.free_cpus import LONG_STEP_TOKENS, FreeCpus, threads_for
 from pdserve.types import GenerateRequest
-from tests.helpers.engine_util import greedy, run_to_end
+from tests.helpers.engine_util import greedy
 
 CPUS = sorted(os.sched_getaffinity(0))
-SETTLE_S = 1.0  # the sampler's moving average settles within a fraction of this
+SETTLE_S = 1.0  # `FreeCpus.free` (over ~0.15 s) settles well within this
+STEADY_S = 5.0  # and `FreeCpus.free_steady` (over ~2 s) within this
 
 
 @contextmanager
@@ -35,8 +36,8 @@ def busy_cpu(cpu: int) -> Iterator[None]:
         hog.wait(timeout=10)
 
 
-def settled(free_cpus: FreeCpus) -> float:
-    time.sleep(SETTLE_S)
+def settled(free_cpus: FreeCpus, wait_s: float = SETTLE_S) -> float:
+    time.sleep(wait_s)
     return free_cpus.free
 
 
@@ -52,6 +53,8 @@ def test_a_busy_neighbour_takes_its_cpu_and_this_process_takes_none() -> None:
     try:
         with busy_cpu(CPUS[0]):
             assert settled(sampler) < 0.4
+            assert sampler.free_steady > 0.4  # a second is not yet a steady neighbour
+            assert settled(sampler, STEADY_S) < 0.4 and sampler.free_steady < 0.4
         assert settled(sampler) > 0.6
     finally:
         sampler.close()
@@ -75,25 +78,36 @@ def test_a_busy_neighbour_takes_its_cpu_and_this_process_takes_none() -> None:
 @pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs to leave one free")
 def test_an_adapting_engine_steps_on_the_cpus_left_free_and_changes_no_token(
         make_engine, prompt_ids) -> None:  # type: ignore[no-untyped-def]
-    """Beside a process computing on one of its two CPUs, a step runs on one thread (and
-    publishes it: `EngineStats.threads`); with both free, on two. The tokens are those of
-    an engine that never adapts."""
+    """Beside a process computing on one of its two CPUs, a short step runs on one thread
+    within a second, a long one once the neighbour has computed for seconds (and each
+    publishes it: `EngineStats.threads`); with both CPUs free again, two. The tokens are
+    those of an engine that never adapts."""
     before = torch.get_num_threads()
-    prompt = tuple(prompt_ids[-1])
+    short, long = tuple(prompt_ids[0][:LONG_STEP_TOKENS // 2]), tuple(prompt_ids[-1])
+    assert len(long) > 2 * LONG_STEP_TOKENS
+
+    def run(engine, rid: str, prompt: tuple[int, ...]  # type: ignore[no-untyped-def]
+            ) -> tuple[list[int | None], set[int]]:
+        """The tokens, and the threads its steps ran on."""
+        engine.add_request(GenerateRequest(rid, prompt, greedy(8)))
+        got, threads = [], set()
+        while engine.has_unfinished():
+            got += [e.token_id for e in engine.step()]
+            threads.add(engine.stats().threads)
+        return got, threads
+
     try:
         fixed = make_engine(num_threads=2)
-        want = run_to_end(fixed, [GenerateRequest("ref", prompt, greedy(8))])["ref"]
+        want = {p: run(fixed, f"ref{len(p)}", p)[0] for p in (short, long)}
         engine = make_engine(num_threads=2, adapt_threads=True)
         try:
             with busy_cpu(CPUS[0]):
                 time.sleep(SETTLE_S)
-                got = run_to_end(engine, [GenerateRequest("a", prompt, greedy(8))])["a"]
-                assert engine.stats().threads == 1
-            assert [e.token_id for e in got] == [e.token_id for e in want]
-            time.sleep(SETTLE_S)
-            again = run_to_end(engine, [GenerateRequest("b", prompt, greedy(8))])["b"]
-            assert engine.stats().threads == 2
-            assert [e.token_id for e in again] == [e.token_id for e in want]
+                assert run(engine, "s1", short) == (want[short], {1})
+                time.sleep(STEADY_S)
+                assert run(engine, "l1", long) == (want[long], {1})
+            time.sleep(STEADY_S)
+            assert run(engine, "l2", long) == (want[long], {2})
         finally:
             engine.close()
     finally:

@@ -7,14 +7,22 @@ workers pinned one to a CPU. On free CPUs a prompt computes 1.9x as fast on two 
 one (docs/bench/placement_s74). But where a decode worker at nice 0 computes on one of those
 CPUs, the prefill worker's thread there gets a quarter of it in scheduler slices of
 milliseconds, and every parallel region of a step (a few hundred per forward pass) waits at
-its barrier for that thread: a 67-102-token interactive prompt took 1.0-6.7 s instead of
-0.1-0.4 s (`pdserve cluster up --prefill 1 --decode 2`, stop 74). One thread on the free CPU
-computes at full speed, and beside busy workers a single thread at least never waits for
-another one.
+its barrier for that thread: a 67-128-token interactive prompt took up to 5.5 s instead of
+0.1-0.3 s (`pdserve cluster up --prefill 1 --decode 2`, docs/bench/placement_s75). One
+thread on the free CPU computes at full speed.
+
+Two time scales, by the step's size. A short step (an interactive prompt: few tokens, many
+regions, each with little work) pays most for a busy neighbour and gains least from a second
+thread, so it is judged by the last ~0.15 s (`free`). A long one (a 512-token chunk) loses
+little on two threads beside a busy neighbour (a 1,146-token prompt beside streams: 12-14 s
+on two threads or on one), but an idle prompt on one thread loses a quarter; and what ran
+just before it was often the stream that had just ended, or the pipeline that brought the
+prompt (0.4 s of a busy CPU before each prompt, stop 75). So it is judged by the last ~2 s
+(`free_steady`): a neighbour that computes for a second or more.
 
 The sampler reads the CPUs' busy time (psutil: /proc/stat on Linux, steal included, as the
 hypervisor's taking is not ours either) and this process's own CPU time every `period_s`,
-and keeps a moving average of the busy CPUs that are not this process's."""
+and keeps moving averages of the busy CPUs that are not this process's."""
 
 from __future__ import annotations
 
@@ -24,12 +32,13 @@ from collections.abc import Collection
 
 import psutil
 
-# A CPU counts as free when other processes keep it busy less than this share of the time.
-# A decode worker running streams keeps its CPU busy all the time; what else runs beside a
-# worker (the router, heartbeats, the KV a decode worker receives after each prompt chunk)
-# comes in short bursts, and at a margin of 0.2 those made an idle prefill worker run some
-# chunks of a 1,146-token prompt on one thread: 1.8-1.9 s instead of 1.5 (stop 75).
+# A CPU counts as free when other processes keep it busy less than half the time: a decode
+# worker running streams keeps its CPU busy all the time, what else runs beside a worker (the
+# router, heartbeats, the KV a decode worker receives) comes in short bursts, and at a margin
+# of 0.2 those put an idle prefill worker's chunks on one thread.
 BUSY_MARGIN = 0.5
+# Prompt tokens from which a step counts as long (`FreeCpus.free_steady` sizes it).
+LONG_STEP_TOKENS = 256
 
 
 def busy_seconds(cpus: Collection[int]) -> float:
@@ -52,16 +61,17 @@ def threads_for(free: float, most: int) -> int:
 
 class FreeCpus:
     """A daemon thread sampling `cpus` (default: the ones this process may run on) every
-    `period_s`; `free` is their number minus the moving average of the ones other processes
-    kept busy (time constant about `period_s` / `alpha`). `close` stops it."""
+    `period_s`; `free` and `free_steady` are their number minus moving averages of the ones
+    other processes kept busy, over about `fast_s` and `steady_s`. `close` stops it."""
 
     def __init__(self, cpus: Collection[int] | None = None, *, period_s: float = 0.05,
-                 alpha: float = 0.3):
+                 fast_s: float = 0.15, steady_s: float = 2.0):
         import os
 
         self.cpus = tuple(sorted(cpus if cpus is not None else os.sched_getaffinity(0)))
-        self.period_s, self.alpha = period_s, alpha
-        self._others = 0.0  # CPUs other processes keep busy (moving average)
+        self.period_s = period_s
+        self._alphas = (min(1.0, period_s / fast_s), min(1.0, period_s / steady_s))
+        self._others = [0.0, 0.0]  # CPUs other processes keep busy: fast, steady
         self._stop = threading.Event()
         self._last = self._read()
         self._thread = threading.Thread(target=self._run, name="pdserve-free-cpus",
@@ -70,7 +80,16 @@ class FreeCpus:
 
     @property
     def free(self) -> float:
-        return max(0.0, len(self.cpus) - self._others)
+        return max(0.0, len(self.cpus) - self._others[0])
+
+    @property
+    def free_steady(self) -> float:
+        return max(0.0, len(self.cpus) - self._others[1])
+
+    def threads(self, most: int, prompt_tokens: int) -> int:
+        """Threads for a step of `prompt_tokens` (`threads_for`; the module's docstring)."""
+        long = prompt_tokens >= LONG_STEP_TOKENS
+        return threads_for(self.free_steady if long else self.free, most)
 
     def close(self) -> None:
         self._stop.set()
@@ -86,8 +105,10 @@ class FreeCpus:
             if wall <= 0.0:
                 continue
             others = max(0.0, (now[1] - self._last[1]) - (now[2] - self._last[2])) / wall
-            self._others += self.alpha * (min(float(len(self.cpus)), others) - self._others)
+            others = min(float(len(self.cpus)), others)
+            for i, alpha in enumerate(self._alphas):
+                self._others[i] += alpha * (others - self._others[i])
             self._last = now
 
 
-__all__ = ["BUSY_MARGIN", "FreeCpus", "busy_seconds", "threads_for"]
+__all__ = ["BUSY_MARGIN", "LONG_STEP_TOKENS", "FreeCpus", "busy_seconds", "threads_for"]

@@ -15,7 +15,7 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.free_cpus import FreeCpus, threads_for
+from pdserve.engine.free_cpus import FreeCpus
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import _DTYPES, ModelRunner
 from pdserve.engine.sampler import Sampler
@@ -263,7 +263,7 @@ class LLMEngine:
         prefill_tokens = sum(s.num_new_tokens for s in out.scheduled
                              if s.start < s.seq.num_prompt_tokens)
         if self._free_cpus is not None:
-            self._adapt_threads(self._free_cpus)
+            self._adapt_threads(self._free_cpus, prefill_tokens)
         sampling, logits = self.runner.run(out)
         self.scheduler.postprocess(out)
         self.num_steps += 1
@@ -276,11 +276,11 @@ class LLMEngine:
                            (time.process_time() - cpu) / self._threads)
         return events
 
-    def _adapt_threads(self, free_cpus: FreeCpus) -> None:
-        """Run the next step on a thread per CPU that others leave free (at least one).
-        torch's thread count is the calling thread's (OpenMP's), and only the engine thread
-        runs steps."""
-        n = threads_for(free_cpus.free, self._threads)
+    def _adapt_threads(self, free_cpus: FreeCpus, prompt_tokens: int) -> None:
+        """Run the next step on a thread per CPU that others leave free (at least one;
+        `FreeCpus.threads`). torch's thread count is the calling thread's (OpenMP's), and
+        only the engine thread runs steps."""
+        n = free_cpus.threads(self._threads, prompt_tokens)
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
         self.step_threads = n
