@@ -166,7 +166,7 @@ class _Busy(SimWorker):
     def __init__(self, core: int | None, weight: float, host: Host, threads: int = 1,
                  speedup: float = 0.0, adapt: bool = False) -> None:
         self.core, self.weight, self.busy, self.threads = core, weight, True, threads
-        self.adapt_threads = adapt
+        self.adapt_threads, self.step_long = adapt, True
         self.speedup = speedup or threads
         self.step_kind, self.step_rows = "decode", 1
         host.workers.append(self)
@@ -233,7 +233,8 @@ def test_an_adapting_worker_runs_a_thread_per_free_core() -> None:
     """`pdserve cluster up`'s prefill worker from stop 75 on (`--adapt-threads`): beside
     one busy decode worker it runs one thread, on the free core, at its one-thread speed
     (1 / speedup of its full one); beside two, one thread at a quarter of a core (nice 5
-    beside nice 0), where two threads would take a quarter of each; alone, both."""
+    beside nice 0), where two threads would take a quarter of each; alone, both; and a
+    short prompt's step one thread throughout (pdserve.engine.free_cpus)."""
     host = Host(2)
     d0, d1 = _Busy(0, 1024.0, host), _Busy(1, 1024.0, host)
     p = _Busy(None, 335.0, host, threads=2, speedup=1.9, adapt=True)
@@ -245,6 +246,8 @@ def test_an_adapting_worker_runs_a_thread_per_free_core() -> None:
     assert s[d0] == 1.0 and s[p] == pytest.approx(1 / 1.9)
     d0.busy = False
     assert host.speeds()[p] == 1.0
+    p.step_long = False  # a short prompt's step: one thread on free cores too
+    assert host.speeds()[p] == pytest.approx(1 / 1.9)
 
 
 def test_records_say_whether_the_prefill_worker_adapted() -> None:

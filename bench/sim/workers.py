@@ -23,6 +23,7 @@ from bench.engine_profile import predict
 from pdserve.control.load import WorkerLoad
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.free_cpus import LONG_STEP_TOKENS
 from pdserve.engine.scheduler import (
     ScheduledSeq,
     Scheduler,
@@ -110,7 +111,8 @@ class Host:
     CPU, and from there linearly to its `speedup` (its speed on as many idle CPUs as it has
     threads over one CPU's) at all of them; relative to that, its full speed. One that
     adapts its threads (`--adapt-threads`, as `pdserve cluster up` starts its prefill
-    workers from stop 75 on) runs one per core nothing else computes on, at least one. So
+    workers from stop 75 on) runs one per core nothing else computes on, at least one, for
+    a step of a long prompt, and one thread for any other step. So
     `pdserve cluster up`'s prefill worker at nice 5 on two cores has, while both decode
     workers stream, a quarter of one core (two threads without adapting: a quarter of each,
     half a CPU); with one of them streaming, the other CPU; with none, both. (The engine
@@ -139,8 +141,8 @@ class Host:
             if w.core is None:
                 where[w] = []
                 n = w.threads
-                if w.adapt_threads:
-                    n = max(1, min(n, sum(1 for x in load if x == 0.0)))
+                if w.adapt_threads:  # as pdserve.engine.free_cpus sizes it
+                    n = max(1, min(n, sum(1 for x in load if x == 0.0))) if w.step_long else 1
                 for _ in range(n):
                     c = min(range(self.cores), key=lambda i: (load[i], i))
                     where[w].append(c)
@@ -202,6 +204,7 @@ class SimWorker:
         self.busy = False
         self.step_kind = "decode"
         self.step_rows = 0  # the current step's sequences
+        self.step_long = False  # it computes part of a long prompt (free_cpus.LONG_STEP_TOKENS)
         self.steps = 0
         self._out: SchedulerOutput | None = None
         self._left = 0.0  # work (seconds at full speed) left in the current step
@@ -237,6 +240,8 @@ class SimWorker:
         prompt = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
         self.step_kind = "prefill" if prompt >= PREFILL_STEP_TOKENS else "decode"
         self.step_rows = len(out.scheduled)
+        self.step_long = any(s.seq.num_prompt_tokens >= LONG_STEP_TOKENS
+                             for s in out.scheduled if s.start < s.seq.num_prompt_tokens)
         context = sum(s.start for s in out.scheduled if s.num_new_tokens == 1)
         self._left = (self.step_overhead_s + self.token_overhead_s * streamed
                       + self.context_overhead_s * context

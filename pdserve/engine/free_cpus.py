@@ -11,18 +11,20 @@ its barrier for that thread: a 67-128-token interactive prompt took up to 5.5 s 
 0.1-0.3 s (`pdserve cluster up --prefill 1 --decode 2`, docs/bench/placement_s75). One
 thread on the free CPU computes at full speed.
 
-Two time scales, by the step's size. A short step (an interactive prompt: few tokens, many
-regions, each with little work) pays most for a busy neighbour and gains least from a second
-thread, so it is judged by the last ~0.15 s (`free`). A long one (a 512-token chunk) loses
-little on two threads beside a busy neighbour (a 1,146-token prompt beside streams: 12-14 s
-on two threads or on one), but an idle prompt on one thread loses a quarter; and what ran
-just before it was often the stream that had just ended, or the pipeline that brought the
-prompt (0.4 s of a busy CPU before each prompt, stop 75). So it is judged by the last ~2 s
-(`free_steady`): a neighbour that computes for a second or more.
+A short step (one that computes no part of a prompt of `LONG_STEP_TOKENS` tokens or more:
+an interactive prompt, a decode step) runs on one thread always: it gains little from a
+second, and where a neighbour starts to compute while it runs it loses seconds (a 94-token
+prompt took 2.6 s when a decode worker started a prompt 20 ms after it, stop 75). A long
+one (a chunk of a long prompt) loses little on two threads beside a busy neighbour (a
+1,146-token prompt beside streams: 12-14 s on two threads or on one), but an idle prompt on
+one thread loses a quarter; and what ran just before it was often the stream that had just
+ended, or the pipeline that brought the prompt (0.4 s of a busy CPU before each prompt,
+stop 75). So it is sized by the last ~2 s (`free`): a neighbour that computes for a second
+or more.
 
 The sampler reads the CPUs' busy time (psutil: /proc/stat on Linux, steal included, as the
 hypervisor's taking is not ours either) and this process's own CPU time every `period_s`,
-and keeps moving averages of the busy CPUs that are not this process's."""
+and keeps a moving average of the busy CPUs that are not this process's."""
 
 from __future__ import annotations
 
@@ -37,7 +39,9 @@ import psutil
 # router, heartbeats, the KV a decode worker receives) comes in short bursts, and at a margin
 # of 0.2 those put an idle prefill worker's chunks on one thread.
 BUSY_MARGIN = 0.5
-# Prompt tokens from which a step counts as long (`FreeCpus.free_steady` sizes it).
+# A step that computes part of a prompt this long counts as long (more than one thread only
+# for those). By the prompt, not the chunk: chunks are sized by the measured rate
+# (`EngineConfig.step_target_ms`), and a rate measured on one thread would keep them short.
 LONG_STEP_TOKENS = 256
 
 
@@ -61,17 +65,17 @@ def threads_for(free: float, most: int) -> int:
 
 class FreeCpus:
     """A daemon thread sampling `cpus` (default: the ones this process may run on) every
-    `period_s`; `free` and `free_steady` are their number minus moving averages of the ones
-    other processes kept busy, over about `fast_s` and `steady_s`. `close` stops it."""
+    `period_s`; `free` is their number minus a moving average of the ones other processes
+    kept busy, over about `window_s`. `close` stops it."""
 
     def __init__(self, cpus: Collection[int] | None = None, *, period_s: float = 0.05,
-                 fast_s: float = 0.15, steady_s: float = 2.0):
+                 window_s: float = 2.0):
         import os
 
         self.cpus = tuple(sorted(cpus if cpus is not None else os.sched_getaffinity(0)))
         self.period_s = period_s
-        self._alphas = (min(1.0, period_s / fast_s), min(1.0, period_s / steady_s))
-        self._others = [0.0, 0.0]  # CPUs other processes keep busy: fast, steady
+        self._alpha = min(1.0, period_s / window_s)
+        self._others = 0.0  # CPUs other processes keep busy (moving average)
         self._stop = threading.Event()
         self._last = self._read()
         self._thread = threading.Thread(target=self._run, name="pdserve-free-cpus",
@@ -80,16 +84,13 @@ class FreeCpus:
 
     @property
     def free(self) -> float:
-        return max(0.0, len(self.cpus) - self._others[0])
+        return max(0.0, len(self.cpus) - self._others)
 
-    @property
-    def free_steady(self) -> float:
-        return max(0.0, len(self.cpus) - self._others[1])
-
-    def threads(self, most: int, prompt_tokens: int) -> int:
-        """Threads for a step of `prompt_tokens` (`threads_for`; the module's docstring)."""
-        long = prompt_tokens >= LONG_STEP_TOKENS
-        return threads_for(self.free_steady if long else self.free, most)
+    def threads(self, most: int, longest_prompt: int) -> int:
+        """Threads for a step that computes part of a prompt of `longest_prompt` tokens (0:
+        none): one for a short step, else `threads_for` the CPUs free (the module's
+        docstring)."""
+        return threads_for(self.free, most) if longest_prompt >= LONG_STEP_TOKENS else 1
 
     def close(self) -> None:
         self._stop.set()
@@ -105,9 +106,7 @@ class FreeCpus:
             if wall <= 0.0:
                 continue
             others = max(0.0, (now[1] - self._last[1]) - (now[2] - self._last[2])) / wall
-            others = min(float(len(self.cpus)), others)
-            for i, alpha in enumerate(self._alphas):
-                self._others[i] += alpha * (others - self._others[i])
+            self._others += self._alpha * (min(float(len(self.cpus)), others) - self._others)
             self._last = now
 
 

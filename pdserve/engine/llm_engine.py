@@ -263,7 +263,9 @@ class LLMEngine:
         prefill_tokens = sum(s.num_new_tokens for s in out.scheduled
                              if s.start < s.seq.num_prompt_tokens)
         if self._free_cpus is not None:
-            self._adapt_threads(self._free_cpus, prefill_tokens)
+            self._adapt_threads(self._free_cpus, max(
+                (s.seq.num_prompt_tokens for s in out.scheduled
+                 if s.start < s.seq.num_prompt_tokens), default=0))
         sampling, logits = self.runner.run(out)
         self.scheduler.postprocess(out)
         self.num_steps += 1
@@ -276,11 +278,12 @@ class LLMEngine:
                            (time.process_time() - cpu) / self._threads)
         return events
 
-    def _adapt_threads(self, free_cpus: FreeCpus, prompt_tokens: int) -> None:
+    def _adapt_threads(self, free_cpus: FreeCpus, longest_prompt: int) -> None:
         """Run the next step on a thread per CPU that others leave free (at least one;
-        `FreeCpus.threads`). torch's thread count is the calling thread's (OpenMP's), and
-        only the engine thread runs steps."""
-        n = free_cpus.threads(self._threads, prompt_tokens)
+        `FreeCpus.threads`), `longest_prompt`: the longest prompt it computes a part of.
+        torch's thread count is the calling thread's (OpenMP's), and only the engine thread
+        runs steps."""
+        n = free_cpus.threads(self._threads, longest_prompt)
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
         self.step_threads = n
