@@ -185,13 +185,18 @@ def record_engine(root: Path) -> dict[str, Any]:
             "max_prefill_chunk": int(setup.get("max_prefill_chunk", 512))}
 
 
+def _layouts(setup: dict[str, Any]) -> list[str]:
+    """A record's layouts (bench.goodput / bench.sim.real setup.json): its own, and each
+    system's."""
+    return [setup.get("layout") or "", *(s.get("layout") or ""
+                                         for s in (setup.get("systems") or {}).values())]
+
+
 def record_threads(setup: dict[str, Any]) -> int:
-    """The workers' --threads in a record's layout (bench.goodput / bench.sim.real
-    setup.json: "workers `--threads 1 ...`"), 0 where none is given (`pdserve cluster up`'s
-    placement chooses: bench.sim.real's 1P2D from stop 74 on)."""
-    layouts = [setup.get("layout") or "", *(s.get("layout") or ""
-                                            for s in (setup.get("systems") or {}).values())]
-    for layout in layouts:
+    """The workers' --threads in a record's layout ("workers `--threads 1 ...`"), 0 where
+    none is given (`pdserve cluster up`'s placement chooses: bench.sim.real's 1P2D from
+    stop 74 on)."""
+    for layout in _layouts(setup):
         m = re.search(r"workers `[^`]*--threads[ =](\d+)", layout)
         if m:
             return int(m.group(1))
@@ -202,9 +207,7 @@ def record_adapts(setup: dict[str, Any]) -> bool:
     """Whether a record's unpinned prefill worker adapted its threads to the CPUs left free
     (bench.sim.real's layout names `pdserve cluster up`'s prefill flags from stop 75 on;
     before, it ran all of them)."""
-    layouts = [setup.get("layout") or "", *(s.get("layout") or ""
-                                            for s in (setup.get("systems") or {}).values())]
-    return any("--adapt-threads" in layout for layout in layouts)
+    return any("--adapt-threads" in layout for layout in _layouts(setup))
 
 
 def _overhead_window(router_extra: str | None) -> int:

@@ -99,7 +99,9 @@ async def run_decode(config: DecodeConfig, stop: asyncio.Event,
                                       epoch=epoch, started_at=time.time(),
                                       ucx_address=receiver.address,
                                       descriptor_id=descriptor_id, load=load(),
-                                      host_id=this_host(), cpus=this_cpus(), nice=this_nice())
+                                      host_id=this_host(), cpus=this_cpus(), nice=this_nice(),
+                                      threads=engine.threads,
+                                      adapt_threads=config.engine.adapt_threads)
 
                     async def register() -> None:
                         await registry.register(info, config.lease_ttl_s,

@@ -96,7 +96,9 @@ async def run_prefill(config: PrefillConfig, stop: asyncio.Event,
                 info = WorkerInfo(worker_id=config.worker_id, role="prefill",
                                   grpc_address=address, model_id=engine.layout.model_id,
                                   epoch=epoch, started_at=time.time(), load=load(),
-                                  host_id=this_host(), cpus=this_cpus(), nice=this_nice())
+                                  host_id=this_host(), cpus=this_cpus(), nice=this_nice(),
+                                  threads=engine.threads,
+                                  adapt_threads=config.engine.adapt_threads)
 
                 async def register() -> None:
                     await registry.register(info, config.lease_ttl_s,

@@ -21,16 +21,18 @@ worker p holding c_p in its own (both from the router's KV index, router.kv_inde
                 (`WorkerInfo.stall_share`: at nice 5 beside w at nice 0, a third); and p
                 computes only after w's own queued prompt work (w's priority), so that is
                 in its TTFT too. On one shared host a remote prefill adds no compute, but
-                at a lower priority it stalls w's streams less than a local one. Where
-                busy worker beside it (decode workers running streams or prefilling)
-                computes on some of the CPUs p may use, p runs a thread per CPU left free
-                (`EngineConfig.adapt_threads`), so at that many of its CPUs' rate; with
-                none free, one thread at the share of a CPU the kernel gives it there
-                (`WorkerInfo.cpu_share_beside`: a quarter at nice 5 beside nice 0); for
-                `contention_horizon_s`, then at its measured rate, unless that rate was
-                measured so already (`cpu_factor`): on `pdserve cluster up`'s 1P2D layout,
-                two decode workers each running a stream held a 120-token prompt on the
-                prefill worker 1.4 s, not 0.3.
+                at a lower priority it stalls w's streams less than a local one. p's
+                rate is priced for the threads it will run (`cpu_factor`): where a busy
+                worker beside it (decode workers running streams or prefilling) computes
+                on some of the CPUs p may use, a thread per CPU left free; with none
+                free, one thread at the share of a CPU the kernel gives it there
+                (`WorkerInfo.cpu_share_beside`: a quarter at nice 5 beside nice 0), for
+                `contention_horizon_s`, then as with nothing busy beside it: on
+                `pdserve cluster up`'s 1P2D layout, two decode workers each running a
+                stream held a 120-token prompt on the prefill worker 1.4 s, not 0.3. A p
+                that adapts its threads (`EngineConfig.adapt_threads`, as `cluster up`
+                starts it) computes a short prompt (under `free_cpus.LONG_STEP_TOKENS`)
+                on one thread even on free CPUs: at about half its two-thread rate.
                 p computes what *its* cache lacks; only the blocks w lacks cross the wire.
 - either way, the stream then decodes on w: its TPOT is w's measured decode step, grown by
   `decode_row_fraction` of it for each stream more than w ran when it measured (the ones
@@ -71,6 +73,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdserve.control.load import WorkerLoad
+from pdserve.engine.free_cpus import threads_for
 from router.policy import Decision, Route
 
 
@@ -156,32 +159,46 @@ def prefill_capacity(loads: Iterable[WorkerLoad], model: CostModel) -> float:
 
 
 def cpu_factor(measured_share: float | None, cpus: int, beside_busy: Iterable[float],
-               busy_cpus: float | None = None) -> float:
-    """What a prefill worker's measured rate is multiplied by for the CPUs it will find now
-    (at most 1): `cpus`, how many CPUs it may run on (0: unknown, nothing is assumed);
-    `beside_busy`, the share of a CPU it gets beside each busy worker that competes for
-    them (`WorkerInfo.cpu_share_beside`); `busy_cpus`, how many of its CPUs those workers
-    compute on (`WorkerInfo.cpus_shared`; default: one each). Such a worker runs a thread
-    per CPU the busy ones leave free (`EngineConfig.adapt_threads`, as `pdserve cluster up`
-    starts it), so it computes at that many of its CPUs; with none free, one thread at the
-    best of those shares. That is over the share of its CPUs it had while it measured
-    (`WorkerLoad.prefill_cpu_share`, over all of its threads; unknown: all of them), so a
-    rate measured beside the same busy workers, or on fewer threads, is not slowed twice.
-    With no busy worker beside it: its measured rate."""
+               busy_cpus: float | None = None, *, threads: int = 0, adapt: bool = False,
+               long_prompt: bool = True) -> float:
+    """What a prefill worker's measured rate is multiplied by for the CPUs it will find now:
+    `cpus`, how many CPUs it may run on (0: unknown, nothing is assumed); `beside_busy`, the
+    share of a CPU it gets beside each busy worker that competes for them
+    (`WorkerInfo.cpu_share_beside`); `busy_cpus`, how many of its CPUs those workers compute
+    on (`WorkerInfo.cpus_shared`; default: one each); `threads`, its torch threads
+    (`WorkerInfo.threads`; 0: one per CPU).
+
+    Its threads each take a CPU the busy ones leave free; with none free, one thread computes
+    at the best of those shares. One that adapts its threads (`adapt`:
+    `EngineConfig.adapt_threads`, as `pdserve cluster up` starts it) runs a step of a long
+    prompt (`long_prompt`: `free_cpus.LONG_STEP_TOKENS` or more) on a thread per CPU left
+    free, and any other step on one thread, even on an idle host. The CPUs it gets are over
+    the share of its threads' CPUs it had while it measured (`WorkerLoad.prefill_cpu_share`;
+    unknown: all of them): a rate measured on one thread of two is half the speed of two,
+    and a rate measured beside the same busy workers is not slowed twice. A worker with
+    fixed threads is never priced above its measured rate (and, with no busy worker beside
+    it, at that rate): an adapting one is, as a long prompt on free CPUs runs on more
+    threads than the short ones it may have measured on (a 2-vCPU Zen 4: 1.9x)."""
     shares = list(beside_busy)
-    if not cpus or not shares:
+    if not cpus or not (shares or adapt):
         return 1.0
+    most = threads or cpus
     taken = min(float(cpus), len(shares) if busy_cpus is None else busy_cpus)
-    have = (cpus - taken) / cpus if taken < cpus else max(shares) / cpus
-    return min(1.0, have / (measured_share or 1.0))
+    free = cpus - taken
+    n = (threads_for(free, most) if long_prompt else 1) if adapt else most
+    have = min(n, free) if free > 0 else max(shares)
+    factor = have / (most * (measured_share or 1.0))
+    return factor if adapt else min(1.0, factor)
 
 
-def contended_factor(factor: float, work_s: float, horizon_s: float) -> float:
+def contended_factor(factor: float, work_s: float, horizon_s: float, after: float = 1.0
+                     ) -> float:
     """The rate factor for `work_s` seconds of compute (at the measured rate) that runs at
-    `factor` (`cpu_factor`) for the first `horizon_s` seconds, then at the full rate."""
-    if factor >= 1.0 or work_s <= factor * horizon_s:
+    `factor` (`cpu_factor`) for the first `horizon_s` seconds, then at `after` (the factor
+    with nothing busy beside it)."""
+    if factor >= after or work_s <= factor * horizon_s:
         return factor
-    return work_s / (horizon_s + work_s - factor * horizon_s)
+    return work_s / (horizon_s + (work_s - factor * horizon_s) / after)
 
 
 def local_estimate(decode: WorkerLoad, uncached: int, model: CostModel, *,
@@ -210,7 +227,7 @@ def remote_estimate(prefill: WorkerLoad, decode: WorkerLoad, uncached: int, mode
                     *, inflight_tokens: float = 0.0, prefill_uncached: int | None = None,
                     streams: float | None = None, peer_rate: float | None = None,
                     shares_cpus: float = 0.0, decode_inflight_tokens: float = 0.0,
-                    rate_factor: float = 1.0) -> Estimate:
+                    rate_factor: float = 1.0, idle_factor: float = 1.0) -> Estimate:
     """`uncached`: prompt tokens the decode worker lacks (transferred); `prefill_uncached`:
     the ones the prefill worker lacks (computed; default: the same); `shares_cpus` (above 0):
     the prefill worker computes on the decode worker's CPUs, after the decode worker's own
@@ -218,13 +235,14 @@ def remote_estimate(prefill: WorkerLoad, decode: WorkerLoad, uncached: int, mode
     stall as if the decode worker computed those tokens, times this share of the CPUs it
     takes from them (`WorkerInfo.stall_share`: 1 at equal priority); `rate_factor`: the
     prefill worker's rate for the CPUs it finds now (`cpu_factor`), for as long as
-    `model.contention_horizon_s` (`contended_factor`)."""
+    `model.contention_horizon_s`, then `idle_factor`, its rate with nothing busy beside it
+    (`contended_factor`)."""
     n = decode.running if streams is None else streams
     computed = uncached if prefill_uncached is None else prefill_uncached
     rate = model.prefill_rate(prefill, peer_rate)
     pending = pending_prefill_tokens(prefill, inflight_tokens)
     rate *= contended_factor(rate_factor, (pending + computed) / rate,
-                             model.contention_horizon_s)
+                             model.contention_horizon_s, idle_factor)
     transfer = uncached * (prefill.kv_transfer_s_per_token or model.prior_transfer_s_per_token)
     ttft = ((pending + computed) / rate + transfer + model.remote_overhead_s
             + model.decode_step(decode))

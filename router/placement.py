@@ -32,6 +32,7 @@ import numpy.typing as npt
 
 from pdserve.control.load import WorkerLoad
 from pdserve.control.workers import WorkerInfo
+from pdserve.engine.free_cpus import BUSY_MARGIN, LONG_STEP_TOKENS
 from pdserve.types import LatencyClass
 from router.cost import CostModel
 from router.kv_index import KVIndex, spread
@@ -58,6 +59,10 @@ class Placement:
     cached_tokens: int  # of the prompt, on `decode`
 
 
+# Where a worker computes: host id, CPUs, nice value, threads, whether it adapts them.
+_Host = tuple[str, tuple[int, ...], int, int, bool]
+
+
 @dataclass(frozen=True)
 class _Columns:
     """One candidate list's load columns, position = index in the list."""
@@ -78,8 +83,8 @@ class _Columns:
     # that worker here (-1: none; `KVIndex.slot`, held while the index's geometry is).
     groups: tuple[tuple[int, bytes, npt.NDArray[np.intp]], ...]
     min_rate: float  # the slowest measured prefill rate (inf: none measured)
-    # Per position: (host id, CPUs, nice) as published, for `DecodeTable.shares`.
-    hosts: tuple[tuple[str, tuple[int, ...], int], ...]
+    # Per position: where it computes as published (`_host`), for `DecodeTable.shares`.
+    hosts: tuple[_Host, ...]
     # Per cost model and peer rate: the columns above with the peer rate or the model's
     # priors in place of what was not measured (computed once per table and peer rate).
     # Keyed by the model's identity (hashing its fields costs more than a lookup), the model
@@ -195,39 +200,51 @@ class _Beside:
     """Per [prefill, decode] position: whether they compete for CPUs, the share of a CPU
     the prefill worker gets beside that decode worker busy (`WorkerInfo.cpu_share_beside`),
     and how many of its CPUs that one computes on (`WorkerInfo.cpus_shared`); per prefill
-    position, how many CPUs it may run on (0: unknown)."""
+    position, how many CPUs it may run on (0: unknown), its threads (`WorkerInfo.threads`;
+    0: one per CPU) and whether it adapts them (`WorkerInfo.adapt_threads`)."""
 
     competes: npt.NDArray[np.bool_]
     share: Floats
     taken: Floats
     cpus: Floats
+    threads: Floats
+    adapt: npt.NDArray[np.bool_]
 
 
 def _beside(prefills: Sequence[WorkerInfo], decoders: Sequence[WorkerInfo]) -> _Beside | None:
     shape = (len(prefills), len(decoders))
     competes = np.array([[p.shares_cpus(d) for d in decoders] for p in prefills],
                         dtype=bool).reshape(shape)
-    if not competes.any():
+    adapt = np.array([p.adapt_threads and bool(p.cpus) for p in prefills], dtype=bool)
+    if not competes.any() and not adapt.any():
         return None
     share = np.array([[p.cpu_share_beside(d) for d in decoders] for p in prefills],
                      dtype=float).reshape(shape)
     taken = np.array([[p.cpus_shared(d) for d in decoders] for p in prefills],
                      dtype=float).reshape(shape)
     return _Beside(competes, share, taken,
-                   np.array([len(p.cpus) for p in prefills], dtype=float))
+                   np.array([len(p.cpus) for p in prefills], dtype=float),
+                   np.array([p.threads for p in prefills], dtype=float), adapt)
 
 
-def cpu_factors(beside: _Beside, pcols: _Columns, busy: npt.NDArray[np.bool_]) -> Floats:
+def cpu_factors(beside: _Beside, pcols: _Columns, busy: npt.NDArray[np.bool_],
+                long_prompt: bool = True) -> Floats:
     """router.cost.cpu_factor for every prefill worker at once: `busy`, per decode position,
-    whether it computes now (streams running or prompt work pending)."""
+    whether it computes now (streams running or prompt work pending); `long_prompt`: the
+    prompt has `LONG_STEP_TOKENS` or more."""
     mask = beside.competes & busy[None, :]
-    cpus = np.maximum(beside.cpus, 1.0)
-    taken = np.minimum(np.where(mask, beside.taken, 0.0).sum(axis=1), beside.cpus)
+    most = np.where(beside.threads > 0, beside.threads, np.maximum(beside.cpus, 1.0))
+    free = beside.cpus - np.minimum(np.where(mask, beside.taken, 0.0).sum(axis=1),
+                                    beside.cpus)
     best = np.where(mask, beside.share, 0.0).max(axis=1, initial=0.0)
-    have = np.where(taken < beside.cpus, (beside.cpus - taken) / cpus, best / cpus)
+    adapted = (np.maximum(1.0, np.minimum(most, np.floor(free + BUSY_MARGIN)))
+               if long_prompt else np.ones_like(most))
+    n = np.where(beside.adapt, adapted, most)
+    have = np.where(free > 0, np.minimum(n, free), best)
     measured = np.where(pcols.cpu_share > 0, pcols.cpu_share, 1.0)
-    return np.where((beside.cpus > 0) & mask.any(axis=1), np.minimum(1.0, have / measured),
-                    1.0)
+    factor = have / (most * measured)
+    return np.where((beside.cpus > 0) & (mask.any(axis=1) | beside.adapt),
+                    np.where(beside.adapt, factor, np.minimum(1.0, factor)), 1.0)
 
 
 def shares_matrix(prefills: Sequence[WorkerInfo], decoders: Sequence[WorkerInfo]
@@ -257,7 +274,12 @@ def _build(decoders: Sequence[WorkerInfo], index: KVIndex) -> _Columns:
         prompt_waiting=prompt_waiting, queued_tokens=queued_tokens, transfer=transfer,
         cpu_share=cpu_share, min_rate=float(rate[rate != 0].min()) if rate.any() else np.inf,
         groups=tuple((bs, extra, _positions(m)) for (bs, extra), m in members.items()),
-        hosts=tuple((w.host_id, w.cpus, w.nice) for w in decoders))
+        hosts=tuple(_host(w) for w in decoders))
+
+
+def _host(w: WorkerInfo) -> _Host:
+    """Where a worker computes, as placement prices sharing (`DecodeTable.beside`)."""
+    return (w.host_id, w.cpus, w.nice, w.threads, w.adapt_threads)
 
 
 def _positions(members: Mapping[int, int]) -> npt.NDArray[np.intp]:
@@ -290,7 +312,7 @@ def _update_rows(cols: _Columns, workers: Sequence[WorkerInfo], changed: list[in
     for i in changed:
         if workers[i].worker_id != cols.ids[i] \
                 or workers[i].model_id != cols.workers[i].model_id \
-                or (workers[i].host_id, workers[i].cpus, workers[i].nice) != cols.hosts[i]:
+                or _host(workers[i]) != cols.hosts[i]:
             return None
     arrays = {name: getattr(cols, name).copy() for name in _FLOAT_COLUMNS}
     for i in changed:
@@ -427,16 +449,21 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
     if beside is not None:
         pending = dcols.prompt_waiting if not inflight_tokens else np.maximum(
             dcols.prompt_waiting, _inflight(dcols, inflight_tokens))
-        factors = cpu_factors(beside, pcols, (_streams(dcols, placed) > 0) | (pending > 0))
-        if (factors < 1.0).any():
+        long_prompt = prompt_len >= LONG_STEP_TOKENS
+        busy = (_streams(dcols, placed) > 0) | (pending > 0)
+        factors = cpu_factors(beside, pcols, busy, long_prompt)
+        idle = cpu_factors(beside, pcols, np.zeros_like(busy), long_prompt) \
+            if busy.any() else factors
+        if (factors < idle).any():
             # For the seconds the busy workers are expected to stay so (`contended_factor`).
             queued = pp.queued if not inflight_tokens else np.maximum(
                 pp.queued, _inflight(pcols, inflight_tokens))
             work = (queued + np.maximum(0.0, length - pcached)) / pp.rate
             horizon = model.contention_horizon_s
             with np.errstate(divide="ignore", invalid="ignore"):
-                factors = np.where((factors >= 1.0) | (work <= factors * horizon), factors,
-                                   work / (horizon + work - factors * horizon))
+                factors = np.where((factors >= idle) | (work <= factors * horizon), factors,
+                                   work / (horizon + (work - factors * horizon) / idle))
+        if (factors != 1.0).any():
             pp = _Priced(rate=pp.rate * factors, step=pp.step, transfer=pp.transfer,
                          queued=pp.queued)
     if _native_cost is not None and isinstance(placed, dict) \

@@ -12,10 +12,17 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import psutil
 import pytest
 import torch
 
-from pdserve.engine.free_cpus import LONG_STEP_TOKENS, FreeCpus, threads_for
+from pdserve.engine.free_cpus import (
+    LONG_STEP_TOKENS,
+    FreeCpus,
+    busy_seconds,
+    online_cpus,
+    threads_for,
+)
 from pdserve.types import GenerateRequest
 from tests.helpers.engine_util import greedy
 
@@ -43,6 +50,19 @@ def settled(free_cpus: FreeCpus, wait_s: float = SETTLE_S) -> float:
 def test_threads_for_the_free_cpus() -> None:
     assert [threads_for(f, 2) for f in (0.0, 0.5, 1.0, 1.4, 1.6, 2.0)] == [1, 1, 1, 1, 2, 2]
     assert threads_for(3.0, 2) == 2 and threads_for(0.0, 1) == 1
+
+
+def test_busy_time_is_read_by_cpu_number() -> None:
+    """psutil lists the online CPUs' times in order, without their numbers: with a CPU
+    offline the list's index is not the CPU's number, so `busy_seconds` maps them by the
+    online list."""
+    online = online_cpus()
+    assert online is not None and len(online) == len(psutil.cpu_times(percpu=True))
+    assert set(os.sched_getaffinity(0)) <= set(online)
+    total = busy_seconds(online)
+    parts = [busy_seconds([cpu]) for cpu in online]
+    assert 0.0 < sum(parts) and sum(parts) == pytest.approx(total, rel=0.01)
+    assert busy_seconds([max(online) + 1]) == 0.0  # not a CPU here
 
 
 def test_a_busy_neighbour_takes_its_cpu_and_this_process_takes_none() -> None:

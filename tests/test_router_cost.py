@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import math
 import time
 
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.control.load import WorkerLoad
-from pdserve.control.workers import WorkerInfo
+from pdserve.control.workers import WorkerInfo, WorkerInfoError
 from pdserve.engine.block_manager import block_hashes
 from pdserve.kv_events import KVEventBatch, KVOp
 from pdserve.types import LatencyClass
@@ -88,10 +89,12 @@ def test_priors_stand_in_until_workers_measure() -> None:
 
 
 def _worker(worker_id: str, role: str, load: WorkerLoad,
-            where: tuple[str, tuple[int, ...]] = ("", ()), nice: int = 0) -> WorkerInfo:
+            where: tuple[str, tuple[int, ...]] = ("", ()), nice: int = 0, threads: int = 0,
+            adapt: bool = False) -> WorkerInfo:
     return WorkerInfo(worker_id=worker_id, role=role, grpc_address="127.0.0.1:1",  # type: ignore[arg-type]
                       model_id="m", epoch=1, started_at=time.time(), load=load,
-                      host_id=where[0], cpus=where[1], nice=nice)
+                      host_id=where[0], cpus=where[1], nice=nice, threads=threads,
+                      adapt_threads=adapt)
 
 
 def test_placement_with_the_cost_policy() -> None:
@@ -150,18 +153,21 @@ wheres = st.sampled_from([("", ()), ("h1", ()), ("h1", (0,)), ("h1", (1,)), ("h1
        dwhere=st.lists(wheres, min_size=6, max_size=6),
        pwhere=st.lists(wheres, min_size=4, max_size=4),
        pnice=st.lists(st.sampled_from([0, 5, 19, -3]), min_size=4, max_size=4),
+       pthreads=st.lists(st.sampled_from([0, 1, 2, 3]), min_size=4, max_size=4),
+       padapt=st.lists(st.booleans(), min_size=4, max_size=4),
        dheld=st.lists(st.integers(0, 8), min_size=6, max_size=6),
        pheld=st.lists(st.integers(0, 8), min_size=4, max_size=4),
        placed=st.lists(st.integers(0, 4), min_size=6, max_size=6),
        inflight=st.lists(st.sampled_from([0, 0, 300, 3000]), min_size=10, max_size=10),
-       length=st.integers(1, 140), target=st.sampled_from([0.3, 2.0, 30.0]),
+       length=st.integers(1, 140) | st.sampled_from([255, 256, 300]),
+       target=st.sampled_from([0.3, 2.0, 30.0]),
        tiebreak=st.integers(0, 50),
        remote_overhead=st.sampled_from([0.02, 0.08, 0.0]),
        weight=st.sampled_from([1.0, 0.25, 3.0]))
 def test_cost_placement_takes_the_cheapest_candidate(
         dloads: list[WorkerLoad], ploads: list[WorkerLoad],
         dwhere: list[tuple[str, tuple[int, ...]]], pwhere: list[tuple[str, tuple[int, ...]]],
-        pnice: list[int], dheld: list[int],
+        pnice: list[int], pthreads: list[int], padapt: list[bool], dheld: list[int],
         pheld: list[int], placed: list[int], inflight: list[int], length: int, target: float,
         tiebreak: int, remote_overhead: float, weight: float) -> None:
     """Over every candidate (local on each decode worker, remote on each (prefill, decode)
@@ -170,13 +176,13 @@ def test_cost_placement_takes_the_cheapest_candidate(
     takes one of least cost, time past the target priced, and reports its prediction's
     numbers. A prefill worker that shares a decode worker's CPUs stalls its streams, by its
     share of them at its priority, and where busy workers want every CPU it has, computes
-    at its share of one (`cpu_factor`). The
-    remote fixed cost may carry the router's learned correction (router.calibration); the
-    class's TTFT weight scales its TTFT and lateness."""
+    at its share of one (`cpu_factor`); one that adapts its threads computes a short
+    prompt on one thread. The remote fixed cost may carry the router's learned correction
+    (router.calibration); the class's TTFT weight scales its TTFT and lateness."""
     model = dataclasses.replace(MODEL, remote_overhead_s=remote_overhead)
     ids = list(range(1000, 1000 + length))
     decoders = [_worker(f"d{i}", "decode", w, dwhere[i]) for i, w in enumerate(dloads)]
-    prefills = [_worker(f"p{i}", "prefill", w, pwhere[i], pnice[i])
+    prefills = [_worker(f"p{i}", "prefill", w, pwhere[i], pnice[i], pthreads[i], padapt[i])
                 for i, w in enumerate(ploads)]
     index = _index({**{f"d{i}": dheld[i] for i in range(len(dloads))},
                     **{f"p{i}": pheld[i] for i in range(len(ploads))}}, ids)
@@ -192,11 +198,12 @@ def test_cost_placement_takes_the_cheapest_candidate(
         return (max(d.load.running, placed_by.get(d.worker_id, 0)) > 0
                 or max(d.load.waiting_prompt_tokens or 0.0, infl[d.worker_id]) > 0)
 
-    def factor(q: WorkerInfo) -> float:
-        beside = [d for d in decoders if q.shares_cpus(d) and busy(d)]
+    def factor(q: WorkerInfo, idle: bool = False) -> float:
+        beside = [d for d in decoders if q.shares_cpus(d) and busy(d) and not idle]
         return cpu_factor(q.load.prefill_cpu_share, len(q.cpus),
                           [q.cpu_share_beside(d) for d in beside],
-                          sum(q.cpus_shared(d) for d in beside))
+                          sum(q.cpus_shared(d) for d in beside), threads=q.threads,
+                          adapt=q.adapt_threads, long_prompt=length >= 256)
 
     cands: list[tuple[Estimate, str, str | None, int]] = []
     for d in decoders:
@@ -208,7 +215,7 @@ def test_cost_placement_takes_the_cheapest_candidate(
                                    prefill_uncached=lacks(q), streams=n, peer_rate=peer,
                                    shares_cpus=q.stall_share(d),
                                    decode_inflight_tokens=infl[d.worker_id],
-                                   rate_factor=factor(q))
+                                   rate_factor=factor(q), idle_factor=factor(q, True))
                    for q in prefills]
         best_remote = min(remotes, key=lambda e: e.cost(model, target, weight)) \
             if remotes else None
@@ -242,7 +249,8 @@ def test_cost_placement_takes_the_cheapest_candidate(
                               prefill_uncached=lacks(p.prefill), streams=n,
                               peer_rate=peer, shares_cpus=p.prefill.stall_share(d),
                               decode_inflight_tokens=infl[d.worker_id],
-                              rate_factor=factor(p.prefill))
+                              rate_factor=factor(p.prefill),
+                              idle_factor=factor(p.prefill, True))
         assert p.decision.uncached_tokens == lacks(p.prefill)
     assert (p.decision.reason == "cost_over_target") == (got.ttft_s > target) or not prefills
     assert objective((got, "", None, 0)) == pytest.approx(best, rel=1e-9, abs=1e-12)
@@ -484,6 +492,48 @@ def test_a_batch_prompt_waits_for_the_prefill_worker_rather_than_stall_streams()
         RouterPolicy(ttft_weights={LatencyClass.BATCH: 0.0})
 
 
+def test_an_adapting_prefill_worker_is_priced_by_the_threads_a_prompt_gets() -> None:
+    """`pdserve cluster up`'s prefill worker (two threads, `--adapt-threads`) computes a
+    prompt under `LONG_STEP_TOKENS` on one thread even on an idle host, a longer one on a
+    thread per free CPU: priced at the rate it measured scaled by those threads over the
+    share of its CPUs it measured on (on one thread of two: half), not at its last rate
+    (which an idle cluster predicted up to 1.9x fast for a short prompt, stop 75). Its
+    record carries what it runs (`WorkerInfo.threads`, `adapt_threads`)."""
+    assert cpu_factor(1.0, 2, [], threads=2, adapt=True, long_prompt=False) == 0.5
+    assert cpu_factor(0.5, 2, [], threads=2, adapt=True, long_prompt=False) == 1.0
+    assert cpu_factor(0.5, 2, [], threads=2, adapt=True) == 2.0  # measured on one thread
+    assert cpu_factor(1.0, 2, [], threads=2, adapt=True) == 1.0
+    assert cpu_factor(1.0, 2, [], threads=2) == 1.0  # fixed threads: its measured rate
+    assert cpu_factor(1.0, 2, [0.25], threads=2, adapt=True) == 0.5  # one free CPU
+    assert cpu_factor(1.0, 2, [0.25, 0.25], threads=2, adapt=True) == 0.125  # a quarter
+    assert cpu_factor(0.125, 2, [0.25, 0.25], threads=2, adapt=True) == 1.0  # measured so
+    # Slowed for the horizon, then at its idle factor (two threads: 2 s at a quarter, then
+    # 4 s of measured-rate work at twice the rate).
+    assert contended_factor(0.25, 4.5, 2.0, after=2.0) == pytest.approx(4.5 / 4.0)
+    assert contended_factor(2.0, 4.5, 2.0, after=2.0) == 2.0
+
+    def ttft(n: int, share: float, adapt: bool = True) -> float:
+        pool = WorkerLoad(prefill_tokens_per_s=1000.0, kv_transfer_s_per_token=1e-6,
+                          prefill_cpu_share=share)
+        slow = WorkerLoad(running=0, prefill_tokens_per_s=10.0, decode_step_s=0.02)
+        p = place(list(range(5000, 5000 + n)), LatencyClass.STANDARD,
+                  [_worker("d0", "decode", slow, ("h2", (0,)))],
+                  [_worker("p0", "prefill", pool, ("h1", (0, 1)), 5, 2, adapt)],
+                  KVIndex(), {}, RouterPolicy(placement="cost"), cost=MODEL)
+        assert p.decision.route is Route.REMOTE and p.decision.predicted_ttft_s is not None
+        return p.decision.predicted_ttft_s - MODEL.remote_overhead_s - 0.02 - n * 1e-6
+
+    assert ttft(200, 1.0) == pytest.approx(0.4)  # one thread of the two it measured on
+    assert ttft(200, 1.0, adapt=False) == pytest.approx(0.2)
+    assert ttft(400, 1.0) == pytest.approx(0.4)
+    assert ttft(400, 0.5) == pytest.approx(0.2)  # two threads; it measured on one
+    info = _worker("p0", "prefill", WorkerLoad(), ("h1", (0, 1)), 5, 2, True)
+    assert WorkerInfo.from_json(info.to_json()) == info
+    for bad in ({"threads": -1}, {"threads": True}, {"adapt_threads": 1}):
+        with pytest.raises(WorkerInfoError):
+            WorkerInfo.from_dict({**json.loads(info.to_json()), **bad})
+
+
 def test_a_prefill_worker_whose_cpus_busy_decode_workers_want_is_priced_at_its_share() -> None:
     """`pdserve cluster up --prefill 1 --decode 2`: the decode workers pinned to CPU 0 and 1,
     the prefill worker on both at nice 5. With a stream running on each decode worker, a
@@ -540,6 +590,7 @@ def test_a_prefill_worker_whose_cpus_busy_decode_workers_want_is_priced_at_its_s
     assert cpu_factor(None, 2, [0.25], busy_cpus=2) == 0.125  # one busy on both its CPUs
     assert cpu_factor(None, 2, []) == 1.0  # nothing busy beside it: its measured rate
     assert cpu_factor(None, 0, [0.25]) == 1.0  # its CPUs unknown: nothing assumed
+    assert cpu_factor(None, 2, [0.25], threads=1) == 1.0  # its one thread finds the free CPU
     d01 = _worker("d01", "decode", busy, ("h1", (0, 1)))
     assert (p0.cpus_shared(d0), p0.cpus_shared(d01)) == (1, 2)
     assert p0.cpus_shared(_worker("d", "decode", busy, ("h2", (0,)))) == 0

@@ -221,15 +221,16 @@ class Simulation(Clock):
         self.by_id: dict[str, SimWorker] = {w.worker_id: w
                                             for w in [*self.decoders, *self.prefills]}
         # Where each computes, as a real worker publishes it: its host, its core (an
-        # unpinned one may run on every core of its host) and its nice value, so cost
-        # placement sees sharing and prices it by the scheduler's share.
+        # unpinned one may run on every core of its host), its nice value and its threads,
+        # so cost placement sees sharing and prices it by the scheduler's share.
         self.infos = {w.worker_id: WorkerInfo(
             worker_id=w.worker_id, role="decode" if isinstance(w, DecodeSim) else "prefill",
             grpc_address=f"127.0.0.1:{20000 + i}", model_id=MODEL_ID, epoch=1, started_at=0.0,
             load=w.load(), host_id=f"host-{hosts.index(w.host)}",
             cpus=tuple(range(w.host.cores)) if w.core is None else (w.core,),
             nice=DEFAULT_PREFILL_NICE if c.sharing == "cluster-up"
-            and isinstance(w, PrefillSim) else 0)
+            and isinstance(w, PrefillSim) else 0,
+            threads=w.threads, adapt_threads=w.adapt_threads)
             for i, w in enumerate(self.by_id.values())}
         # One index for both roles, as the router keeps it: prefill workers publish too.
         self.index = KVIndex()

@@ -46,6 +46,11 @@ class WorkerInfo:
     # Its nice value (`this_nice`): how much of a shared CPU it takes from a worker at
     # another priority (`stall_share`).
     nice: int = 0
+    # Its engine's torch threads (0: unknown, one per CPU of `cpus`), and whether it runs
+    # each step on fewer, by the CPUs others leave free (`EngineConfig.adapt_threads`): what
+    # the router scales its measured prefill rate by (router.cost.cpu_factor).
+    threads: int = 0
+    adapt_threads: bool = False
 
     def __post_init__(self) -> None:
         if not self.worker_id or any(c.isspace() for c in self.worker_id):
@@ -76,6 +81,12 @@ class WorkerInfo:
         if isinstance(self.nice, bool) or not isinstance(self.nice, int) \
                 or not -20 <= self.nice <= 19:
             raise WorkerInfoError(f"nice must be an integer from -20 to 19, got {self.nice!r}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) \
+                or not 0 <= self.threads <= MAX_CPUS:
+            raise WorkerInfoError(f"threads must be an integer from 0 to {MAX_CPUS}, got "
+                                  f"{self.threads!r}")
+        if not isinstance(self.adapt_threads, bool):
+            raise WorkerInfoError(f"adapt_threads must be a boolean, got {self.adapt_threads!r}")
         try:
             object.__setattr__(self, "load", WorkerLoad.from_dict(self.load))
         except (WorkerLoadError, TypeError) as exc:
@@ -161,6 +172,8 @@ _FIELDS = (
     "host_id",
     "cpus",
     "nice",
+    "threads",
+    "adapt_threads",
 )
 MAX_CPUS = 4096
 

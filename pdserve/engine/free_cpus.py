@@ -28,9 +28,11 @@ and keeps a moving average of the busy CPUs that are not this process's."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Collection
+from pathlib import Path
 
 import psutil
 
@@ -48,13 +50,30 @@ LONG_STEP_TOKENS = 256
 def busy_seconds(cpus: Collection[int]) -> float:
     """CPU seconds the CPUs `cpus` spent busy since boot (not idle nor waiting for I/O)."""
     times = psutil.cpu_times(percpu=True)
+    where = online_cpus()
+    if where is None or len(where) != len(times):  # unknown (or changed since): 0, 1, ...
+        where = list(range(len(times)))
     total = 0.0
-    for cpu in cpus:
-        if cpu < len(times):
-            t = times[cpu]
+    for cpu, t in zip(where, times, strict=True):
+        if cpu in cpus:
             total += (t.user + t.nice + t.system + getattr(t, "irq", 0.0)
                       + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0))
     return total
+
+
+def online_cpus() -> list[int] | None:
+    """The online CPUs' numbers, ascending: the CPUs psutil's per-CPU times are of, in their
+    order (Linux's /proc/stat lists only online CPUs, so with one offline the list's index
+    is not the CPU's number). None where unknown."""
+    try:
+        text = Path("/sys/devices/system/cpu/online").read_text().strip()
+        cpus: list[int] = []
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.extend(range(int(lo), int(hi or lo) + 1))
+    except (OSError, ValueError):
+        return None
+    return cpus
 
 
 def threads_for(free: float, most: int) -> int:
@@ -70,9 +89,7 @@ class FreeCpus:
 
     def __init__(self, cpus: Collection[int] | None = None, *, period_s: float = 0.05,
                  window_s: float = 2.0):
-        import os
-
-        self.cpus = tuple(sorted(cpus if cpus is not None else os.sched_getaffinity(0)))
+        self.cpus = frozenset(cpus if cpus is not None else os.sched_getaffinity(0))
         self.period_s = period_s
         self._alpha = min(1.0, period_s / window_s)
         self._others = 0.0  # CPUs other processes keep busy (moving average)
@@ -110,4 +127,5 @@ class FreeCpus:
             self._last = now
 
 
-__all__ = ["BUSY_MARGIN", "LONG_STEP_TOKENS", "FreeCpus", "busy_seconds", "threads_for"]
+__all__ = ["BUSY_MARGIN", "LONG_STEP_TOKENS", "FreeCpus", "busy_seconds", "online_cpus",
+           "threads_for"]

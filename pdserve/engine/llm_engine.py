@@ -72,12 +72,12 @@ class LLMEngine:
         # worker's own), per thread of torch's: a step alone on free CPUs is ~1. With
         # adapt_threads a step may run on fewer; its share still counts all of them (on one
         # of two free CPUs it is ~0.5), which is what the router scales by
-        # (router.cost.cpu_factor).
-        self._threads = max(1, torch.get_num_threads())
+        # (router.cost.cpu_factor). Worker records publish it (`WorkerInfo.threads`).
+        self.threads = max(1, torch.get_num_threads())
         self._free_cpus: FreeCpus | None = None
         if config.adapt_threads:
             self._free_cpus = FreeCpus()
-        self.step_threads = self._threads  # what the last step ran on
+        self.step_threads = self.threads  # what the last step ran on
 
     @classmethod
     def from_dir(cls, model_dir: Path, config: EngineConfig | None = None) -> LLMEngine:
@@ -275,7 +275,7 @@ class LLMEngine:
             for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True):
                 events.append(self._process_token(seq, tok, lp))
         self.rates.observe(time.monotonic() - now, prefill_tokens,
-                           (time.process_time() - cpu) / self._threads)
+                           (time.process_time() - cpu) / self.threads)
         return events
 
     def _adapt_threads(self, free_cpus: FreeCpus, longest_prompt: int) -> None:
@@ -283,7 +283,7 @@ class LLMEngine:
         `FreeCpus.threads`), `longest_prompt`: the longest prompt it computes a part of.
         torch's thread count is the calling thread's (OpenMP's), and only the engine thread
         runs steps."""
-        n = free_cpus.threads(self._threads, longest_prompt)
+        n = free_cpus.threads(self.threads, longest_prompt)
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
         self.step_threads = n
