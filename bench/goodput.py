@@ -663,21 +663,21 @@ async def _main(args: argparse.Namespace) -> int:
                 lower_until_met=args.lower_rates,
                 min_seconds=args.min_rate_seconds,
             )
-            router_metrics = await asyncio.to_thread(_router_metrics, system.url)
+            metrics = await asyncio.to_thread(router_metrics, system.url)
         notes["systems"][name] = {
             "layout": system.layout,
             "affinity": dict(system.affinity),
             "loadavg_before": load_before,
             "loadavg_after": loadavg(),
             "wall_s": round(time.monotonic() - started_at, 1),
-            "router_metrics": router_metrics,
+            "router_metrics": metrics,
         }
     print(write_comparison(results, args.out, notes=notes, unloaded=unloaded))
     print(json.dumps(notes, indent=2), file=sys.stderr)
     return 0
 
 
-def _router_metrics(url: str) -> list[str]:
+def router_metrics(url: str) -> list[str]:
     """The router's decisions, its first tokens against cost placement's predictions
     (pdserve_router_ttft_*) and its learned remote overhead, from the system's /metrics at
     the end of its sweep (over the calibration and every rate); none without a router."""

@@ -56,6 +56,7 @@ from bench.goodput import (
     loadavg,
     machine_info,
     replace_ns,
+    router_metrics,
     write_comparison,
 )
 from bench.loadgen.cli import config_from_args, parse_rates
@@ -129,10 +130,12 @@ async def _main(args: argparse.Namespace, placements: Sequence[str]) -> int:
             results[system.name] = await sweep(cfg, parse_rates(args.rates), label=system.name,
                                                progress=not args.quiet,
                                                cooldown_s=args.cooldown, fresh_prompts=True)
+            # Its first tokens against cost placement's predictions, among others.
+            metrics = await asyncio.to_thread(router_metrics, system.url)
         notes["systems"][system.name] = {
             "layout": system.layout, "affinity": dict(system.affinity),
             "loadavg_before": before, "loadavg_after": loadavg(),
-            "wall_s": round(time.monotonic() - started, 1)}
+            "wall_s": round(time.monotonic() - started, 1), "router_metrics": metrics}
     print(write_comparison(results, args.out, notes=notes, unloaded=unloaded))
     print(json.dumps(notes, indent=2), file=sys.stderr)
     return 0
