@@ -47,10 +47,11 @@ BUSY_MARGIN = 0.5
 LONG_STEP_TOKENS = 256
 
 
-def busy_seconds(cpus: Collection[int]) -> float:
-    """CPU seconds the CPUs `cpus` spent busy since boot (not idle nor waiting for I/O)."""
+def busy_seconds(cpus: Collection[int], online: list[int] | None = None) -> float:
+    """CPU seconds the CPUs `cpus` spent busy since boot (not idle nor waiting for I/O);
+    `online`: `online_cpus` as read before (read again where it no longer fits)."""
     times = psutil.cpu_times(percpu=True)
-    where = online_cpus()
+    where = online if online is not None and len(online) == len(times) else online_cpus()
     if where is None or len(where) != len(times):  # unknown (or changed since): 0, 1, ...
         where = list(range(len(times)))
     total = 0.0
@@ -90,6 +91,7 @@ class FreeCpus:
     def __init__(self, cpus: Collection[int] | None = None, *, period_s: float = 0.05,
                  window_s: float = 2.0):
         self.cpus = frozenset(cpus if cpus is not None else os.sched_getaffinity(0))
+        self._online = online_cpus()  # read once, not every sample
         self.period_s = period_s
         self._alpha = min(1.0, period_s / window_s)
         self._others = 0.0  # CPUs other processes keep busy (moving average)
@@ -114,7 +116,8 @@ class FreeCpus:
         self._thread.join(timeout=1.0)
 
     def _read(self) -> tuple[float, float, float]:
-        return time.monotonic(), busy_seconds(self.cpus), time.process_time()
+        return (time.monotonic(), busy_seconds(self.cpus, self._online),
+                time.process_time())
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
