@@ -44,6 +44,7 @@ from bench.loadgen.metrics import GroupSummary, Percentiles, RequestResult, good
 from bench.loadgen.workload import build_requests, named_workload
 from bench.sim.cluster import POLICIES, Overheads, Policy, SimConfig, SimResult, simulate
 from bench.sim.workers import BLOCK_BYTES, SimRequest, StepCost, load_corun
+from pdserve.engine.free_cpus import WINDOW_S
 from pdserve.types import LatencyClass
 from router.config import RouterConfig
 from router.policy import RouterPolicy
@@ -225,18 +226,32 @@ def _overhead_window(router_extra: str | None) -> int:
     return window
 
 
+@dataclass(frozen=True)
+class HostModel:
+    """How the simulator shares a 2-core layout's cores (`SimConfig`): `prefill_threads`,
+    cluster-up's unpinned prefill worker's threads (0: the record's); `free_window_s` and
+    `barrier`, how an adapting one sizes its steps and how a step on several threads
+    advances (0 and False: the simulator before stop 77)."""
+
+    prefill_threads: int = 0
+    free_window_s: float = WINDOW_S
+    barrier: bool = True
+
+
 def layout_config(layout: str, engine: dict[str, Any], policy: str, overheads: Overheads,
                   seed: int, corun: dict[tuple[str, str], float],
-                  prefill_threads: int = 0) -> SimConfig:
+                  model: HostModel | None = None) -> SimConfig:
     """The simulator of a real record's 2-core layout (1p1d: bench.goodput's, 1p2d: `pdserve
-    cluster up`'s), with the record's engine flags (`record_engine`); `prefill_threads`:
-    `SimConfig.prefill_threads` (0: the record's)."""
+    cluster up`'s), with the record's engine flags (`record_engine`) and `model`'s way of
+    sharing the cores."""
+    m = model or HostModel()
     return SimConfig(n_decode=2 if layout == "1p2d" else 1, n_prefill=1,
-                     **{**engine, "prefill_threads": prefill_threads
+                     **{**engine, "prefill_threads": m.prefill_threads
                         or engine.get("prefill_threads", 0)},
                      policy=policy, router=GOODPUT_ROUTER,  # type: ignore[arg-type]
                      sharing="cluster-up" if layout == "1p2d" else "1p1d",
-                     overheads=overheads, seed=seed, corun=corun)
+                     overheads=overheads, seed=seed, corun=corun,
+                     free_window_s=m.free_window_s, barrier=m.barrier)
 
 
 def calibrate_streaming(root: Path, overheads: Overheads, cost: StepCost, seed: int
@@ -309,7 +324,8 @@ BESIDE_DECODE = (1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3)
 
 def fit_prefill_sharing(root: Path, layout: str, overheads: Overheads, cost: StepCost,
                         seed: int, corun: dict[tuple[str, str], float] | None = None,
-                        prefill_threads: int = 0) -> tuple[Overheads, list[dict[str, Any]]]:
+                        model: HostModel | None = None
+                        ) -> tuple[Overheads, list[dict[str, Any]]]:
     """Replay the probes beside streams in the simulator of `layout` and pick the prefill
     side's sharing constants for which the probes' simulated TTFT is nearest the measured
     (median ratio): its slowdown while a decode worker computes (BESIDE_DECODE) and, on
@@ -325,8 +341,7 @@ def fit_prefill_sharing(root: Path, layout: str, overheads: Overheads, cost: Ste
     def ratios(o: Overheads) -> dict[int, list[float]]:
         out = {}
         for c, (reqs, probe_ids, measured) in traces.items():
-            cfg = layout_config(layout, engine, "threshold", o, seed, corun or {},
-                                prefill_threads)
+            cfg = layout_config(layout, engine, "threshold", o, seed, corun or {}, model)
             sim = simulate(cfg, reqs, MIXED_SLO, cost)
             by_id = {r.rid: res for r, res in zip(reqs, sim.requests, strict=True)}
             out[c] = [(by_id[i].ttft_s or 0.0) / m for i, m in zip(probe_ids, measured,
@@ -398,7 +413,7 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
              streaming: Path | None = None,
              corun: dict[tuple[str, str], float] | None = None,
              probes: dict[str, Path] | None = None, lease: str = "renewed",
-             shared_local: bool = False, prefill_threads: int = 0) -> dict[str, Any]:
+             shared_local: bool = False, model: HostModel | None = None) -> dict[str, Any]:
     """Each real run's requests replayed in the simulator of its layout; `corun`: the
     two-busy-cores slowdown table (bench.sim.workers.load_corun; {}: none); `probes`: per
     layout, a bench.sim.real prefill output that calibrates the prefill side; `lease`: the
@@ -440,7 +455,7 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
         weights: list[dict[str, Any]] = []
         if probe is not None:
             overheads, weights = fit_prefill_sharing(probe, layout, overheads, cost, seed,
-                                                     corun, prefill_threads)
+                                                     corun, model)
         calib[f"{layout} {root.name}"] = {"unloaded": {k: asdict(v) for k, v in unloaded.items()},
                          "streaming": points, "prefill_idle": idle,
                          "prefill_beside_streams": weights, "overheads": asdict(overheads)}
@@ -457,7 +472,7 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
             for path in records.glob(root / system, "rate_*.json"):
                 reqs, rec = trace_from_record(path, seed)
                 cfg = layout_config(layout, engine, policy, overheads, seed, corun or {},
-                                    prefill_threads)
+                                    model)
                 if lease == "fixed":
                     cfg = replace(cfg, max_remote_lease_s=cfg.remote_lease_s)
                 cfg = replace(cfg, lease_renews=lease == "renewed")
@@ -741,6 +756,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="threads of cluster-up's unpinned prefill worker, which share the "
                         "cores as Linux's scheduler does (default 0: the record's --threads, "
                         "else one per core, as `pdserve cluster up` runs it)")
+    v.add_argument("--free-window-s", type=float, default=WINDOW_S,
+                   help="an adapting prefill worker sizes each step by the CPU the others "
+                        f"took over about this many seconds (default {WINDOW_S}, the "
+                        "engine's); 0: by the cores idle at each instant, resized mid-step "
+                        "(the simulator before stop 77)")
+    v.add_argument("--no-barrier", action="store_true",
+                   help="a step on several threads advances by the sum of its threads' CPU "
+                        "shares, not as one thread at the least share where one shares a "
+                        "core (the simulator before stop 77)")
     v.add_argument("--out", type=Path, required=True)
     c = sub.add_parser("compare", help="policies at scale")
     c.add_argument("--workers", default="8,16,64,256")
@@ -769,13 +793,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     record: dict[str, Any] = {"command": "python -m bench.cluster_sim " + " ".join(
         sys.argv[1:] if argv is None else argv), **provenance()}
     if args.cmd == "validate":
+        model = HostModel(args.prefill_threads, args.free_window_s, not args.no_barrier)
         record.update(validate(args.real, cost, args.seed, args.streaming,
                                load_corun(args.corun) if args.corun else {},
                                {layout: path for path, layout in args.prefill_probe},
                                lease=args.lease, shared_local=args.shared_local,
-                               prefill_threads=args.prefill_threads))
+                               model=model))
         record["corun"] = str(args.corun) if args.corun else None
         record["prefill_threads"] = args.prefill_threads
+        record["host_model"] = asdict(model)
         print(validation_table(record))
         print(json.dumps(record["within_15pct"], indent=1))
     elif args.cmd == "cost-vs-threshold":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from bench.sim.workers import (
     corun_slowdown,
     load_corun,
 )
+from pdserve.engine.free_cpus import WINDOW_S, threads_for
 from pdserve.types import LatencyClass
 from router.config import RouterConfig
 
@@ -167,6 +169,7 @@ class _Busy(SimWorker):
                  speedup: float = 0.0, adapt: bool = False) -> None:
         self.core, self.weight, self.busy, self.threads = core, weight, True, threads
         self.adapt_threads, self.step_long = adapt, True
+        self.step_threads, self.others_avg = threads, 0.0
         self.speedup = speedup or threads
         self.step_kind, self.step_rows = "decode", 1
         host.workers.append(self)
@@ -193,27 +196,37 @@ def test_cpu_sharing_follows_cfs_weights() -> None:
 
 
 def test_an_unpinned_workers_threads_share_every_core() -> None:
-    """`pdserve cluster up`'s 1P2D: the prefill worker's two threads at nice 5 take a
-    quarter of both decode workers' cores while both stream; with one idle, both threads
-    go to its core. How fast it goes on the CPU it gets follows its measured speedup on
-    two idle cores over one: with perfect scaling, half its speed; with none, all of it."""
+    """`pdserve cluster up`'s 1P2D with a two-thread prefill worker at nice 5: while both
+    decode workers stream, its threads are entitled to a quarter of each one's core, but
+    every parallel region waits for the one that was not scheduled: it advances as one
+    thread at a quarter of a CPU (a 1,146-token prompt took as long on two threads as on
+    one, docs/bench/placement_s75), and each thread, held at its barriers, uses half its
+    quarter, which its decode worker gets. With `barrier=False` (the simulator before stop
+    77) it advanced as one thread at half a CPU. Two threads on one core hold each other
+    up as well (the records of stop 75's Xeon fit better so: bench.sim.workers.Host); on
+    idle cores it runs at its speedup: with perfect scaling twice its one-thread speed."""
     host = Host(2)
     d0, d1 = _Busy(0, 1024.0, host), _Busy(1, 1024.0, host)
     p = _Busy(None, 335.0, host, threads=2)
+    quarter = 335 / 1359
     s = host.speeds()
-    assert s[d0] == s[d1] == pytest.approx(1024 / 1359)
-    assert s[p] == pytest.approx(335 / 1359)
+    assert s[d0] == s[d1] == pytest.approx(1024 / 1359 + quarter / 2)
+    assert s[p] == pytest.approx(quarter / 2)
     p.speedup = 1.0
-    assert host.speeds()[p] == pytest.approx(2 * 335 / 1359)
+    assert host.speeds()[p] == pytest.approx(quarter)
+    summed = Host(2, barrier=False)
+    for w in (d0, d1, p):
+        summed.workers.append(w)
+    s = summed.speeds()
+    assert s[p] == pytest.approx(2 * quarter) and s[d0] == pytest.approx(1024 / 1359)
     p.speedup = 2.0
-    d1.busy = False
+    d1.busy = False  # both threads go to the idle core, and wait for each other there
     s = host.speeds()
-    assert s[d0] == 1.0 and s[p] == pytest.approx(0.5)
-    p.speedup = 1.5
-    assert host.speeds()[p] == pytest.approx(1 / 1.5)
+    assert s[d0] == 1.0 and s[p] == pytest.approx(0.25)
+    assert summed.speeds()[p] == pytest.approx(0.5)
     d0.busy = False
     assert host.speeds()[p] == 1.0
-    corun = Host(2, {("prefill", "decode"): 2.0, ("decode", "prefill"): 1.25})
+    corun = Host(2, {("prefill", "decode"): 2.0, ("decode", "prefill"): 1.25}, barrier=False)
     d, q = _Busy(0, 1024.0, corun), _Busy(None, 335.0, corun, threads=2)
     q.step_kind = "prefill"
     s = corun.speeds()  # both of q's threads on core 1: d computes beside it, not with it
@@ -233,11 +246,11 @@ def test_an_adapting_worker_runs_a_thread_per_free_core() -> None:
     """`pdserve cluster up`'s prefill worker from stop 75 on (`--adapt-threads`): beside
     one busy decode worker it runs one thread, on the free core, at its one-thread speed
     (1 / speedup of its full one); beside two, one thread at a quarter of a core (nice 5
-    beside nice 0), where two threads would take a quarter of each; alone, both; and a
-    short prompt's step one thread throughout (pdserve.engine.free_cpus)."""
+    beside nice 0); alone, both (pdserve.engine.free_cpus)."""
     host = Host(2)
     d0, d1 = _Busy(0, 1024.0, host), _Busy(1, 1024.0, host)
     p = _Busy(None, 335.0, host, threads=2, speedup=1.9, adapt=True)
+    p.step_threads = 1
     s = host.speeds()  # its one thread goes to core 0
     assert s[d0] == pytest.approx(1024 / 1359) and s[d1] == 1.0
     assert s[p] == pytest.approx(335 / 1359 / 1.9)
@@ -245,9 +258,40 @@ def test_an_adapting_worker_runs_a_thread_per_free_core() -> None:
     s = host.speeds()
     assert s[d0] == 1.0 and s[p] == pytest.approx(1 / 1.9)
     d0.busy = False
+    p.step_threads = 2
     assert host.speeds()[p] == 1.0
-    p.step_long = False  # a short prompt's step: one thread on free cores too
-    assert host.speeds()[p] == pytest.approx(1 / 1.9)
+
+
+def test_an_adapting_worker_sizes_a_step_by_what_others_took_lately() -> None:
+    """As the engine's sampler (`FreeCpus`: a moving average over `WINDOW_S`), a decode
+    worker that starts to compute takes its core from the prefill worker's next steps only
+    once it has computed for about a second, and gives it back as long after it stops;
+    the simulator before stop 77 (`window_s=0`) resized at once, in the middle of a step."""
+    host = Host(2)
+    d0 = _Busy(0, 1024.0, host)
+    p = _Busy(None, 335.0, host, threads=2, speedup=1.9, adapt=True)
+    p.busy = False
+    host.speeds()  # d0 alone computes, on its whole core
+    host.advance(1.0)
+    assert p.others_avg == pytest.approx(1 - math.exp(-1.0 / WINDOW_S))
+    assert threads_for(host.free_cores(p), p.threads) == 2  # a second: not yet
+    host.advance(2.0)
+    assert threads_for(host.free_cores(p), p.threads) == 1
+    d0.busy = False
+    host.speeds()
+    host.advance(2.3)  # stopped a moment ago: still counted
+    assert threads_for(host.free_cores(p), p.threads) == 1
+    host.advance(6.0)
+    assert threads_for(host.free_cores(p), p.threads) == 2
+    instant = Host(2, window_s=0.0)
+    for w in (d0, p):
+        instant.workers.append(w)
+    d0.busy = True
+    assert threads_for(instant.free_cores(p), p.threads) == 1
+    cfg = SimConfig(n_decode=2, sharing="cluster-up", corun={})
+    assert Simulation(cfg, COST).decoders[0].host.window_s == WINDOW_S
+    old = dataclasses.replace(cfg, free_window_s=0.0, barrier=False)
+    assert not Simulation(old, COST).decoders[0].host.barrier
 
 
 def test_records_say_whether_the_prefill_worker_adapted() -> None:

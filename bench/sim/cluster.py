@@ -40,6 +40,7 @@ from bench.sim.workers import (
 from pdserve.cluster import DEFAULT_PREFILL_NICE
 from pdserve.control.workers import WorkerInfo
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.free_cpus import WINDOW_S
 from pdserve.kv_events import KVEventBatch
 from router import placement
 from router.admission import AdmissionConfig
@@ -140,6 +141,13 @@ class SimConfig:
     # Whether it runs a thread per core the others leave free (`--adapt-threads`, as
     # `pdserve cluster up` starts it from stop 75 on; records before ran all of them).
     prefill_adapt: bool = True
+    # How an adapting worker sizes a step (bench.sim.workers.Host): by the CPU the others
+    # took over about this many seconds, as the engine does; 0: by the cores nothing
+    # computes on at each instant, resized mid-step (the simulator before stop 77).
+    free_window_s: float = WINDOW_S
+    # A step on several threads, one of which shares a core, advances as one thread at that
+    # thread's share (Host); False: by the sum of its threads' shares (before stop 77).
+    barrier: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -190,7 +198,9 @@ class Simulation(Clock):
 
         def host() -> Host:
             if c.sharing == "own" or not hosts:
-                hosts.append(Host(1) if c.sharing == "own" else Host(SHARED_CORES, corun))
+                hosts.append(Host(1) if c.sharing == "own" else
+                             Host(SHARED_CORES, corun, window_s=c.free_window_s,
+                                  barrier=c.barrier))
             return hosts[-1]
 
         kw: dict[str, Any] = dict(num_blocks=c.num_blocks, block_size=c.block_size,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from bench.engine_profile import predict
 from pdserve.control.load import WorkerLoad
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.free_cpus import LONG_STEP_TOKENS
+from pdserve.engine.free_cpus import LONG_STEP_TOKENS, WINDOW_S, threads_for
 from pdserve.engine.scheduler import (
     ScheduledSeq,
     Scheduler,
@@ -106,28 +107,63 @@ class Host:
     """Cores shared by the workers placed on it, as Linux's CFS shares them: a busy worker
     pinned to a core shares it with the other busy ones there in proportion to their weights
     (nice 0: 1024, nice 5: 335); an unpinned one's threads each go to the core with the least
-    busy weight (the kernel's load balancing; two may share one), and it advances by the
-    CPU its threads get together, e (the sum of their shares): as one thread at e up to one
-    CPU, and from there linearly to its `speedup` (its speed on as many idle CPUs as it has
-    threads over one CPU's) at all of them; relative to that, its full speed. One that
-    adapts its threads (`--adapt-threads`, as `pdserve cluster up` starts its prefill
-    workers from stop 75 on) runs one per core nothing else computes on, at least one, for
-    a step of a long prompt, and one thread for any other step. So
-    `pdserve cluster up`'s prefill worker at nice 5 on two cores has, while both decode
-    workers stream, a quarter of one core (two threads without adapting: a quarter of each,
-    half a CPU); with one of them streaming, the other CPU; with none, both. (The engine
-    alone on a 2-vCPU Zen 4 guest computes a long prompt 1.9x faster on two threads than on
-    one: docs/bench/placement_s74.)
+    busy weight (the kernel's load balancing; two may share one).
+    An unpinned worker with one thread advances by the CPU it gets, e, as one thread at e.
+    One with several whose threads each have a core to themselves advances at its `speedup`
+    (its speed on as many idle CPUs as it has threads over one CPU's); relative to that, its
+    full speed. But where one of its threads shares a core (even with another of its own),
+    every parallel region of a step waits at its barrier for the thread that got least: the
+    step advances as one thread at that thread's share, and each thread, held at the
+    barriers, uses only its part of that, the rest of its share going to the others on its
+    core (`barrier`). The engine alone on a 2-vCPU Xeon computed a 1,146-token prompt beside
+    two streaming decode workers in 12.7-13.3 s on two threads, as on one
+    (docs/bench/placement_s75). With `barrier` off (the simulator before stop 77) it
+    advanced as one thread at the sum of its shares up to one CPU and from there linearly
+    to its speedup.
+    One that adapts its threads (`--adapt-threads`, as `pdserve cluster up` starts its
+    prefill workers from stop 75 on) sizes each step when it starts, as the engine does:
+    for a step of a long prompt a thread per core the others leave free (at least one), by
+    a moving average over `window_s` of the CPU the others took (pdserve.engine.free_cpus;
+    0: the cores nothing computes on at that instant, as before stop 77), and one thread for
+    any other step.
     One worker alone on its cores runs at full speed (the profile's, times its own factor),
     divided by `corun`'s slowdown while another core of the host computes (shared caches,
     memory bandwidth and, on a VM, execution units: two busy cores each run slower than
     one); a decode step's by its rows (`corun_slowdown`: one row, the most memory-bound
     step, is slowed most)."""
 
-    def __init__(self, cores: int, corun: dict[tuple[str, str], float] | None = None):
+    def __init__(self, cores: int, corun: dict[tuple[str, str], float] | None = None, *,
+                 window_s: float = WINDOW_S, barrier: bool = True):
         self.cores = cores
         self.corun = corun or {}
+        self.window_s, self.barrier = window_s, barrier
         self.workers: list[SimWorker] = []
+        self._cpu: dict[SimWorker, float] = {}  # the CPU each busy worker gets now
+        self._since = 0.0
+
+    def advance(self, now: float) -> None:
+        """Bring each adapting worker's moving average of the CPU the others take up to
+        `now`, from what they took since the last call (constant in between)."""
+        dt, self._since = now - self._since, now
+        if dt <= 0.0 or self.window_s <= 0.0:
+            return
+        keep = math.exp(-dt / self.window_s)
+        for w in self.workers:
+            if w.adapt_threads:
+                took = self.others_cpu(w)
+                w.others_avg = took + (w.others_avg - took) * keep
+
+    def others_cpu(self, w: SimWorker) -> float:
+        """The CPU the host's other busy workers get now (as `speeds` last shared it)."""
+        return min(float(self.cores), sum(c for x, c in self._cpu.items() if x is not w))
+
+    def free_cores(self, w: SimWorker) -> float:
+        """The cores `w` counts as free when it sizes a step (`FreeCpus.free`)."""
+        if self.window_s <= 0.0:  # the instant's: cores nothing else computes on
+            return float(self.cores - len({c for x in self.workers
+                                           if x.busy and x is not w and x.core is not None
+                                           for c in [x.core]}))
+        return max(0.0, self.cores - w.others_avg)
 
     def speeds(self) -> dict[SimWorker, float]:
         load = [0.0] * self.cores
@@ -140,15 +176,32 @@ class Host:
         for w in busy:
             if w.core is None:
                 where[w] = []
-                n = w.threads
-                if w.adapt_threads:  # as pdserve.engine.free_cpus sizes it
-                    n = max(1, min(n, sum(1 for x in load if x == 0.0))) if w.step_long else 1
+                n = w.step_threads
+                if w.adapt_threads and self.window_s <= 0.0:  # before: resized at any change
+                    n = threads_for(self.free_cores(w), w.threads) if w.step_long else 1
                 for _ in range(n):
                     c = min(range(self.cores), key=lambda i: (load[i], i))
                     where[w].append(c)
                     load[c] += w.weight
-        speeds = {w: w.parallel_speed(sum(w.weight / load[c] for c in cs))
-                  for w, cs in where.items()}
+        shares = {w: [w.weight / load[c] for c in cs] for w, cs in where.items()}
+        # Held at its barriers, each thread of a step on several computes only its part
+        # of what the slowest one can: the rest of its share goes to the core's others.
+        held = {w: min(s) / len(s) for w, s in shares.items()
+                if self.barrier and len(s) > 1 and min(s) < 1.0 - 1e-9}
+        if held:
+            spare = [0.0] * self.cores  # CPU a held thread leaves on its core
+            weight = list(load)  # the weight of the threads that use all of their share
+            for w, u in held.items():
+                for c, x in zip(where[w], shares[w], strict=True):
+                    spare[c] += x - u
+                    weight[c] -= w.weight
+            shares = {w: [held[w]] * len(s) if w in held else
+                      [x + spare[c] * w.weight / weight[c] if weight[c] > 0 else x
+                       for c, x in zip(where[w], s, strict=True)]
+                      for w, s in shares.items()}
+        self._cpu = {w: sum(s) for w, s in shares.items()}
+        speeds = {w: w.parallel_speed(len(s) * held[w] if w in held else sum(s))
+                  for w, s in shares.items()}
         if self.corun:
             for w, cs in where.items():
                 # what computes on a core other than one of w's threads'
@@ -189,6 +242,8 @@ class SimWorker:
         self.speedup = min(max(speedup or self.threads, 1.0), self.threads)
         # an unpinned one runs a thread per core the others leave free (EngineConfig)
         self.adapt_threads = adapt_threads
+        self.step_threads = self.threads  # the current step's (`Host`)
+        self.others_avg = 0.0  # an adapting one's average of the CPU others take (`Host`)
         self.step_overhead_s = step_overhead_s
         self.token_overhead_s = token_overhead_s
         self.context_overhead_s = context_overhead_s
@@ -243,6 +298,11 @@ class SimWorker:
         self.step_long = any(s.seq.num_prompt_tokens >= LONG_STEP_TOKENS
                              for s in out.scheduled if s.start < s.seq.num_prompt_tokens)
         context = sum(s.start for s in out.scheduled if s.num_new_tokens == 1)
+        self.host.advance(self.clock.now)
+        self.step_threads = self.threads
+        if self.adapt_threads:  # as LLMEngine sizes a step (pdserve.engine.free_cpus)
+            self.step_threads = (threads_for(self.host.free_cores(self), self.threads)
+                                 if self.step_long else 1)
         self._left = (self.step_overhead_s + self.token_overhead_s * streamed
                       + self.context_overhead_s * context
                       + self.price_factor * self.cost.step_s(
@@ -256,6 +316,7 @@ class SimWorker:
         """Someone on the host started or stopped: bring every busy worker's progress up to
         now and reschedule its step's end at its new speed."""
         now = self.clock.now
+        self.host.advance(now)
         speeds = self.host.speeds()
         for w in self.host.workers:
             if not w.busy:

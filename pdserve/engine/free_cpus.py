@@ -45,6 +45,9 @@ BUSY_MARGIN = 0.5
 # for those). By the prompt, not the chunk: chunks are sized by the measured rate
 # (`EngineConfig.step_target_ms`), and a rate measured on one thread would keep them short.
 LONG_STEP_TOKENS = 256
+# The moving average's span: a neighbour that computes for a second or more (the module's
+# docstring); an exponential average with this time constant.
+WINDOW_S = 2.0
 
 
 def busy_seconds(cpus: Collection[int], online: list[int] | None = None) -> float:
@@ -89,7 +92,7 @@ class FreeCpus:
     kept busy, over about `window_s`. `close` stops it."""
 
     def __init__(self, cpus: Collection[int] | None = None, *, period_s: float = 0.05,
-                 window_s: float = 2.0):
+                 window_s: float = WINDOW_S):
         self.cpus = frozenset(cpus if cpus is not None else os.sched_getaffinity(0))
         self._online = online_cpus()  # read once, not every sample
         self.period_s = period_s
@@ -130,5 +133,5 @@ class FreeCpus:
             self._last = now
 
 
-__all__ = ["BUSY_MARGIN", "LONG_STEP_TOKENS", "FreeCpus", "busy_seconds", "online_cpus",
+__all__ = ["BUSY_MARGIN", "LONG_STEP_TOKENS", "WINDOW_S", "FreeCpus", "busy_seconds", "online_cpus",
            "threads_for"]
