@@ -160,10 +160,14 @@ class Host:
     def free_cores(self, w: SimWorker) -> float:
         """The cores `w` counts as free when it sizes a step (`FreeCpus.free`)."""
         if self.window_s <= 0.0:  # the instant's: cores nothing else computes on
-            return float(self.cores - len({c for x in self.workers
-                                           if x.busy and x is not w and x.core is not None
-                                           for c in [x.core]}))
+            return float(self.cores - len({x.core for x in self.workers
+                                           if x.busy and x is not w and x.core is not None}))
         return max(0.0, self.cores - w.others_avg)
+
+    def size_step(self, w: SimWorker) -> int:
+        """The threads adapting `w` runs its step on (`FreeCpus.threads`): a thread per
+        free core for part of a long prompt, else one."""
+        return threads_for(self.free_cores(w), w.threads) if w.step_long else 1
 
     def speeds(self) -> dict[SimWorker, float]:
         load = [0.0] * self.cores
@@ -178,7 +182,7 @@ class Host:
                 where[w] = []
                 n = w.step_threads
                 if w.adapt_threads and self.window_s <= 0.0:  # before: resized at any change
-                    n = threads_for(self.free_cores(w), w.threads) if w.step_long else 1
+                    n = self.size_step(w)
                 for _ in range(n):
                     c = min(range(self.cores), key=lambda i: (load[i], i))
                     where[w].append(c)
@@ -301,8 +305,7 @@ class SimWorker:
         self.host.advance(self.clock.now)
         self.step_threads = self.threads
         if self.adapt_threads:  # as LLMEngine sizes a step (pdserve.engine.free_cpus)
-            self.step_threads = (threads_for(self.host.free_cores(self), self.threads)
-                                 if self.step_long else 1)
+            self.step_threads = self.host.size_step(self)
         self._left = (self.step_overhead_s + self.token_overhead_s * streamed
                       + self.context_overhead_s * context
                       + self.price_factor * self.cost.step_s(

@@ -133,5 +133,5 @@ class FreeCpus:
             self._last = now
 
 
-__all__ = ["BUSY_MARGIN", "LONG_STEP_TOKENS", "WINDOW_S", "FreeCpus", "busy_seconds", "online_cpus",
-           "threads_for"]
+__all__ = ["BUSY_MARGIN", "LONG_STEP_TOKENS", "WINDOW_S", "FreeCpus", "busy_seconds",
+           "online_cpus", "threads_for"]
