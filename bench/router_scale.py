@@ -23,7 +23,10 @@ publisher process for section 3; nothing is mocked in the code under test):
    router's request decoder hands it over), each call is timed with `perf_counter_ns`, after
    a warm-up; 5 timed passes going round the Ns (every N's index is built first), the
    median one reported, with how busy the pinned core was with other processes meanwhile
-   (/proc/stat). decisions/s = 1 / mean latency. At N = 64
+   (/proc/stat). decisions/s = 1 / mean latency. `--placement cost` places by the router's
+   default policy (4 prefill workers, no CPUs shared), `--cold-kib K` reads K KiB between
+   two timed calls (untimed), so each decision runs with its caches cold as in the router,
+   where gRPC, the KV event intake and the loop run between two. At N = 64
    the parts are timed on their own: hashing (`block_hashes`) and `KVIndex.match`; the rest
    of `place` is the difference. cProfile of `place` at 64 and 256 workers shows where it
    goes.
@@ -84,7 +87,7 @@ import time
 import tracemalloc
 from array import array
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -132,6 +135,11 @@ class Config:
     rounds: int = 5  # timed passes over the requests per N; the median one is reported
     profile_requests: int = 400
     split_workers: int = 64
+    placement: str = "threshold"  # the policy placed by (--placement)
+    # Bytes (KiB) read between two timed decisions, untimed (--cold-kib): the router runs
+    # each decision with its caches cold (the gRPC threads, the KV event intake and the
+    # loop run in between); 0: back to back, warm.
+    cold_kib: int = 0
     corpus_systems: int = 256
     # 3: events through Redis
     events_workers: int = 64
@@ -461,14 +469,16 @@ def latency_summary(ns: Sequence[int]) -> dict[str, float]:
 
 def time_place(reqs: list[array[int]], decoders: list[WorkerInfo], prefills: list[WorkerInfo],
                index: KVIndex, placed: dict[str, int], policy: RouterPolicy,
-               table: DecodeTable, seed: int = 0) -> tuple[list[int], list[int], list[int]]:
+               table: DecodeTable, seed: int = 0, evict: Callable[[], object] | None = None
+               ) -> tuple[list[int], list[int], list[int]]:
     """Per request: place()'s latency (ns), its CPU time on this thread (ns: time the core
     spent on other processes is not in it) and the cached tokens it found. Each prompt is
     made a fresh list of fresh ints just before its call, as the router's request decoder
     hands it over (not timed). The router's DecodeTable is kept across calls, and every
     HEARTBEAT_EVERY decisions one decode worker's record is replaced by a new one (its
     heartbeat: untimed, the directory's work), so the timed calls rebuild the table as
-    often as the router would: 64 heartbeats a second against 10,000 decisions a second."""
+    often as the router would: 64 heartbeats a second against 10,000 decisions a second.
+    `evict`: called before each timed call, untimed (`Config.cold_kib`)."""
     clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
     lat: list[int] = []
     cpu: list[int] = []
@@ -481,6 +491,8 @@ def time_place(reqs: list[array[int]], decoders: list[WorkerInfo], prefills: lis
             decoders[j] = replace(decoders[j], load=replace(
                 decoders[j].load, running=rng.randint(0, 16)))
         ids = arr.tolist()
+        if evict is not None:
+            evict()
         c0 = cpu_clock()
         t0 = clock()
         p = place(ids, latency, decoders, prefills, index, placed, policy, table=table)
@@ -532,6 +544,17 @@ def time_split(reqs: list[array[int]], place_ns: Sequence[int], index: KVIndex
     return out
 
 
+def cache_evictor(kib: int) -> Callable[[], object] | None:
+    """A call that reads `kib` KiB (pushing the last decision's data and code out of the
+    core's caches), or None for 0."""
+    if kib <= 0:
+        return None
+    import numpy as np
+
+    junk = np.ones(kib * 1024, dtype=np.uint8)
+    return junk.sum
+
+
 def native_hashing() -> bool:
     """Whether the C block hashing (pdserve/_blockhash.c) was built here."""
     from router import kv_index
@@ -579,9 +602,10 @@ def bench_decisions(cfg: Config, core: int | None) -> tuple[dict[str, Any], list
     print(f"[1] corpus: {len(corpus.conversations)} conversations, {corpus.distinct_blocks} "
           f"distinct blocks ({time.perf_counter() - t0:.1f} s); {len(timed)} timed requests, "
           f"mean {sum(map(len, timed)) / len(timed):.0f} tokens", flush=True)
-    # Threshold placement, as every record of this harness measured it (cost became the
-    # router's default later; its decisions are not measured here yet).
-    policy = RouterPolicy(placement="threshold")
+    # Threshold placement by default, as the records of this harness before stop 78 measured
+    # it (cost is the router's default: --placement cost).
+    policy = RouterPolicy(placement=cfg.placement)
+    evict = cache_evictor(cfg.cold_kib)
     results: list[dict[str, Any]] = []
     memory: list[dict[str, Any]] = []
     split: dict[str, Any] = {}
@@ -611,7 +635,8 @@ def bench_decisions(cfg: Config, core: int | None) -> tuple[dict[str, Any], list
             for n, index, decoders, prefills, placed in setups:
                 with Interference(core) as itf:
                     lat, cpu, cached = time_place(timed, decoders, prefills, index, placed,
-                                                  policy, tables[n], seed=cfg.seed * 100 + r)
+                                                  policy, tables[n], seed=cfg.seed * 100 + r,
+                                                  evict=evict)
                 rounds[n].append((sum(lat) / len(lat), lat, cached, itf.result, cpu))
         for n, index, decoders, prefills, placed in setups:
             ordered = sorted(rounds[n], key=lambda r: r[0])
@@ -1187,6 +1212,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "lag (K, default 4)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--skip", default="", help="comma list of sections to skip: 1,3,4")
+    ap.add_argument("--placement", choices=("threshold", "cost"), default=None,
+                    help="section 1's placement policy (default threshold, as the records "
+                    "before stop 78 were made; the router's own default is cost)")
+    ap.add_argument("--cold-kib", type=int, default=None,
+                    help="section 1: KiB read between two timed decisions, untimed, so each "
+                    "runs with its caches cold as in the router (default 0: warm)")
     pub = ap.add_argument_group("publisher mode (section 3's child process)")
     pub.add_argument("--publisher", action="store_true", help=argparse.SUPPRESS)
     pub.add_argument("--redis-url", default="")
@@ -1206,6 +1237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(publisher_main(args))
     cfg = QUICK if args.quick else Config()
     cfg = replace(cfg, seed=args.seed)
+    if args.placement is not None:
+        cfg = replace(cfg, placement=args.placement)
+    if args.cold_kib is not None:
+        cfg = replace(cfg, cold_kib=args.cold_kib)
     if args.lag is not None:
         cfg = replace(cfg, hit_lag=args.lag)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}

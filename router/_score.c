@@ -18,6 +18,12 @@
  * each (prefill, decode) pair (router.placement.best_by_cost; its docstring and
  * router.cost hold the formulas; the arguments are described above the function).
  *
+ * CostTable(...).choose(pairs, ...) -> (decode, prefill, local, ttft, cost, cached, uncached)
+ *
+ * best_cost with its candidates held across decisions, taking the prompt's prefix walk as
+ * it comes (router.placement.place's path where no prefill worker shares a decode worker's
+ * CPUs; described above the type).
+ *
  * Both compute exactly router.placement's numpy floats in its order of operations (built
  * with -ffp-contract=off, so no fused multiply-add changes a rounding), which tests compare
  * on random input. In the router a threshold decision's numpy version costs ~60 us at 64
@@ -141,69 +147,55 @@ done:
 
 static inline double pos(double x) { return x > 0.0 ? x : 0.0; }  /* np.maximum(0.0, x) */
 
-/* best_cost(length, dcached, running, prompt_waiting, rate, step, dids,
- *             pcached, queued, prate, transfer, pids, placed, inflight, shares,
- *             absorbed, row_fraction, stall_weight, tpot_weight, late_weight, overhead,
- *             max_local_s, target_s, ttft_weight, tiebreak)
- *
- * Decode columns (n each: tokens cached, running streams, prompt tokens waiting, priced
- * prefill rate and decode step; ids), prefill columns (m each: tokens cached, priced backlog,
- * rate and transfer seconds per token; ids), `placed` and `inflight` dicts by worker id,
- * `shares` None or an m x n float64 buffer, then CostModel's numbers, the class's target
- * and TTFT weight. Returns (decode position, prefill position or -1 without prefill
- * workers, whether local, the chosen candidate's TTFT and cost). */
-static PyObject *best_cost(PyObject *self, PyObject *args) {
+/* The cost policy's inputs for one decision: decode columns (n each: tokens cached, running
+ * streams, prompt tokens waiting, priced prefill rate and decode step; ids), prefill columns
+ * (m each: tokens cached, priced backlog, rate and transfer seconds per token; ids), `placed`
+ * and `inflight` dicts by worker id, `shares` NULL or m x n, then CostModel's numbers, the
+ * class's target and TTFT weight. */
+typedef struct {
+    Py_ssize_t n, m;
+    const double *dcached, *running, *waiting, *rate, *step;
+    const double *pcached, *queued, *prate, *transfer, *shares;
+    PyObject *dids, *pids, *placed, *inflight;
     double length, absorbed, row_fraction, stall_w, tpot_w, late_w, overhead, max_local;
     double target, ttft_w;
-    PyObject *objs[9], *dids, *pids, *placed, *inflight, *shares_obj;
     Py_ssize_t tiebreak;
-    if (!PyArg_ParseTuple(args, "dOOOOOO!OOOOO!O!O!Odddddddddn", &length, &objs[0], &objs[1],
-                          &objs[2], &objs[3], &objs[4], &PyTuple_Type, &dids, &objs[5],
-                          &objs[6], &objs[7], &objs[8], &PyTuple_Type, &pids, &PyDict_Type,
-                          &placed, &PyDict_Type, &inflight, &shares_obj, &absorbed,
-                          &row_fraction, &stall_w, &tpot_w, &late_w, &overhead, &max_local,
-                          &target, &ttft_w, &tiebreak))
-        return NULL;
-    static const char *names[10] = {"dcached", "running", "prompt_waiting", "rate", "step",
-                                    "pcached", "queued", "prate", "transfer", "shares"};
-    Column cols[10];
-    memset(cols, 0, sizeof cols);
-    PyObject *result = NULL;
-    double *buf = NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(dids), m = PyTuple_GET_SIZE(pids);
-    int with_shares = shares_obj != Py_None;
-    if (get_columns(objs, cols, names, 5, n) < 0 ||
-        get_columns(objs + 5, cols + 5, names + 5, 4, m) < 0 ||
-        (with_shares && get_columns(&shares_obj, cols + 9, names + 9, 1, n * m) < 0))
-        goto done;
-    if (n == 0) {
-        PyErr_SetString(PyExc_ValueError, "no decode candidates");
-        goto done;
-    }
-    const double *dcached = cols[0].view.buf, *running = cols[1].view.buf;
-    const double *waiting = cols[2].view.buf, *rate = cols[3].view.buf;
-    const double *step = cols[4].view.buf, *pcached = cols[5].view.buf;
-    const double *queued = cols[6].view.buf, *prate = cols[7].view.buf;
-    const double *transfer = cols[8].view.buf;
-    const double *shares = with_shares ? cols[9].view.buf : NULL;
-    buf = PyMem_Malloc((size_t)(7 * n + 3 * m) * sizeof(double));
-    if (buf == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
+} CostInput;
+
+typedef struct {
+    Py_ssize_t w, p;  /* p: -1 without prefill workers */
+    int local;
+    double ttft, cost;
+} CostChoice;
+
+/* Doubles of scratch cost_choose needs. */
+static size_t cost_scratch(Py_ssize_t n, Py_ssize_t m) { return (size_t)(7 * n + 3 * m); }
+
+/* router.placement.best_by_cost's choice over `in` (n > 0), into `out`; -1 with an error
+ * set (a `placed` or `inflight` value that is not a number). */
+static int cost_choose(const CostInput *in, double *buf, CostChoice *out) {
+    Py_ssize_t n = in->n, m = in->m;
+    const double *dcached = in->dcached, *running = in->running, *rate = in->rate;
+    const double *step = in->step, *pcached = in->pcached, *prate = in->prate;
+    const double *transfer = in->transfer, *shares = in->shares;
+    double length = in->length, absorbed = in->absorbed, row_fraction = in->row_fraction;
+    double stall_w = in->stall_w, tpot_w = in->tpot_w, late_w = in->late_w;
+    double overhead = in->overhead, max_local = in->max_local, target = in->target;
+    double ttft_w = in->ttft_w;
+    int with_shares = shares != NULL;
     double *streams = buf, *pending = buf + n, *ttft_l = buf + 2 * n;
     double *local_v = buf + 3 * n, *ttft_r = buf + 4 * n, *cost_r = buf + 5 * n;
     double *best_p = buf + 6 * n;  /* positions, as doubles */
     double *ppending = buf + 7 * n, *lack = ppending + m, *head = lack + m;
-    if (at_least(running, dids, placed, streams) < 0 ||
-        at_least(waiting, dids, inflight, pending) < 0 ||
-        at_least(queued, pids, inflight, ppending) < 0)
-        goto done;
+    if (at_least(running, in->dids, in->placed, streams) < 0 ||
+        at_least(in->waiting, in->dids, in->inflight, pending) < 0 ||
+        at_least(in->queued, in->pids, in->inflight, ppending) < 0)
+        return -1;
     for (Py_ssize_t p = 0; p < m; p++) {
         lack[p] = pos(length - pcached[p]);
         head[p] = (ppending[p] + lack[p]) / prate[p];
     }
-    Py_ssize_t pstart = m ? tiebreak % m : 0;
+    Py_ssize_t pstart = m ? in->tiebreak % m : 0;
     if (pstart < 0) pstart += m;
     double best = INFINITY;
     for (Py_ssize_t w = 0; w < n; w++) {
@@ -251,7 +243,7 @@ static PyObject *best_cost(PyObject *self, PyObject *args) {
         if (local_v[w] < best) best = local_v[w];
         if (cr < best) best = cr;
     }
-    Py_ssize_t start = tiebreak % n;
+    Py_ssize_t start = in->tiebreak % n;
     if (start < 0) start += n;
     Py_ssize_t pick = -1;
     for (Py_ssize_t k = 0; k < n && pick < 0; k++) {
@@ -259,14 +251,305 @@ static PyObject *best_cost(PyObject *self, PyObject *args) {
         if (local_v[i] == best || cost_r[i] == best) pick = i;
     }
     if (pick < 0) pick = 0;  /* only with NaN costs */
-    int local = local_v[pick] == best;
-    result = Py_BuildValue("nnOdd", pick, (Py_ssize_t)best_p[pick], local ? Py_True : Py_False,
-                           local ? ttft_l[pick] : ttft_r[pick], best);
+    out->w = pick;
+    out->p = (Py_ssize_t)best_p[pick];
+    out->local = local_v[pick] == best;
+    out->ttft = out->local ? ttft_l[pick] : ttft_r[pick];
+    out->cost = best;
+    return 0;
+}
+
+/* best_cost(length, dcached, running, prompt_waiting, rate, step, dids,
+ *             pcached, queued, prate, transfer, pids, placed, inflight, shares,
+ *             absorbed, row_fraction, stall_weight, tpot_weight, late_weight, overhead,
+ *             max_local_s, target_s, ttft_weight, tiebreak)
+ *
+ * CostInput's columns as float64 buffers (`shares` None or an m x n one). Returns (decode
+ * position, prefill position or -1 without prefill workers, whether local, the chosen
+ * candidate's TTFT and cost). */
+static PyObject *best_cost(PyObject *self, PyObject *args) {
+    CostInput in;
+    PyObject *objs[9], *shares_obj;
+    memset(&in, 0, sizeof in);
+    if (!PyArg_ParseTuple(args, "dOOOOOO!OOOOO!O!O!Odddddddddn", &in.length, &objs[0],
+                          &objs[1], &objs[2], &objs[3], &objs[4], &PyTuple_Type, &in.dids,
+                          &objs[5], &objs[6], &objs[7], &objs[8], &PyTuple_Type, &in.pids,
+                          &PyDict_Type, &in.placed, &PyDict_Type, &in.inflight, &shares_obj,
+                          &in.absorbed, &in.row_fraction, &in.stall_w, &in.tpot_w, &in.late_w,
+                          &in.overhead, &in.max_local, &in.target, &in.ttft_w, &in.tiebreak))
+        return NULL;
+    static const char *names[10] = {"dcached", "running", "prompt_waiting", "rate", "step",
+                                    "pcached", "queued", "prate", "transfer", "shares"};
+    Column cols[10];
+    memset(cols, 0, sizeof cols);
+    PyObject *result = NULL;
+    double *buf = NULL;
+    Py_ssize_t n = in.n = PyTuple_GET_SIZE(in.dids), m = in.m = PyTuple_GET_SIZE(in.pids);
+    int with_shares = shares_obj != Py_None;
+    if (get_columns(objs, cols, names, 5, n) < 0 ||
+        get_columns(objs + 5, cols + 5, names + 5, 4, m) < 0 ||
+        (with_shares && get_columns(&shares_obj, cols + 9, names + 9, 1, n * m) < 0))
+        goto done;
+    if (n == 0) {
+        PyErr_SetString(PyExc_ValueError, "no decode candidates");
+        goto done;
+    }
+    in.dcached = cols[0].view.buf;
+    in.running = cols[1].view.buf;
+    in.waiting = cols[2].view.buf;
+    in.rate = cols[3].view.buf;
+    in.step = cols[4].view.buf;
+    in.pcached = cols[5].view.buf;
+    in.queued = cols[6].view.buf;
+    in.prate = cols[7].view.buf;
+    in.transfer = cols[8].view.buf;
+    in.shares = with_shares ? cols[9].view.buf : NULL;
+    buf = PyMem_Malloc(cost_scratch(n, m) * sizeof(double));
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    CostChoice c;
+    if (cost_choose(&in, buf, &c) == 0)
+        result = Py_BuildValue("nnOdd", c.w, c.p, c.local ? Py_True : Py_False, c.ttft, c.cost);
 done:
     PyMem_Free(buf);
     release(cols, 10);
     return result;
 }
+
+/* CostTable(running, prompt_waiting, rate, step, dids, dpositions, queued, prate, transfer,
+ *           pids, ppositions, absorbed, row_fraction, stall_weight, tpot_weight,
+ *           late_weight, overhead, max_local_s)
+ *
+ * best_cost's candidates held across decisions (router.placement.DecodeTable keeps one per
+ * candidate lists and cost model, where no prefill worker shares a decode worker's CPUs):
+ * their priced columns copied in once, so that a decision passes only what changes per
+ * request. `dpositions`, `ppositions`: intp buffers, index slot -> position in that list
+ * (-1: none; router.placement._Columns.groups' of the one block geometry both lists share).
+ *
+ * choose(pairs, scale, length, placed, inflight, target_s, ttft_weight, tiebreak)
+ *     -> (decode, prefill, local, ttft, cost, cached, uncached)
+ *
+ * `pairs`: KVIndex.walk's (depth, mask) pairs of the prompt, spread as
+ * router.kv_index.spread does (depth * scale tokens cached for every slot bit with a
+ * position); then best_cost's choice, with the decode worker's cached tokens and the tokens
+ * left to prefill where it is prefilled (`Decision.uncached_tokens`), as ints. In the router
+ * a decision runs with its caches cold: one call with nothing to allocate, convert or look up
+ * in numpy, instead of two spreads, numpy's buffers and best_cost's 25 arguments. */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t n, m, ndpos, nppos;
+    double *mem;  /* the columns, the cached tokens, then cost_choose's scratch */
+    Py_ssize_t *dpos, *ppos;
+    PyObject *dids, *pids;
+    double absorbed, row_fraction, stall_w, tpot_w, late_w, overhead, max_local;
+} CostTable;
+
+static void CostTable_dealloc(CostTable *t) {
+    PyMem_Free(t->mem);
+    PyMem_Free(t->dpos);
+    PyMem_Free(t->ppos);
+    Py_XDECREF(t->dids);
+    Py_XDECREF(t->pids);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static int copy_positions(PyObject *obj, Py_ssize_t **out, Py_ssize_t *count, Py_ssize_t n,
+                          const char *name) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    int rc = -1;
+    if (view.itemsize != (Py_ssize_t)sizeof(Py_ssize_t) || view.len % view.itemsize != 0) {
+        PyErr_Format(PyExc_TypeError, "%s must be an intp buffer", name);
+        goto done;
+    }
+    *count = view.len / view.itemsize;
+    *out = PyMem_Malloc((size_t)(*count ? *count : 1) * sizeof(Py_ssize_t));
+    if (*out == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(*out, view.buf, (size_t)view.len);
+    for (Py_ssize_t i = 0; i < *count; i++)
+        if ((*out)[i] >= n) {
+            PyErr_Format(PyExc_ValueError, "%s holds a position past its list", name);
+            goto done;
+        }
+    rc = 0;
+done:
+    PyBuffer_Release(&view);
+    return rc;
+}
+
+static PyObject *CostTable_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *objs[7], *dids, *pids, *dpos, *ppos;
+    double consts[7];
+    static char *kwlist[] = {"running", "prompt_waiting", "rate", "step", "dids",
+                             "dpositions", "queued", "prate", "transfer", "pids",
+                             "ppositions", "absorbed", "row_fraction", "stall_weight",
+                             "tpot_weight", "late_weight", "overhead", "max_local_s", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO!OOOOO!Oddddddd", kwlist, &objs[0],
+                                     &objs[1], &objs[2], &objs[3], &PyTuple_Type, &dids, &dpos,
+                                     &objs[4], &objs[5], &objs[6], &PyTuple_Type, &pids, &ppos,
+                                     &consts[0], &consts[1], &consts[2], &consts[3], &consts[4],
+                                     &consts[5], &consts[6]))
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(dids), m = PyTuple_GET_SIZE(pids);
+    if (n == 0) {
+        PyErr_SetString(PyExc_ValueError, "no decode candidates");
+        return NULL;
+    }
+    static const char *names[7] = {"running", "prompt_waiting", "rate", "step",
+                                   "queued", "prate", "transfer"};
+    Column cols[7];
+    memset(cols, 0, sizeof cols);
+    CostTable *t = NULL;
+    if (get_columns(objs, cols, names, 4, n) < 0 ||
+        get_columns(objs + 4, cols + 4, names + 4, 3, m) < 0)
+        goto fail;
+    t = (CostTable *)type->tp_alloc(type, 0);
+    if (t == NULL) goto fail;
+    t->n = n;
+    t->m = m;
+    t->dids = Py_NewRef(dids);
+    t->pids = Py_NewRef(pids);
+    t->absorbed = consts[0];
+    t->row_fraction = consts[1];
+    t->stall_w = consts[2];
+    t->tpot_w = consts[3];
+    t->late_w = consts[4];
+    t->overhead = consts[5];
+    t->max_local = consts[6];
+    /* 4n + 3m columns, n + m cached tokens, then the scratch. */
+    t->mem = PyMem_Malloc((5 * (size_t)n + 4 * (size_t)m + cost_scratch(n, m)) * sizeof(double));
+    if (t->mem == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (int k = 0; k < 4; k++)
+        memcpy(t->mem + k * n, cols[k].view.buf, (size_t)n * sizeof(double));
+    for (int k = 0; k < 3; k++)
+        memcpy(t->mem + 4 * n + k * m, cols[4 + k].view.buf, (size_t)m * sizeof(double));
+    if (copy_positions(dpos, &t->dpos, &t->ndpos, n, "dpositions") < 0 ||
+        copy_positions(ppos, &t->ppos, &t->nppos, m, "ppositions") < 0)
+        goto fail;
+    release(cols, 7);
+    return (PyObject *)t;
+fail:
+    release(cols, 7);
+    Py_XDECREF(t);
+    return NULL;
+}
+
+/* out[pos[slot]] = value for every set bit `slot` of `mask` below npos with a position. */
+static int spread_mask(PyObject *mask, const Py_ssize_t *pos, Py_ssize_t npos, double *out,
+                       double value) {
+    int overflow = 0;
+    long long small = PyLong_AsLongLongAndOverflow(mask, &overflow);
+    if (small == -1 && PyErr_Occurred()) return -1;
+    if (overflow < 0 || (overflow == 0 && small < 0)) {
+        PyErr_SetString(PyExc_ValueError, "masks are non-negative");
+        return -1;
+    }
+    if (overflow == 0) {
+        for (unsigned long long v = (unsigned long long)small; v; v &= v - 1) {
+            Py_ssize_t slot = __builtin_ctzll(v);
+            if (slot < npos && pos[slot] >= 0) out[pos[slot]] = value;
+        }
+        return 0;
+    }
+    /* 2**63 and up (a 64th worker slot or more): its bytes. */
+    PyObject *bits = PyObject_CallMethod(mask, "bit_length", NULL);
+    if (bits == NULL) return -1;
+    Py_ssize_t nbits = PyLong_AsSsize_t(bits);
+    Py_DECREF(bits);
+    if (nbits < 0) return -1;
+    PyObject *bytes = PyObject_CallMethod(mask, "to_bytes", "ns", (nbits + 7) / 8, "little");
+    if (bytes == NULL) return -1;
+    const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(bytes);
+    for (Py_ssize_t i = 0; i < PyBytes_GET_SIZE(bytes) && 8 * i < npos; i++)
+        for (unsigned v = b[i]; v; v &= v - 1) {
+            Py_ssize_t slot = 8 * i + __builtin_ctz(v);
+            if (slot < npos && pos[slot] >= 0) out[pos[slot]] = value;
+        }
+    Py_DECREF(bytes);
+    return 0;
+}
+
+static PyObject *CostTable_choose(CostTable *t, PyObject *args) {
+    PyObject *pairs;
+    double scale;
+    CostInput in;
+    memset(&in, 0, sizeof in);
+    if (!PyArg_ParseTuple(args, "O!ddO!O!ddn", &PyList_Type, &pairs, &scale, &in.length,
+                          &PyDict_Type, &in.placed, &PyDict_Type, &in.inflight, &in.target,
+                          &in.ttft_w, &in.tiebreak))
+        return NULL;
+    Py_ssize_t n = t->n, m = t->m;
+    double *dcached = t->mem + 4 * n + 3 * m, *pcached = dcached + n;
+    memset(dcached, 0, (size_t)(n + m) * sizeof(double));
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(pairs); k++) {
+        PyObject *pair = PyList_GET_ITEM(pairs, k);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_SetString(PyExc_TypeError, "pairs must be (depth, mask) tuples");
+            return NULL;
+        }
+        long depth = PyLong_AsLong(PyTuple_GET_ITEM(pair, 0));
+        if (depth == -1 && PyErr_Occurred()) return NULL;
+        if (depth < 0) {
+            PyErr_SetString(PyExc_ValueError, "depths are non-negative");
+            return NULL;
+        }
+        double value = (double)depth * scale;
+        PyObject *mask = PyTuple_GET_ITEM(pair, 1);
+        if (spread_mask(mask, t->dpos, t->ndpos, dcached, value) < 0 ||
+            spread_mask(mask, t->ppos, t->nppos, pcached, value) < 0)
+            return NULL;
+    }
+    in.n = n;
+    in.m = m;
+    in.dcached = dcached;
+    in.running = t->mem;
+    in.waiting = t->mem + n;
+    in.rate = t->mem + 2 * n;
+    in.step = t->mem + 3 * n;
+    in.queued = t->mem + 4 * n;
+    in.prate = in.queued + m;
+    in.transfer = in.prate + m;
+    in.pcached = pcached;
+    in.dids = t->dids;
+    in.pids = t->pids;
+    in.absorbed = t->absorbed;
+    in.row_fraction = t->row_fraction;
+    in.stall_w = t->stall_w;
+    in.tpot_w = t->tpot_w;
+    in.late_w = t->late_w;
+    in.overhead = t->overhead;
+    in.max_local = t->max_local;
+    CostChoice c;
+    if (cost_choose(&in, pcached + m, &c) < 0) return NULL;
+    double prefilled = c.local ? dcached[c.w] : c.p >= 0 ? pcached[c.p] : 0.0;
+    return Py_BuildValue("nnOddLL", c.w, c.p, c.local ? Py_True : Py_False, c.ttft, c.cost,
+                         (long long)dcached[c.w], (long long)pos(in.length - prefilled));
+}
+
+static PyMethodDef CostTable_methods[] = {
+    {"choose", (PyCFunction)CostTable_choose, METH_VARARGS,
+     "choose(pairs, scale, length, placed, inflight, target_s, ttft_weight, tiebreak) -> "
+     "(decode, prefill, local, ttft, cost, cached, uncached) (see the module source)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CostTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "router._score.CostTable",
+    .tp_basicsize = sizeof(CostTable),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "best_cost's candidates held across decisions (see the module source).",
+    .tp_new = CostTable_new,
+    .tp_dealloc = (destructor)CostTable_dealloc,
+    .tp_methods = CostTable_methods,
+};
 
 static PyMethodDef methods[] = {
     {"best", best, METH_VARARGS,
@@ -282,8 +565,18 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "router._score",
-    "The router's placement arithmetic in C (router.placement.best_of, best_by_cost).", -1,
+    "The router's placement arithmetic in C (router.placement.best_of, best_by_cost, place).",
+    -1,
     methods,
 };
 
-PyMODINIT_FUNC PyInit__score(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__score(void) {
+    if (PyType_Ready(&CostTableType) < 0) return NULL;
+    PyObject *mod = PyModule_Create(&module);
+    if (mod == NULL) return NULL;
+    if (PyModule_AddObjectRef(mod, "CostTable", (PyObject *)&CostTableType) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
+    return mod;
+}

@@ -17,3 +17,17 @@ def best_cost(length: float, dcached: _Floats, running: _Floats, prompt_waiting:
               stall_weight: float, tpot_weight: float, late_weight: float, overhead: float,
               max_local_s: float, target_s: float, ttft_weight: float,
               tiebreak: int) -> tuple[int, int, bool, float, float]: ...
+
+_Positions = npt.NDArray[np.intp]
+
+class CostTable:
+    def __init__(self, running: _Floats, prompt_waiting: _Floats, rate: _Floats,
+                 step: _Floats, dids: tuple[str, ...], dpositions: _Positions,
+                 queued: _Floats, prate: _Floats, transfer: _Floats, pids: tuple[str, ...],
+                 ppositions: _Positions, absorbed: float, row_fraction: float,
+                 stall_weight: float, tpot_weight: float, late_weight: float,
+                 overhead: float, max_local_s: float) -> None: ...
+    def choose(self, pairs: list[tuple[int, int]], scale: float, length: float,
+               placed: Mapping[str, int], inflight: Mapping[str, float], target_s: float,
+               ttft_weight: float, tiebreak: int
+               ) -> tuple[int, int, bool, float, float, int, int]: ...

@@ -26,6 +26,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -38,17 +39,22 @@ from router.cost import CostModel
 from router.kv_index import KVIndex, spread
 from router.policy import Decision, Route, RouterPolicy, decide_route
 
+if TYPE_CHECKING:
+    from router._score import CostTable
+
 _NONE: Mapping[str, float] = {}
 _DEFAULT_COST = CostModel()
 Floats = npt.NDArray[np.float64]
 _native_best: Callable[..., int] | None
 _native_cost: Callable[..., tuple[int, int, bool, float, float]] | None
+_NativeTable: Callable[..., CostTable] | None
 try:  # router/_score.c, where setup.py could build it: best_of's and best_by_cost's
-    # arithmetic in C loops
+    # arithmetic in C loops, and best_by_cost's candidates held across decisions
+    from router._score import CostTable as _NativeTable
     from router._score import best as _native_best
     from router._score import best_cost as _native_cost
 except ImportError:  # pragma: no cover - the numpy paths below give the same choices
-    _native_best = _native_cost = None
+    _native_best = _native_cost = _NativeTable = None
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,7 @@ class DecodeTable:
         self._prefill = _Cached()
         self._shares: tuple[object, object, Floats | None, _Beside | None] = (
             None, None, None, None)
+        self._fast: tuple[object, object, object, _Fast | None] = (None, None, None, None)
 
     def columns(self, decoders: Sequence[WorkerInfo], index: KVIndex,
                 listing: object = None) -> _Columns:
@@ -184,6 +191,19 @@ class DecodeTable:
         CPU it gets beside each (`_Beside`); None where none do. Held like `shares`."""
         return self._placements(dcols, pcols)[3]
 
+    def fast_cost(self, dcols: _Columns, pcols: _Columns, model: CostModel) -> _Fast | None:
+        """`best_by_cost`'s candidates in C, held while these columns and this model are
+        (`_fast_cost`); None where that path does not apply."""
+        d, p, mod, fast = self._fast
+        if d is dcols and p is pcols and mod is model:
+            return fast
+        fast = None
+        if _NativeTable is not None and self.shares(dcols, pcols) is None \
+                and self.beside(dcols, pcols) is None:
+            fast = _fast_cost(dcols, pcols, model)
+        self._fast = (dcols, pcols, model, fast)
+        return fast
+
     def _placements(self, dcols: _Columns, pcols: _Columns
                     ) -> tuple[object, object, Floats | None, _Beside | None]:
         d, p, _, _ = held = self._shares
@@ -193,6 +213,35 @@ class DecodeTable:
                         _beside(pcols.workers, dcols.workers))
             self._shares = held = (dcols.hosts, pcols.hosts, held[2], held[3])
         return held
+
+
+@dataclass(frozen=True)
+class _Fast:
+    """`best_by_cost` over two candidate lists in one C call per decision (router/_score.c's
+    CostTable: the priced columns copied in once), where no prefill worker shares a decode
+    worker's CPUs and both lists sit in one block geometry. A decision with its caches cold
+    (as the router's are between requests) spends ~50 us less than through the columns'
+    numpy arrays (bench/router_scale.py --placement cost)."""
+
+    table: CostTable
+    geometry: tuple[int, bytes] | None  # (block size, extra) of the walk; None: no walk
+
+
+def _fast_cost(dcols: _Columns, pcols: _Columns, model: CostModel) -> _Fast | None:
+    keys = {(bs, extra) for bs, extra, _ in (*dcols.groups, *pcols.groups)}
+    if _NativeTable is None or len(keys) > 1 or len(dcols.groups) > 1 or len(pcols.groups) > 1:
+        return None
+    peer = min(dcols.min_rate, pcols.min_rate)
+    peer_rate = None if peer == np.inf else peer
+    dp, pp = dcols.prices(model, peer_rate), pcols.prices(model, peer_rate)
+    none = np.zeros(0, dtype=np.intp)
+    table = _NativeTable(
+        dcols.running, dcols.prompt_waiting, dp.rate, dp.step, dcols.ids,
+        dcols.groups[0][2] if dcols.groups else none, pp.queued, pp.rate, pp.transfer,
+        pcols.ids, pcols.groups[0][2] if pcols.groups else none, float(model.absorbed_tokens),
+        model.decode_row_fraction, model.stall_weight, model.tpot_weight, model.late_weight,
+        model.remote_overhead_s, model.max_local_prefill_s)
+    return _Fast(table, keys.pop() if keys else None)
 
 
 @dataclass(frozen=True)
@@ -489,6 +538,13 @@ def _cost_reason(route: Route, any_prefill: bool, over: bool) -> str:
     return "cost_over_target" if over else f"cost_{route.value}"
 
 
+# (local, any prefill worker, over the target) -> the route and `_cost_reason`: looked up,
+# not formatted, on the router's hot path.
+_FAST_ROUTES = {(local, any_prefill, over): (route, _cost_reason(route, any_prefill, over))
+                for local, route in ((True, Route.LOCAL), (False, Route.REMOTE))
+                for any_prefill in (True, False) for over in (True, False)}
+
+
 def _best_by_cost_numpy(length: float, dcols: _Columns, dcached: Floats, dp: _Priced,
                         pcols: _Columns, pcached: Floats, pp: _Priced,
                         placed: Mapping[str, int], inflight_tokens: Mapping[str, float],
@@ -582,9 +638,20 @@ def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerIn
     cols = table.columns(decoders, index, listing)
     if policy.placement == "cost":
         pcols = table.prefill_columns(prefills, index, listing)
+        model = cost or _DEFAULT_COST
+        fast = table.fast_cost(cols, pcols, model)
+        if fast is not None and isinstance(placed, dict) and isinstance(inflight_tokens, dict):
+            geometry = fast.geometry
+            pairs = [] if geometry is None else index.walk(ids, geometry[0], geometry[1])
+            w, p, local, ttft, _, held, uncached = fast.table.choose(
+                pairs, 0.0 if geometry is None else float(geometry[0]), float(len(ids)),
+                placed, inflight_tokens, target_s, policy.ttft_weights[latency], tiebreak)
+            route, reason = _FAST_ROUTES[local, p >= 0, ttft > target_s]
+            return Placement(decoders[w], None if p < 0 else prefills[p],
+                             Decision(route, reason, uncached, ttft), held)
         cached, pcached = _cached(index, ids, cols, pcols)
         c = best_by_cost(len(ids), cols, cached, pcols, pcached, placed, inflight_tokens,
-                         target_s, cost or _DEFAULT_COST, tiebreak, table.shares(cols, pcols),
+                         target_s, model, tiebreak, table.shares(cols, pcols),
                          policy.ttft_weights[latency], table.beside(cols, pcols))
         return Placement(decoders[c.decode], None if c.prefill is None else prefills[c.prefill],
                          Decision(c.route, c.reason, c.uncached_tokens, c.ttft_s),

@@ -201,14 +201,16 @@ class Router(AsyncResource):
     def prepare(self) -> None:
         """What placement and admission derive from the directory, rebuilt as soon as it
         polled (every `directory_poll_s`, a heartbeat's load or two having changed): the
-        live lists, the columns of the placement table and the admission view. Otherwise
-        the first request after each poll would pay for it, O(workers) in Python, on its
-        way to a first token."""
+        live lists, the columns of the placement table (and cost placement's table in C)
+        and the admission view. Otherwise the first request after each poll would pay for
+        it, O(workers) in Python, on its way to a first token."""
         decoders, prefills = self._live_workers()
         if decoders:
-            self._decode_table.columns(decoders, self.kv_index, self._live_key)
+            table = self._decode_table
+            dcols = table.columns(decoders, self.kv_index, self._live_key)
             if self.config.policy.placement == "cost":
-                self._decode_table.prefill_columns(prefills, self.kv_index, self._live_key)
+                table.fast_cost(dcols, table.prefill_columns(prefills, self.kv_index,
+                                                             self._live_key), self._cost)
         self._admission_view()
 
     async def place(self, req: GenerateRequest, exclude: frozenset[str] = frozenset()

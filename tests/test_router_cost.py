@@ -293,6 +293,103 @@ def test_the_c_cost_choice_equals_the_numpy_one_exactly() -> None:
         assert got == want, case
 
 
+def test_the_held_c_cost_table_chooses_as_the_numpy_path_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`place`'s path through router/_score.c's CostTable (the candidates held across
+    decisions, the prompt's walk spread in C) against the same placement through the
+    columns' numpy arrays: the same workers, route, reason, prediction and token counts on
+    random fleets of up to 150 decode workers (index slots past 64: masks wider than a
+    machine word) and prefill workers, each holding a random share of the prompt, with the
+    router's placed and in-flight counts, several latency classes and `tiebreak`s."""
+    pytest.importorskip("router._score")
+    rng = np.random.default_rng(78)
+    ids = list(range(1600))
+    hashes = block_hashes(ids, 16, b"m")
+    policy = RouterPolicy(placement="cost")
+    took = 0
+    for case in range(150):
+        n, m = int(rng.choice([1, 3, 70, 150])), int(rng.integers(0, 4))
+        decoders = [_worker(f"d{i}", "decode", _random_load(rng)) for i in range(n)]
+        prefills = [_worker(f"p{i}", "prefill", _random_load(rng)) for i in range(m)]
+        index = KVIndex()
+        for w in [*decoders, *prefills]:
+            if rng.random() < 0.7:
+                k = int(rng.integers(0, len(hashes) + 1))
+                index.apply(w.worker_id, KVEventBatch(1, 1, 16, tuple(
+                    (KVOp.STORED, x) for x in hashes[:k]), snapshot=True))
+        placed = {w.worker_id: int(rng.integers(1, 4)) for w in decoders if rng.random() < 0.3}
+        inflight = collections.Counter({w.worker_id: float(rng.choice([100, 3000]))
+                                        for w in [*decoders, *prefills] if rng.random() < 0.3})
+        model = dataclasses.replace(MODEL, remote_overhead_s=float(rng.choice([0.0, 0.02])))
+        prompt = ids[:int(rng.choice([10, 300, 1600]))]
+        for k in range(4):
+            latency = list(LatencyClass)[k % len(LatencyClass)]
+            target, tiebreak = float(rng.choice([0.3, 2.0, 30.0])), int(rng.integers(0, 500))
+            table = DecodeTable()
+            got = place(prompt, latency, decoders, prefills, index, placed, policy, cost=model,
+                        target_s=target, inflight_tokens=inflight, tiebreak=tiebreak,
+                        table=table)
+            took += table.fast_cost(table.columns(decoders, index),
+                                    table.prefill_columns(prefills, index), model) is not None
+            with monkeypatch.context() as mp:
+                mp.setattr(placement, "_NativeTable", None)
+                want = place(prompt, latency, decoders, prefills, index, placed, policy,
+                             cost=model, target_s=target, inflight_tokens=inflight,
+                             tiebreak=tiebreak)
+            assert got == want, (case, k)
+    assert took == 600  # every case took the held table's path
+
+
+def test_the_held_cost_table_is_kept_and_left_where_it_does_not_apply() -> None:
+    """The table is built once per candidate lists and cost model; where a prefill worker
+    shares a decode worker's CPUs (its compute priced per decision) placement goes through
+    the columns, and still chooses."""
+    pytest.importorskip("router._score")
+    decoders = [_worker("d0", "decode", DECODE, ("h1", (0,))),
+                _worker("d1", "decode", DECODE, ("h1", (1,)))]
+    apart = [_worker("p0", "prefill", PREFILL, ("h2", (0,)))]
+    beside = [_worker("p0", "prefill", PREFILL, ("h1", (0, 1)))]
+    table, index = DecodeTable(), KVIndex()
+    dcols = table.columns(decoders, index)
+    fast = table.fast_cost(dcols, table.prefill_columns(apart, index), MODEL)
+    assert fast is not None
+    assert table.fast_cost(dcols, table.prefill_columns(apart, index), MODEL) is fast
+    assert table.fast_cost(dcols, table.prefill_columns(apart, index),
+                           dataclasses.replace(MODEL)) is not fast
+    assert table.fast_cost(dcols, table.prefill_columns(beside, index), MODEL) is None
+    p = place(list(range(2000)), LatencyClass.STANDARD, decoders, beside, index, {},
+              RouterPolicy(placement="cost"), table=table)
+    assert p.decode.worker_id in ("d0", "d1")
+
+
+def test_the_held_cost_table_checks_its_input() -> None:
+    """Wrong buffers and positions past a list are refused when the table is built, not
+    read past their end when it chooses."""
+    from router._score import CostTable
+    one, two = np.ones(1), np.ones(2)
+    none = np.zeros(0, dtype=np.intp)
+
+    def table(dpos: np.ndarray = none, ppos: np.ndarray = none, queued: object = two
+              ) -> CostTable:
+        return CostTable(one, one, one, one, ("d",), dpos, queued, two, two, ("p", "q"), ppos,
+                         *[1.0] * 7)
+
+    assert table().choose([], 16.0, 32.0, {}, {}, 30.0, 1.0, 0)[:2] == (0, 0)
+    got = table(np.array([-1, 0], dtype=np.intp)).choose([(2, 0b11)], 16.0, 48.0, {}, {},
+                                                          30.0, 1.0, 0)
+    assert got[5:] in ((32, 16), (32, 48))  # slot 1 is d0: 32 tokens cached there
+    with pytest.raises(ValueError, match="queued"):
+        table(queued=one)
+    with pytest.raises(ValueError, match="dpositions"):
+        table(np.array([1], dtype=np.intp))
+    with pytest.raises(TypeError, match="intp"):
+        table(np.array([0], dtype=np.int32))
+    with pytest.raises(ValueError, match="non-negative"):
+        table().choose([(1, -1)], 16.0, 32.0, {}, {}, 30.0, 1.0, 0)
+    with pytest.raises(TypeError, match="pairs"):
+        table().choose([(1,)], 16.0, 32.0, {}, {}, 30.0, 1.0, 0)
+
+
 def _random_load(rng: np.random.Generator) -> WorkerLoad:
     return WorkerLoad(running=int(rng.integers(0, 4)), queued_tokens=int(rng.choice([0, 500])),
                       prefill_tokens_per_s=float(rng.choice([0.0, 300.0, 1000.0])),
