@@ -445,21 +445,28 @@ fail:
 /* out[pos[slot]] = value for every set bit `slot` of `mask` below npos with a position. */
 static int spread_mask(PyObject *mask, const Py_ssize_t *pos, Py_ssize_t npos, double *out,
                        double value) {
-    int overflow = 0;
-    long long small = PyLong_AsLongLongAndOverflow(mask, &overflow);
-    if (small == -1 && PyErr_Occurred()) return -1;
-    if (overflow < 0 || (overflow == 0 && small < 0)) {
-        PyErr_SetString(PyExc_ValueError, "masks are non-negative");
+    if (!PyLong_Check(mask)) {
+        PyErr_SetString(PyExc_TypeError, "masks are ints");
         return -1;
     }
-    if (overflow == 0) {
-        for (unsigned long long v = (unsigned long long)small; v; v &= v - 1) {
+    unsigned long long small = PyLong_AsUnsignedLongLong(mask);
+    if (small != (unsigned long long)-1 || !PyErr_Occurred()) {
+        for (unsigned long long v = small; v; v &= v - 1) {
             Py_ssize_t slot = __builtin_ctzll(v);
             if (slot < npos && pos[slot] >= 0) out[pos[slot]] = value;
         }
         return 0;
     }
-    /* 2**63 and up (a 64th worker slot or more): its bytes. */
+    /* Negative, or 2**64 and up (a 65th worker slot or more): its bytes. */
+    if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+    PyErr_Clear();
+    PyObject *zero = PyLong_FromLong(0);
+    int negative = zero == NULL ? -1 : PyObject_RichCompareBool(mask, zero, Py_LT);
+    Py_XDECREF(zero);
+    if (negative != 0) {
+        if (negative > 0) PyErr_SetString(PyExc_ValueError, "masks are non-negative");
+        return -1;
+    }
     PyObject *bits = PyObject_CallMethod(mask, "bit_length", NULL);
     if (bits == NULL) return -1;
     Py_ssize_t nbits = PyLong_AsSsize_t(bits);

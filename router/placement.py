@@ -629,17 +629,19 @@ def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerIn
     `best_by_cost`); `inflight_tokens`: prompt tokens this router sent each worker to
     prefill that are not done yet; `tiebreak`: where equal scores start (the router advances
     it per request); `table`: the caller's DecodeTable, kept across calls (without one, the
-    columns are built for this call); `listing`: the caller's name for this `decoders` and
-    `prefills` (equal names only for the very same lists of the same records, e.g. the
-    router's directory generation; None: the table compares the workers themselves). The
+    columns are built for this call, and cost placement's table in C is not); `listing`:
+    the caller's name for this `decoders` and `prefills` (equal names only for the very
+    same lists of the same records, e.g. the router's directory generation; None: the table
+    compares the workers themselves). The
     decision's `uncached_tokens` are the prompt tokens the worker that prefills must compute
     (what the router's ledger charges it)."""
+    held = table is not None  # kept across calls: worth cost placement's table in C
     table = table or DecodeTable()
     cols = table.columns(decoders, index, listing)
     if policy.placement == "cost":
         pcols = table.prefill_columns(prefills, index, listing)
         model = cost or _DEFAULT_COST
-        fast = table.fast_cost(cols, pcols, model)
+        fast = table.fast_cost(cols, pcols, model) if held else None
         if fast is not None and isinstance(placed, dict) and isinstance(inflight_tokens, dict):
             geometry = fast.geometry
             pairs = [] if geometry is None else index.walk(ids, geometry[0], geometry[1])

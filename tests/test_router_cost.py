@@ -378,6 +378,12 @@ def test_the_held_cost_table_checks_its_input() -> None:
     got = table(np.array([-1, 0], dtype=np.intp)).choose([(2, 0b11)], 16.0, 48.0, {}, {},
                                                           30.0, 1.0, 0)
     assert got[5:] in ((32, 16), (32, 48))  # slot 1 is d0: 32 tokens cached there
+    far = np.full(71, -1, dtype=np.intp)
+    for bit in (63, 70):  # a 64th slot (the highest of a machine word), a 71st (past it)
+        far[bit] = 0
+        got = table(far).choose([(3, 1 << bit), (5, 1 << 2)], 16.0, 96.0, {}, {}, 30.0, 1.0, 0)
+        far[bit] = -1
+        assert got[5] == 48
     with pytest.raises(ValueError, match="queued"):
         table(queued=one)
     with pytest.raises(ValueError, match="dpositions"):
