@@ -70,9 +70,29 @@ static int get_columns(PyObject **objs, Column *cols, const char **names, int k,
 }
 
 /* max(col[i], counts[ids[i]]) for every i (np.maximum over placement's np.fromiter of
- * counts.get(id, 0)); col itself where `counts` is empty. */
-static int at_least(const double *col, PyObject *ids, PyObject *counts, double *out) {
+ * counts.get(id, 0)); col itself where `counts` is empty. With `index_of` (a dict of each
+ * id to its position, ids all distinct) and fewer counts than ids, by the counts: a lookup
+ * per worker the router has something in flight on, not one per candidate. */
+static int at_least(const double *col, PyObject *ids, PyObject *index_of, PyObject *counts,
+                    double *out) {
     Py_ssize_t n = PyTuple_GET_SIZE(ids);
+    if (index_of != NULL && PyDict_GET_SIZE(counts) < n) {
+        memcpy(out, col, (size_t)n * sizeof(double));
+        Py_ssize_t it = 0;
+        PyObject *key, *v;
+        while (PyDict_Next(counts, &it, &key, &v)) {
+            PyObject *at = PyDict_GetItemWithError(index_of, key);
+            if (at == NULL) {
+                if (PyErr_Occurred()) return -1;
+                continue;
+            }
+            Py_ssize_t i = PyLong_AsSsize_t(at);
+            double c = PyFloat_AsDouble(v);
+            if (c == -1.0 && PyErr_Occurred()) return -1;
+            if (c > out[i]) out[i] = c;
+        }
+        return 0;
+    }
     int any = PyDict_GET_SIZE(counts) > 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         double r = col[i];
@@ -115,7 +135,7 @@ static PyObject *best(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    if (at_least(running, ids, placed, loads) < 0) goto done;
+    if (at_least(running, ids, NULL, placed, loads) < 0) goto done;
     double max_load = 0.0;
     for (Py_ssize_t i = 0; i < n; i++) {
         double load = loads[i] + waiting[i];
@@ -157,6 +177,7 @@ typedef struct {
     const double *dcached, *running, *waiting, *rate, *step;
     const double *pcached, *queued, *prate, *transfer, *shares;
     PyObject *dids, *pids, *placed, *inflight;
+    PyObject *dindex, *pindex;  /* NULL, or id -> position (at_least's) */
     double length, absorbed, row_fraction, stall_w, tpot_w, late_w, overhead, max_local;
     double target, ttft_w;
     Py_ssize_t tiebreak;
@@ -187,9 +208,9 @@ static int cost_choose(const CostInput *in, double *buf, CostChoice *out) {
     double *local_v = buf + 3 * n, *ttft_r = buf + 4 * n, *cost_r = buf + 5 * n;
     double *best_p = buf + 6 * n;  /* positions, as doubles */
     double *ppending = buf + 7 * n, *lack = ppending + m, *head = lack + m;
-    if (at_least(running, in->dids, in->placed, streams) < 0 ||
-        at_least(in->waiting, in->dids, in->inflight, pending) < 0 ||
-        at_least(in->queued, in->pids, in->inflight, ppending) < 0)
+    if (at_least(running, in->dids, in->dindex, in->placed, streams) < 0 ||
+        at_least(in->waiting, in->dids, in->dindex, in->inflight, pending) < 0 ||
+        at_least(in->queued, in->pids, in->pindex, in->inflight, ppending) < 0)
         return -1;
     for (Py_ssize_t p = 0; p < m; p++) {
         lack[p] = pos(length - pcached[p]);
@@ -343,6 +364,7 @@ typedef struct {
     double *mem;  /* the columns, the cached tokens, then cost_choose's scratch */
     Py_ssize_t *dpos, *ppos;
     PyObject *dids, *pids;
+    PyObject *dindex, *pindex;  /* id -> position; NULL where a list repeats an id */
     double absorbed, row_fraction, stall_w, tpot_w, late_w, overhead, max_local;
 } CostTable;
 
@@ -352,6 +374,8 @@ static void CostTable_dealloc(CostTable *t) {
     PyMem_Free(t->ppos);
     Py_XDECREF(t->dids);
     Py_XDECREF(t->pids);
+    Py_XDECREF(t->dindex);
+    Py_XDECREF(t->pindex);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
@@ -380,6 +404,24 @@ static int copy_positions(PyObject *obj, Py_ssize_t **out, Py_ssize_t *count, Py
 done:
     PyBuffer_Release(&view);
     return rc;
+}
+
+/* *out = a dict of each id of `ids` to its position, or NULL where an id repeats; -1 on error. */
+static int index_of(PyObject *ids, PyObject **out) {
+    PyObject *index = PyDict_New();
+    if (index == NULL) return -1;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(ids); i++) {
+        PyObject *at = PyLong_FromSsize_t(i);
+        if (at == NULL || PyDict_SetDefault(index, PyTuple_GET_ITEM(ids, i), at) == NULL) {
+            Py_XDECREF(at);
+            Py_DECREF(index);
+            return -1;
+        }
+        Py_DECREF(at);
+    }
+    if (PyDict_GET_SIZE(index) != PyTuple_GET_SIZE(ids)) Py_CLEAR(index);
+    *out = index;
+    return 0;
 }
 
 static PyObject *CostTable_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
@@ -432,7 +474,8 @@ static PyObject *CostTable_new(PyTypeObject *type, PyObject *args, PyObject *kwa
     for (int k = 0; k < 3; k++)
         memcpy(t->mem + 4 * n + k * m, cols[4 + k].view.buf, (size_t)m * sizeof(double));
     if (copy_positions(dpos, &t->dpos, &t->ndpos, n, "dpositions") < 0 ||
-        copy_positions(ppos, &t->ppos, &t->nppos, m, "ppositions") < 0)
+        copy_positions(ppos, &t->ppos, &t->nppos, m, "ppositions") < 0 ||
+        index_of(dids, &t->dindex) < 0 || index_of(pids, &t->pindex) < 0)
         goto fail;
     release(cols, 7);
     return (PyObject *)t;
@@ -527,6 +570,8 @@ static PyObject *CostTable_choose(CostTable *t, PyObject *args) {
     in.pcached = pcached;
     in.dids = t->dids;
     in.pids = t->pids;
+    in.dindex = t->dindex;
+    in.pindex = t->pindex;
     in.absorbed = t->absorbed;
     in.row_fraction = t->row_fraction;
     in.stall_w = t->stall_w;

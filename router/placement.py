@@ -220,8 +220,9 @@ class _Fast:
     """`best_by_cost` over two candidate lists in one C call per decision (router/_score.c's
     CostTable: the priced columns copied in once), where no prefill worker shares a decode
     worker's CPUs and both lists sit in one block geometry. A decision with its caches cold
-    (as the router's are between requests) spends ~50 us less than through the columns'
-    numpy arrays (bench/router_scale.py --placement cost)."""
+    (as the router's are between requests) spends about a third less than through the
+    columns' numpy arrays (bench/router_scale.py --placement cost --cold-kib 4096:
+    docs/bench/dataplane_s78)."""
 
     table: CostTable
     geometry: tuple[int, bytes] | None  # (block size, extra) of the walk; None: no walk
@@ -632,16 +633,15 @@ def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerIn
     columns are built for this call, and cost placement's table in C is not); `listing`:
     the caller's name for this `decoders` and `prefills` (equal names only for the very
     same lists of the same records, e.g. the router's directory generation; None: the table
-    compares the workers themselves). The
-    decision's `uncached_tokens` are the prompt tokens the worker that prefills must compute
-    (what the router's ledger charges it)."""
-    held = table is not None  # kept across calls: worth cost placement's table in C
+    compares the workers themselves). The decision's `uncached_tokens` are the prompt tokens
+    the worker that prefills must compute (what the router's ledger charges it)."""
+    kept = table is not None  # kept across calls: worth cost placement's table in C
     table = table or DecodeTable()
     cols = table.columns(decoders, index, listing)
     if policy.placement == "cost":
         pcols = table.prefill_columns(prefills, index, listing)
         model = cost or _DEFAULT_COST
-        fast = table.fast_cost(cols, pcols, model) if held else None
+        fast = table.fast_cost(cols, pcols, model) if kept else None
         if fast is not None and isinstance(placed, dict) and isinstance(inflight_tokens, dict):
             geometry = fast.geometry
             pairs = [] if geometry is None else index.walk(ids, geometry[0], geometry[1])

@@ -317,9 +317,12 @@ def test_the_held_c_cost_table_chooses_as_the_numpy_path_does(
                 k = int(rng.integers(0, len(hashes) + 1))
                 index.apply(w.worker_id, KVEventBatch(1, 1, 16, tuple(
                     (KVOp.STORED, x) for x in hashes[:k]), snapshot=True))
-        placed = {w.worker_id: int(rng.integers(1, 4)) for w in decoders if rng.random() < 0.3}
+        placed = {w.worker_id: int(rng.integers(1, 4)) for w in decoders
+                  if rng.random() < float(rng.choice([0.3, 1.0]))}
         inflight = collections.Counter({w.worker_id: float(rng.choice([100, 3000]))
                                         for w in [*decoders, *prefills] if rng.random() < 0.3})
+        for i in range(int(rng.integers(0, 3))):  # workers gone from the lists since
+            placed[f"gone{i}"] = inflight[f"gone{i}"] = 2
         model = dataclasses.replace(MODEL, remote_overhead_s=float(rng.choice([0.0, 0.02])))
         prompt = ids[:int(rng.choice([10, 300, 1600]))]
         for k in range(4):
@@ -365,7 +368,7 @@ def test_the_held_cost_table_is_kept_and_left_where_it_does_not_apply() -> None:
 def test_the_held_cost_table_checks_its_input() -> None:
     """Wrong buffers and positions past a list are refused when the table is built, not
     read past their end when it chooses."""
-    from router._score import CostTable
+    from router._score import CostTable, best_cost
     one, two = np.ones(1), np.ones(2)
     none = np.zeros(0, dtype=np.intp)
 
@@ -384,6 +387,13 @@ def test_the_held_cost_table_checks_its_input() -> None:
         got = table(far).choose([(3, 1 << bit), (5, 1 << 2)], 16.0, 96.0, {}, {}, 30.0, 1.0, 0)
         far[bit] = -1
         assert got[5] == 48
+    # A list naming a worker twice (never the router's): each position counts its streams.
+    twice = CostTable(two, two, two, two, ("d", "d"), none, two, two, two, ("p", "q"), none,
+                      *[1.0] * 7)
+    got = twice.choose([], 16.0, 2000.0, {"d": 9, "p": 1}, {"q": 7.0}, 30.0, 1.0, 1)
+    assert got[:5] == best_cost(2000.0, np.zeros(2), two, two, two, two, ("d", "d"),
+                                np.zeros(2), two, two, two, ("p", "q"), {"d": 9, "p": 1},
+                                {"q": 7.0}, None, *[1.0] * 7, 30.0, 1.0, 1)
     with pytest.raises(ValueError, match="queued"):
         table(queued=one)
     with pytest.raises(ValueError, match="dpositions"):
