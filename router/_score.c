@@ -486,6 +486,16 @@ fail:
 }
 
 /* out[pos[slot]] = value for every set bit `slot` of `mask` below npos with a position. */
+/* out[pos[base + b]] = value for every set bit b of `bits` whose slot is below npos with a
+ * position. */
+static void spread_word(unsigned long long bits, Py_ssize_t base, const Py_ssize_t *pos,
+                        Py_ssize_t npos, double *out, double value) {
+    for (; bits; bits &= bits - 1) {
+        Py_ssize_t slot = base + __builtin_ctzll(bits);
+        if (slot < npos && pos[slot] >= 0) out[pos[slot]] = value;
+    }
+}
+
 static int spread_mask(PyObject *mask, const Py_ssize_t *pos, Py_ssize_t npos, double *out,
                        double value) {
     if (!PyLong_Check(mask)) {
@@ -494,37 +504,39 @@ static int spread_mask(PyObject *mask, const Py_ssize_t *pos, Py_ssize_t npos, d
     }
     unsigned long long small = PyLong_AsUnsignedLongLong(mask);
     if (small != (unsigned long long)-1 || !PyErr_Occurred()) {
-        for (unsigned long long v = small; v; v &= v - 1) {
-            Py_ssize_t slot = __builtin_ctzll(v);
-            if (slot < npos && pos[slot] >= 0) out[pos[slot]] = value;
-        }
+        spread_word(small, 0, pos, npos, out, value);
         return 0;
     }
-    /* Negative, or 2**64 and up (a 65th worker slot or more): its bytes. */
+    /* Negative, or 2**64 and up (a 65th worker slot or more): 64 slots at a time. */
     if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
     PyErr_Clear();
-    PyObject *zero = PyLong_FromLong(0);
-    int negative = zero == NULL ? -1 : PyObject_RichCompareBool(mask, zero, Py_LT);
-    Py_XDECREF(zero);
-    if (negative != 0) {
-        if (negative > 0) PyErr_SetString(PyExc_ValueError, "masks are non-negative");
-        return -1;
-    }
-    PyObject *bits = PyObject_CallMethod(mask, "bit_length", NULL);
-    if (bits == NULL) return -1;
-    Py_ssize_t nbits = PyLong_AsSsize_t(bits);
-    Py_DECREF(bits);
-    if (nbits < 0) return -1;
-    PyObject *bytes = PyObject_CallMethod(mask, "to_bytes", "ns", (nbits + 7) / 8, "little");
-    if (bytes == NULL) return -1;
-    const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(bytes);
-    for (Py_ssize_t i = 0; i < PyBytes_GET_SIZE(bytes) && 8 * i < npos; i++)
-        for (unsigned v = b[i]; v; v &= v - 1) {
-            Py_ssize_t slot = 8 * i + __builtin_ctz(v);
-            if (slot < npos && pos[slot] >= 0) out[pos[slot]] = value;
+    PyObject *word = PyLong_FromUnsignedLongLong(~0ULL), *width = PyLong_FromLong(64);
+    PyObject *zero = PyLong_FromLong(0), *rest = Py_NewRef(mask);
+    int rc = -1, negative = word == NULL || width == NULL || zero == NULL
+                                ? -1 : PyObject_RichCompareBool(mask, zero, Py_LT);
+    if (negative > 0) PyErr_SetString(PyExc_ValueError, "masks are non-negative");
+    for (Py_ssize_t base = 0; negative == 0; base += 64) {
+        PyObject *low = PyNumber_And(rest, word);
+        unsigned long long bits = low == NULL ? 0 : PyLong_AsUnsignedLongLong(low);
+        Py_XDECREF(low);
+        if (low == NULL || (bits == (unsigned long long)-1 && PyErr_Occurred())) break;
+        spread_word(bits, base, pos, npos, out, value);
+        Py_SETREF(rest, PyNumber_Rshift(rest, width));
+        int more = rest == NULL ? -1 : PyObject_IsTrue(rest);
+        if (more <= 0) {
+            rc = more;
+            break;
         }
-    Py_DECREF(bytes);
-    return 0;
+        if (base + 64 >= npos) {  /* no position past here */
+            rc = 0;
+            break;
+        }
+    }
+    Py_XDECREF(rest);
+    Py_XDECREF(zero);
+    Py_XDECREF(word);
+    Py_XDECREF(width);
+    return rc;
 }
 
 static PyObject *CostTable_choose(CostTable *t, PyObject *args) {
