@@ -384,7 +384,10 @@ static int copy_positions(PyObject *obj, Py_ssize_t **out, Py_ssize_t *count, Py
     Py_buffer view;
     if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
     int rc = -1;
-    if (view.itemsize != (Py_ssize_t)sizeof(Py_ssize_t) || view.len % view.itemsize != 0) {
+    const char *fmt = view.format == NULL ? "" : view.format;
+    if (fmt[0] == '@' || fmt[0] == '=' || fmt[0] == '<') fmt++;
+    if (view.itemsize != (Py_ssize_t)sizeof(Py_ssize_t) || view.len % view.itemsize != 0 ||
+        fmt[0] == '\0' || fmt[1] != '\0' || strchr("lqn", fmt[0]) == NULL) {
         PyErr_Format(PyExc_TypeError, "%s must be an intp buffer", name);
         goto done;
     }
@@ -485,7 +488,6 @@ fail:
     return NULL;
 }
 
-/* out[pos[slot]] = value for every set bit `slot` of `mask` below npos with a position. */
 /* out[pos[base + b]] = value for every set bit b of `bits` whose slot is below npos with a
  * position. */
 static void spread_word(unsigned long long bits, Py_ssize_t base, const Py_ssize_t *pos,
@@ -496,6 +498,8 @@ static void spread_word(unsigned long long bits, Py_ssize_t base, const Py_ssize
     }
 }
 
+/* out[pos[slot]] = value for every set bit `slot` of `mask` (a non-negative int) below npos
+ * with a position. */
 static int spread_mask(PyObject *mask, const Py_ssize_t *pos, Py_ssize_t npos, double *out,
                        double value) {
     if (!PyLong_Check(mask)) {

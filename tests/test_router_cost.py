@@ -400,6 +400,8 @@ def test_the_held_cost_table_checks_its_input() -> None:
         table(np.array([1], dtype=np.intp))
     with pytest.raises(TypeError, match="intp"):
         table(np.array([0], dtype=np.int32))
+    with pytest.raises(TypeError, match="intp"):
+        table(np.array([0.0]))
     with pytest.raises(ValueError, match="non-negative"):
         table().choose([(1, -1)], 16.0, 32.0, {}, {}, 30.0, 1.0, 0)
     with pytest.raises(TypeError, match="pairs"):
