@@ -228,13 +228,19 @@ class _Fast:
     geometry: tuple[int, bytes] | None  # (block size, extra) of the walk; None: no walk
 
 
+def _prices(dcols: _Columns, pcols: _Columns, model: CostModel) -> tuple[_Priced, _Priced]:
+    """Both lists' columns as `model` prices them, with the slowest measured prefill rate of
+    either (router.cost.peer_prefill_rate) for the rates not measured."""
+    peer = min(dcols.min_rate, pcols.min_rate)
+    peer_rate = None if peer == np.inf else peer
+    return dcols.prices(model, peer_rate), pcols.prices(model, peer_rate)
+
+
 def _fast_cost(dcols: _Columns, pcols: _Columns, model: CostModel) -> _Fast | None:
     keys = {(bs, extra) for bs, extra, _ in (*dcols.groups, *pcols.groups)}
     if _NativeTable is None or len(keys) > 1 or len(dcols.groups) > 1 or len(pcols.groups) > 1:
         return None
-    peer = min(dcols.min_rate, pcols.min_rate)
-    peer_rate = None if peer == np.inf else peer
-    dp, pp = dcols.prices(model, peer_rate), pcols.prices(model, peer_rate)
+    dp, pp = _prices(dcols, pcols, model)
     none = np.zeros(0, dtype=np.intp)
     table = _NativeTable(
         dcols.running, dcols.prompt_waiting, dp.rate, dp.step, dcols.ids,
@@ -493,9 +499,7 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
     its share of a CPU (router.cost.cpu_factor).
     In C where router/_score.c was built (the same floats, operation for operation)."""
     length = float(prompt_len)
-    peer = min(dcols.min_rate, pcols.min_rate)
-    peer_rate = None if peer == np.inf else peer
-    dp, pp = dcols.prices(model, peer_rate), pcols.prices(model, peer_rate)
+    dp, pp = _prices(dcols, pcols, model)
     if beside is not None:
         pending = dcols.prompt_waiting if not inflight_tokens else np.maximum(
             dcols.prompt_waiting, _inflight(dcols, inflight_tokens))
