@@ -39,9 +39,9 @@ import os
 import sys
 import time
 from array import array
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -66,6 +66,7 @@ from pdserve.worker_config import default_max_concurrent_rpcs, default_max_messa
 SERVICE = "pdserve.v1.DecodeWorker"
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 8192
+T = TypeVar("T")
 
 # ---------------------------------------------------------------------- the chat corpus
 
@@ -285,31 +286,46 @@ async def serve(args: argparse.Namespace) -> None:
             break
         cmd, _, arg = line.partition(" ")
         if cmd == "dump":
+            # Taken on the loop, so the records, caches and counters are one moment's; written
+            # in a thread, so the workers' heartbeats and events go on meanwhile.
             taken, records[:] = list(records), []
-            # Written with the loop stopped: the caches and counters below are one moment's.
-            with open(arg, "w") as f:  # noqa: ASYNC230
-                json.dump([dataclasses.astuple(r) for r in taken], f)
             engines = [w.engine for w in workers]
-            _say({"dumped": len(taken),
-                  "steps": sum(e.num_steps for e in engines),
-                  "step_seconds": round(sum(e.step_seconds for e in engines), 3),
-                  "preemptions": sum(e.num_preemptions for e in engines),
-                  "kv_ops_published": sum(w.publisher.published_ops for w in workers),
-                  "kv_batches_published": sum(w.publisher.published_batches for w in workers),
-                  "snapshots": sum(w.publisher.snapshots for w in workers),
-                  "cached_blocks": sum(len(e.block_manager.cached_hashes()) for e in engines),
-                  "distinct_blocks": len(oracle.holders)})
+            reply = {"dumped": len(taken),
+                     "steps": sum(e.num_steps for e in engines),
+                     "step_seconds": round(sum(e.step_seconds for e in engines), 3),
+                     "preemptions": sum(e.num_preemptions for e in engines),
+                     "kv_ops_published": sum(w.publisher.published_ops for w in workers),
+                     "kv_batches_published": sum(w.publisher.published_batches
+                                                 for w in workers),
+                     "snapshots": sum(w.publisher.snapshots for w in workers),
+                     "cached_blocks": sum(len(e.block_manager.cached_hashes())
+                                          for e in engines),
+                     "distinct_blocks": len(oracle.holders)}
+            await asyncio.to_thread(_write_json, arg, _record_rows, taken)
+            _say(reply)
         elif cmd == "digest":
-            with open(arg, "w") as f:  # noqa: ASYNC230 - one moment's caches
-                json.dump(cache_digest([w.engine for w in workers]), f)
+            # A million hashes to hex, sort and write take seconds: done on the loop, they
+            # stalled every worker's heartbeat past its lease (the router then dropped them
+            # all, by design). The snapshot is one moment's; the rest runs in a thread.
+            held = {w.engine.worker_id: w.engine.block_manager.cached_hashes() for w in workers}
+            await asyncio.to_thread(_write_json, arg, cache_digest, held)
             _say({"digest": arg})
     await asyncio.gather(*(stop_worker(w) for w in workers), return_exceptions=True)
 
 
-def cache_digest(engines: list[EmulatedEngine]) -> dict[str, list[str]]:
+def cache_digest(held: dict[str, list[bytes]]) -> dict[str, list[str]]:
     """Every worker's cached block hashes (hex), sorted: what the index must equal."""
-    return {e.worker_id: sorted(h.hex() for h in e.block_manager.cached_hashes())
-            for e in engines}
+    return {w: sorted(h.hex() for h in hs) for w, hs in held.items()}
+
+
+def _record_rows(records: list[Record]) -> list[tuple[Any, ...]]:
+    return [dataclasses.astuple(r) for r in records]
+
+
+def _write_json(path: str, build: Callable[[T], object], arg: T) -> None:
+    """`build(arg)` written to `path` as JSON (in a thread: both may take seconds)."""
+    with open(path, "w") as f:
+        json.dump(build(arg), f)
 
 
 def main(argv: list[str] | None = None) -> None:
