@@ -277,6 +277,39 @@ def calibrate_streaming(root: Path, overheads: Overheads, cost: StepCost, seed: 
     return replace(overheads, token_s=token_s), points
 
 
+CORUN_SHARES = tuple(i / 10 for i in range(11))
+
+
+def calibrate_corun(root: Path, overheads: Overheads, cost: StepCost, seed: int,
+                    corun: dict[tuple[str, str], float], model: HostModel | None = None
+                    ) -> tuple[Overheads, list[dict[str, Any]]]:
+    """The share of the co-run table's decode slowdown that `pdserve cluster up`'s 1P2D
+    shows (`Overheads.corun_share`), from closed-loop chat streams on it (bench.sim.real
+    streaming --layout 1p2d: every prompt local, both decode workers streaming, the prefill
+    worker idle): replay each concurrency's run in the 1P2D simulator at each share of
+    CORUN_SHARES and keep the one whose TPOT p50s are nearest the measured (least mean
+    squared log ratio). `overheads` carries the per-token cost already fitted on 1P1D."""
+    runs = [trace_from_record(path, seed) for path in records.glob(root, "concurrency_*.json")]
+    engine = record_engine(root)
+    points, best = [], (float("inf"), overheads)
+    for share in CORUN_SHARES:
+        o = replace(overheads, corun_share=share)
+        by_c = {}
+        for reqs, rec in runs:
+            sim = simulate(layout_config("1p2d", engine, "threshold", o, seed, corun, model),
+                           reqs, MIXED_SLO, cost)
+            pred = sim.summary.overall.tpot_ms.p50 if sim.summary.overall.tpot_ms else 0.0
+            by_c[int(rec["config"]["concurrency"])] = (
+                rec["summary"]["overall"]["tpot_ms"]["p50"], pred)
+        err = statistics.fmean(math.log(max(p, 1e-6) / m) ** 2 for m, p in by_c.values())
+        points.append({"corun_share": share, "mean_squared_log_ratio": round(err, 4),
+                       "tpot_p50_measured_vs_sim_ms": {
+                           c: [round(m, 1), round(p, 1)] for c, (m, p) in sorted(by_c.items())}})
+        if err < best[0] - 1e-12:
+            best = (err, o)
+    return best[1], points
+
+
 def idle_probes(root: Path, cost: StepCost) -> tuple[float, float, float, list[dict[str, Any]]]:
     """From bench.sim.real prefill's idle pass (long prompts one at a time, nothing else
     running), medians: the KV transfer's time per prompt token (the part after the prompt's
@@ -413,9 +446,12 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
              streaming: Path | None = None,
              corun: dict[tuple[str, str], float] | None = None,
              probes: dict[str, Path] | None = None, lease: str = "renewed",
-             shared_local: bool = False, model: HostModel | None = None) -> dict[str, Any]:
+             shared_local: bool = False, model: HostModel | None = None,
+             streaming_1p2d: Path | None = None) -> dict[str, Any]:
     """Each real run's requests replayed in the simulator of its layout; `corun`: the
-    two-busy-cores slowdown table (bench.sim.workers.load_corun; {}: none); `probes`: per
+    two-busy-cores slowdown table (bench.sim.workers.load_corun; {}: none);
+    `streaming_1p2d`: chat streams on 1P2D that calibrate the share of that table the
+    running cluster shows (`calibrate_corun`; None: all of it); `probes`: per
     layout, a bench.sim.real prefill output that calibrates the prefill side; `lease`: the
     records' router and decode workers' rule for a remote prefill's lease (`LEASES`);
     `shared_local`: every layout's local path gets the least fixed cost any of the records
@@ -452,12 +488,17 @@ def validate(reals: Sequence[tuple[Path, str]], cost: StepCost, seed: int,
         points: list[dict[str, Any]] = []
         if streaming is not None:
             overheads, points = calibrate_streaming(streaming, overheads, cost, seed)
+        shares: list[dict[str, Any]] = []
+        if layout == "1p2d" and streaming_1p2d is not None and corun:
+            overheads, shares = calibrate_corun(streaming_1p2d, overheads, cost, seed, corun,
+                                                model)
         weights: list[dict[str, Any]] = []
         if probe is not None:
             overheads, weights = fit_prefill_sharing(probe, layout, overheads, cost, seed,
                                                      corun, model)
         calib[f"{layout} {root.name}"] = {"unloaded": {k: asdict(v) for k, v in unloaded.items()},
-                         "streaming": points, "prefill_idle": idle,
+                         "streaming": points, "corun_share": shares,
+                         "prefill_idle": idle,
                          "prefill_beside_streams": weights, "overheads": asdict(overheads)}
         fitted.append((root, layout, overheads))
     if shared_local:
@@ -737,6 +778,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="DIR:LAYOUT, a bench.goodput / bench.sim.real output (1p1d or 1p2d)")
     v.add_argument("--streaming", type=Path, default=None,
                    help="bench.sim.real streaming output: fit the per-token overhead")
+    v.add_argument("--streaming-1p2d", type=Path, default=None,
+                   help="bench.sim.real streaming --layout 1p2d output: fit the share of "
+                        "--corun's decode slowdown the running 1P2D cluster shows "
+                        "(default: all of it)")
     v.add_argument("--corun", type=Path, default=None,
                    help="bench.engine_profile --corun output: slow steps while both cores "
                         "compute (default: no such slowdown)")
@@ -798,7 +843,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                load_corun(args.corun) if args.corun else {},
                                {layout: path for path, layout in args.prefill_probe},
                                lease=args.lease, shared_local=args.shared_local,
-                               model=model))
+                               model=model, streaming_1p2d=args.streaming_1p2d))
         record["corun"] = str(args.corun) if args.corun else None
         record["prefill_threads"] = args.prefill_threads
         record["host_model"] = asdict(model)

@@ -26,6 +26,7 @@ from bench.loadgen.config import SLO
 from bench.loadgen.metrics import RequestResult, RunSummary, summarize
 from bench.sim.workers import (
     BLOCK_BYTES,
+    DECODE_KINDS,
     MODEL_ID,
     Clock,
     DecodeSim,
@@ -86,6 +87,12 @@ class Overheads:
     # on top of the engines' own (`SimConfig.corun`): in a running cluster the router,
     # gateway, client and Redis share the cores too (calibrated as above).
     prefill_beside_decode: float = 1.0
+    # The share of the co-run table's slowdown of a decode step (beside anything) that the
+    # running cluster shows: 1 + share x (table - 1). The table times two engines each in a
+    # tight loop on its core; two decode workers streaming in `pdserve cluster up`'s 1P2D
+    # may slow each other less (calibrated from its closed-loop streams: bench.sim.real
+    # streaming --layout 1p2d).
+    corun_share: float = 1.0
     # An unpinned prefill worker's speed on all the CPUs its threads may use over one CPU's
     # (cluster-up: a thread per core; bench.sim.workers.SimWorker.speedup): its idle
     # prompts' compute on 1P1D (one thread, one core) over on 1P2D; 0: perfect scaling.
@@ -192,6 +199,9 @@ class Simulation(Clock):
         hosts: list[Host] = []
 
         corun = dict(load_corun() if c.corun is None else c.corun)
+        if c.overheads.corun_share != 1.0:
+            corun = {k: 1.0 + c.overheads.corun_share * (v - 1.0)
+                     if k[0] in DECODE_KINDS else v for k, v in corun.items()}
         if c.overheads.prefill_beside_decode != 1.0:
             key = ("prefill", "decode")
             corun[key] = corun.get(key, 1.0) * c.overheads.prefill_beside_decode

@@ -17,7 +17,11 @@ format. `--systems` picks the placements (threshold, cost).
 Calibration for the simulator, not validation: the 1P1D cluster of bench.goodput under a
 closed loop of short chat requests (64-128 prompt tokens, 64 output tokens, no EOS) at a few
 concurrencies; the records show what a streamed token costs beyond the engine step (gRPC,
-router, gateway and client work on the same cores), which bench.cluster_sim fits.
+router, gateway and client work on the same cores), which bench.cluster_sim fits. With
+`--layout 1p2d` the same streams run on `pdserve cluster up`'s 1P2D (threshold placement:
+every prompt local, the two decode workers streaming side by side, the prefill worker idle):
+how much two decode workers slow each other in the running cluster, which bench.cluster_sim
+fits as the share of the engine-level co-run table it shows (`Overheads.corun_share`).
 
     python -m bench.sim.real prefill --out docs/bench/cluster_sim/prefill_probe_1p1d \
         --layout 1p1d --concurrency 0,2,4,8 --probes 4
@@ -142,7 +146,7 @@ async def _main(args: argparse.Namespace, placements: Sequence[str]) -> int:
 
 
 async def streaming(out: Path, concurrencies: Sequence[int], per_stream: int,
-                    log_dir: Path) -> int:
+                    log_dir: Path, layout: str = "1p1d") -> int:
     from bench.goodput import disaggregated
     from bench.loadgen.config import RunConfig
     from bench.loadgen.report import run_to_dict, write_json
@@ -151,10 +155,12 @@ async def streaming(out: Path, concurrencies: Sequence[int], per_stream: int,
     workload = _chat_streams()
     notes: dict[str, Any] = {
         "command": "python -m bench.sim.real " + " ".join(sys.argv[1:]),
-        "machine": machine_info(), "loadavg_before": loadavg(), "runs": {}}
+        "machine": machine_info(), "loadavg_before": loadavg(), "layout_name": layout,
+        "runs": {}}
     setup = Setup(log_dir=log_dir)
     notes["setup"] = {k: str(v) for k, v in vars(setup).items()}
-    with disaggregated(setup) as system:
+    system_cm = disaggregated(setup) if layout == "1p1d" else one_p_two_d(setup, "threshold")
+    with system_cm as system:
         notes["layout"], notes["affinity"] = system.layout, dict(system.affinity)
         for i, c in enumerate(concurrencies):
             cfg = RunConfig(url=system.url, workload=workload, num_requests=per_stream * c,
@@ -251,13 +257,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args_list[:1] == ["streaming"]:
         sp = argparse.ArgumentParser(prog="python -m bench.sim.real streaming")
         sp.add_argument("--out", type=Path, required=True)
+        sp.add_argument("--layout", choices=("1p1d", "1p2d"), default="1p1d",
+                        help="1p2d: `pdserve cluster up`'s, threshold placement (the chat "
+                             "prompts stay local: two decode workers stream side by side)")
         sp.add_argument("--concurrency", default="1,4,8,12")
         sp.add_argument("--per-stream", type=int, default=3, help="requests per stream")
         sp.add_argument("--log-dir", type=Path, default=Path("/tmp/pdserve-streaming-logs"))
         a = sp.parse_args(args_list[1:])
         a.out.mkdir(parents=True, exist_ok=True)
         return asyncio.run(streaming(a.out, [int(c) for c in a.concurrency.split(",")],
-                                     a.per_stream, a.log_dir))
+                                     a.per_stream, a.log_dir, a.layout))
     parser = build_parser()
     parser.prog = "python -m bench.sim.real"
     parser.set_defaults(systems="threshold,cost")

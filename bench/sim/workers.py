@@ -75,6 +75,7 @@ class SimRequest:
 # those between by their rows, linearly.
 CORUN_ROWS = 8
 DECODE_ONE = "decode b=1"
+DECODE_KINDS = ("decode", DECODE_ONE)  # a decode step's kinds in the co-run table
 
 
 def load_corun(path: Path = CORUN) -> dict[tuple[str, str], float]:
