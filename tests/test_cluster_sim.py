@@ -376,6 +376,22 @@ def test_prefill_beside_decode_slows_the_prefill_worker_on_a_shared_host() -> No
                       COST).prefills[0].host.corun == {}
 
 
+def test_corun_share_scales_a_decode_steps_slowdown_only() -> None:
+    """`Overheads.corun_share` (fitted from chat streams on 1P2D) keeps that share of the
+    co-run table's slowdown of a decode step; a prefill step's is the probes' to fit."""
+    table = {("decode", "decode"): 1.5, (DECODE_ONE, "decode"): 1.6,
+             ("decode", "prefill"): 1.1, ("prefill", "decode"): 1.2}
+    o = dataclasses.replace(OVERHEADS, corun_share=0.5)
+    sim = Simulation(SimConfig(n_decode=2, sharing="cluster-up", overheads=o, corun=table),
+                     COST)
+    assert sim.decoders[0].host.corun == pytest.approx(
+        {("decode", "decode"): 1.25, (DECODE_ONE, "decode"): 1.3,
+         ("decode", "prefill"): 1.05, ("prefill", "decode"): 1.2})
+    whole = Simulation(SimConfig(n_decode=2, sharing="cluster-up", overheads=OVERHEADS,
+                                 corun=table), COST)
+    assert whole.decoders[0].host.corun == table
+
+
 def test_a_decode_steps_corun_slowdown_follows_its_rows(tmp_path: Path) -> None:
     """bench.engine_profile --corun's one-row and eight-row decode steps: a step between
     them is slowed by its rows, linearly; without a one-row measurement every decode step
