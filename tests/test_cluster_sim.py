@@ -431,6 +431,24 @@ def test_prefill_probes_calibrate_the_prefill_side_from_a_real_record() -> None:
     assert best["mean_squared_log_ratio"] == min(p["mean_squared_log_ratio"] for p in points)
 
 
+def test_streams_on_1p2d_calibrate_the_corun_share_from_a_real_record() -> None:
+    """The committed chat streams on `cluster up`'s 1P2D (bench.sim.real streaming --layout
+    1p2d, stop 79's Zen 4): each share of the grid replays every concurrency, and the one
+    kept has the least error; the per-token cost fitted before it is kept."""
+    from bench.cluster_sim import CORUN_SHARES, calibrate_corun
+
+    root = Path(__file__).resolve().parents[1] / "docs/bench/placement_s79"
+    cost = StepCost.load(root / "engine_profile_zen4_32e227d.json")
+    table = load_corun(root / "engine_corun_zen4_32e227d.json")
+    start = dataclasses.replace(OVERHEADS, token_s=4e-4)
+    o, points = calibrate_corun(root / "streaming_1p2d_zen4", start, cost, 0, table)
+    assert [p["corun_share"] for p in points] == list(CORUN_SHARES)
+    assert o.token_s == start.token_s and o.corun_share in CORUN_SHARES
+    best = next(p for p in points if p["corun_share"] == o.corun_share)
+    assert best["mean_squared_log_ratio"] == min(p["mean_squared_log_ratio"] for p in points)
+    assert set(best["tpot_p50_measured_vs_sim_ms"]) == {2, 4, 8, 12}
+
+
 def test_kv_that_outlasts_the_decode_workers_lease_falls_back_to_a_local_prefill() -> None:
     """A remote prefill whose KV has not landed when the decode worker's lease (the router's
     --prefill-timeout) runs out is given up, wherever it is (queued at the prefill worker's
