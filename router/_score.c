@@ -1,11 +1,14 @@
 /* The router's placement arithmetic in C loops, without numpy's per-operation overhead.
  *
- * best(running, waiting, memory, cached, ids, placed, weight, tiebreak) -> int
+ * best(running, waiting, memory, cached, ids, placed, weight, tiebreak[, finished]) -> int
  *
  * The threshold policy's decode choice (router.placement.best_of). `running`, `waiting`,
  * `memory`, `cached`: C-contiguous float64 buffers of one length n (the candidate columns);
  * `ids`: a tuple of n worker ids; `placed`: a dict of worker id -> requests the router placed
- * there (a worker counts max(running, placed) streams). Returns the position of the best score
+ * there; `finished`: a dict of worker id -> the router's requests that left it since its
+ * `running` was measured (a worker counts max(running - finished, placed) streams, the first
+ * no lower than 0; every function here takes `finished` last, optional). Returns the
+ * position of the best score
  *
  *     weight * cached[i] - (running'[i] + waiting[i]) / max_load + memory[i]
  *
@@ -69,41 +72,64 @@ static int get_columns(PyObject **objs, Column *cols, const char **names, int k,
     return 0;
 }
 
-/* max(col[i], counts[ids[i]]) for every i (np.maximum over placement's np.fromiter of
- * counts.get(id, 0)); col itself where `counts` is empty. With `index_of` (a dict of each
- * id to its position, ids all distinct) and fewer counts than ids, by the counts: a lookup
- * per worker the router has something in flight on, not one per candidate. */
+/* A dict's value as a double: 0 where `key` is absent, -1 with an error set. */
+static int dict_double(PyObject *d, PyObject *key, double *out) {
+    PyObject *v = PyDict_GetItemWithError(d, key);
+    if (v == NULL) {
+        *out = 0.0;
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    *out = PyFloat_AsDouble(v);
+    return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* max(col[i] - less[ids[i]], counts[ids[i]]) for every i, the first term no lower than 0
+ * (np.maximum over placement's np.fromiter of counts.get(id, 0), after `less`); col itself
+ * where both dicts are empty. `less`: NULL, or what the router knows left a worker since
+ * the load in `col` was taken (its requests that finished there: PlacementLedger.finished).
+ * With `index_of` (a dict of each id to its position, ids all distinct) and fewer entries
+ * than ids, by the dicts: a lookup per worker the router has something in flight on or
+ * finished on, not one per candidate. */
 static int at_least(const double *col, PyObject *ids, PyObject *index_of, PyObject *counts,
-                    double *out) {
+                    PyObject *less, double *out) {
     Py_ssize_t n = PyTuple_GET_SIZE(ids);
-    if (index_of != NULL && PyDict_GET_SIZE(counts) < n) {
+    Py_ssize_t nless = less == NULL ? 0 : PyDict_GET_SIZE(less);
+    /* By the dicts: a lookup per entry; by the ids: one per dict that has entries. */
+    if (index_of != NULL && PyDict_GET_SIZE(counts) + nless < n * (nless ? 2 : 1)) {
         memcpy(out, col, (size_t)n * sizeof(double));
-        Py_ssize_t it = 0;
-        PyObject *key, *v;
-        while (PyDict_Next(counts, &it, &key, &v)) {
-            PyObject *at = PyDict_GetItemWithError(index_of, key);
-            if (at == NULL) {
-                if (PyErr_Occurred()) return -1;
-                continue;
+        for (int pass = 0; pass < 2; pass++) {  /* `less` first, then `counts` */
+            PyObject *d = pass == 0 ? less : counts;
+            if (d == NULL) continue;
+            Py_ssize_t it = 0;
+            PyObject *key, *v;
+            while (PyDict_Next(d, &it, &key, &v)) {
+                PyObject *at = PyDict_GetItemWithError(index_of, key);
+                if (at == NULL) {
+                    if (PyErr_Occurred()) return -1;
+                    continue;
+                }
+                Py_ssize_t i = PyLong_AsSsize_t(at);
+                double c = PyFloat_AsDouble(v);
+                if (c == -1.0 && PyErr_Occurred()) return -1;
+                if (pass == 0)
+                    out[i] = out[i] - c > 0.0 ? out[i] - c : 0.0;
+                else if (c > out[i])
+                    out[i] = c;
             }
-            Py_ssize_t i = PyLong_AsSsize_t(at);
-            double c = PyFloat_AsDouble(v);
-            if (c == -1.0 && PyErr_Occurred()) return -1;
-            if (c > out[i]) out[i] = c;
         }
         return 0;
     }
     int any = PyDict_GET_SIZE(counts) > 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        double r = col[i];
+        double r = col[i], c;
+        PyObject *id = PyTuple_GET_ITEM(ids, i);
+        if (nless) {
+            if (dict_double(less, id, &c) < 0) return -1;
+            if (c != 0.0) r = r - c > 0.0 ? r - c : 0.0;
+        }
         if (any) {
-            PyObject *v = PyDict_GetItemWithError(counts, PyTuple_GET_ITEM(ids, i));
-            if (v == NULL && PyErr_Occurred()) return -1;
-            if (v != NULL) {
-                double c = PyFloat_AsDouble(v);
-                if (c == -1.0 && PyErr_Occurred()) return -1;
-                if (c > r) r = c;
-            }
+            if (dict_double(counts, id, &c) < 0) return -1;
+            if (c > r) r = c;
         }
         out[i] = r;
     }
@@ -111,11 +137,12 @@ static int at_least(const double *col, PyObject *ids, PyObject *index_of, PyObje
 }
 
 static PyObject *best(PyObject *self, PyObject *args) {
-    PyObject *objs[4], *ids, *placed;
+    PyObject *objs[4], *ids, *placed, *finished = NULL;
     double weight;
     Py_ssize_t tiebreak;
-    if (!PyArg_ParseTuple(args, "OOOOO!O!dn", &objs[0], &objs[1], &objs[2], &objs[3],
-                          &PyTuple_Type, &ids, &PyDict_Type, &placed, &weight, &tiebreak))
+    if (!PyArg_ParseTuple(args, "OOOOO!O!dn|O!", &objs[0], &objs[1], &objs[2], &objs[3],
+                          &PyTuple_Type, &ids, &PyDict_Type, &placed, &weight, &tiebreak,
+                          &PyDict_Type, &finished))
         return NULL;
     static const char *names[4] = {"running", "waiting", "memory", "cached"};
     Column cols[4];
@@ -135,7 +162,7 @@ static PyObject *best(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    if (at_least(running, ids, NULL, placed, loads) < 0) goto done;
+    if (at_least(running, ids, NULL, placed, finished, loads) < 0) goto done;
     double max_load = 0.0;
     for (Py_ssize_t i = 0; i < n; i++) {
         double load = loads[i] + waiting[i];
@@ -177,6 +204,7 @@ typedef struct {
     const double *dcached, *running, *waiting, *rate, *step;
     const double *pcached, *queued, *prate, *transfer, *shares;
     PyObject *dids, *pids, *placed, *inflight;
+    PyObject *finished;  /* NULL, or at_least's `less` for the running streams */
     PyObject *dindex, *pindex;  /* NULL, or id -> position (at_least's) */
     double length, absorbed, row_fraction, stall_w, tpot_w, late_w, overhead, max_local;
     double target, ttft_w;
@@ -208,9 +236,9 @@ static int cost_choose(const CostInput *in, double *buf, CostChoice *out) {
     double *local_v = buf + 3 * n, *ttft_r = buf + 4 * n, *cost_r = buf + 5 * n;
     double *best_p = buf + 6 * n;  /* positions, as doubles */
     double *ppending = buf + 7 * n, *lack = ppending + m, *head = lack + m;
-    if (at_least(running, in->dids, in->dindex, in->placed, streams) < 0 ||
-        at_least(in->waiting, in->dids, in->dindex, in->inflight, pending) < 0 ||
-        at_least(in->queued, in->pids, in->pindex, in->inflight, ppending) < 0)
+    if (at_least(running, in->dids, in->dindex, in->placed, in->finished, streams) < 0 ||
+        at_least(in->waiting, in->dids, in->dindex, in->inflight, NULL, pending) < 0 ||
+        at_least(in->queued, in->pids, in->pindex, in->inflight, NULL, ppending) < 0)
         return -1;
     for (Py_ssize_t p = 0; p < m; p++) {
         lack[p] = pos(length - pcached[p]);
@@ -292,12 +320,13 @@ static PyObject *best_cost(PyObject *self, PyObject *args) {
     CostInput in;
     PyObject *objs[9], *shares_obj;
     memset(&in, 0, sizeof in);
-    if (!PyArg_ParseTuple(args, "dOOOOOO!OOOOO!O!O!Odddddddddn", &in.length, &objs[0],
+    if (!PyArg_ParseTuple(args, "dOOOOOO!OOOOO!O!O!Odddddddddn|O!", &in.length, &objs[0],
                           &objs[1], &objs[2], &objs[3], &objs[4], &PyTuple_Type, &in.dids,
                           &objs[5], &objs[6], &objs[7], &objs[8], &PyTuple_Type, &in.pids,
                           &PyDict_Type, &in.placed, &PyDict_Type, &in.inflight, &shares_obj,
                           &in.absorbed, &in.row_fraction, &in.stall_w, &in.tpot_w, &in.late_w,
-                          &in.overhead, &in.max_local, &in.target, &in.ttft_w, &in.tiebreak))
+                          &in.overhead, &in.max_local, &in.target, &in.ttft_w, &in.tiebreak,
+                          &PyDict_Type, &in.finished))
         return NULL;
     static const char *names[10] = {"dcached", "running", "prompt_waiting", "rate", "step",
                                     "pcached", "queued", "prate", "transfer", "shares"};
@@ -548,9 +577,9 @@ static PyObject *CostTable_choose(CostTable *t, PyObject *args) {
     double scale;
     CostInput in;
     memset(&in, 0, sizeof in);
-    if (!PyArg_ParseTuple(args, "O!ddO!O!ddn", &PyList_Type, &pairs, &scale, &in.length,
+    if (!PyArg_ParseTuple(args, "O!ddO!O!ddn|O!", &PyList_Type, &pairs, &scale, &in.length,
                           &PyDict_Type, &in.placed, &PyDict_Type, &in.inflight, &in.target,
-                          &in.ttft_w, &in.tiebreak))
+                          &in.ttft_w, &in.tiebreak, &PyDict_Type, &in.finished))
         return NULL;
     Py_ssize_t n = t->n, m = t->m;
     double *dcached = t->mem + 4 * n + 3 * m, *pcached = dcached + n;
@@ -604,7 +633,8 @@ static PyObject *CostTable_choose(CostTable *t, PyObject *args) {
 
 static PyMethodDef CostTable_methods[] = {
     {"choose", (PyCFunction)CostTable_choose, METH_VARARGS,
-     "choose(pairs, scale, length, placed, inflight, target_s, ttft_weight, tiebreak) -> "
+     "choose(pairs, scale, length, placed, inflight, target_s, ttft_weight, tiebreak"
+     "[, finished]) -> "
      "(decode, prefill, local, ttft, cost, cached, uncached) (see the module source)."},
     {NULL, NULL, 0, NULL},
 };
@@ -621,12 +651,14 @@ static PyTypeObject CostTableType = {
 
 static PyMethodDef methods[] = {
     {"best", best, METH_VARARGS,
-     "best(running, waiting, memory, cached, ids, placed, weight, tiebreak) -> int: "
+     "best(running, waiting, memory, cached, ids, placed, weight, tiebreak[, finished]) "
+     "-> int: "
      "router.placement.best_of's choice (see the module source)."},
     {"best_cost", best_cost, METH_VARARGS,
      "best_cost(length, dcached, running, prompt_waiting, rate, step, dids, pcached, queued, "
      "prate, transfer, pids, placed, inflight, shares, absorbed, row_fraction, stall_weight, "
-     "tpot_weight, late_weight, overhead, max_local_s, target_s, ttft_weight, tiebreak) -> "
+     "tpot_weight, late_weight, overhead, max_local_s, target_s, ttft_weight, tiebreak"
+     "[, finished]) -> "
      "(decode, prefill, local, ttft, cost): router.placement.best_by_cost's choice."},
     {NULL, NULL, 0, NULL},
 };

@@ -405,25 +405,26 @@ def cached_tokens(index: KVIndex, ids: Sequence[int],
 
 
 def best_of(cols: _Columns, cached: Floats, placed: Mapping[str, int], prompt_len: int,
-            policy: RouterPolicy, tiebreak: int = 0) -> int:
+            policy: RouterPolicy, tiebreak: int = 0,
+            finished: Mapping[str, float] = _NONE) -> int:
     """`router.policy.best_decode` over the columns (the same floats in the same order, the
-    same first-from-`tiebreak` choice among equal scores), with `placed` counted as running.
-    In C where router/_score.c was built (the same floats, operation for operation)."""
+    same first-from-`tiebreak` choice among equal scores), with the streams `_streams`
+    counts running. In C where router/_score.c was built (the same floats, operation for
+    operation)."""
     weight = policy.affinity_weight / max(prompt_len, 1)
-    if _native_best is not None and type(placed) in (dict, collections.Counter):
+    if _native_best is not None and type(placed) in _DICTS and type(finished) in _DICTS:
         return _native_best(cols.running, cols.waiting, cols.memory, cached, cols.ids,
-                            placed, weight, tiebreak)
-    return _best_of_numpy(cols, cached, placed, weight, tiebreak)
+                            placed, weight, tiebreak, finished)
+    return _best_of_numpy(cols, cached, placed, weight, tiebreak, finished)
+
+
+_DICTS = (dict, collections.Counter)  # what router/_score.c takes for a per-worker count
 
 
 def _best_of_numpy(cols: _Columns, cached: Floats, placed: Mapping[str, int], weight: float,
-                   tiebreak: int) -> int:
+                   tiebreak: int, finished: Mapping[str, float] = _NONE) -> int:
     n = len(cols.ids)
-    running = cols.running
-    if placed:
-        running = np.maximum(running, np.fromiter(
-            map(placed.get, cols.ids, repeat(0)), dtype=np.float64, count=n))
-    load = running + cols.waiting
+    load = _streams(cols, placed, finished) + cols.waiting
     max_load = float(load.max()) or 1.0
     score = weight * cached - load / max_load + cols.memory
     ties = np.flatnonzero(score == score.max())  # ascending positions of the best score
@@ -461,10 +462,18 @@ class CostChoice:
     uncached_tokens: int  # prompt tokens prefilled where it is prefilled
 
 
-def _streams(cols: _Columns, placed: Mapping[str, int]) -> Floats:
+def _streams(cols: _Columns, placed: Mapping[str, int],
+             finished: Mapping[str, float] = _NONE) -> Floats:
+    """Each decode worker's streams: its heartbeat's running count less what this router
+    saw leave it since that count was taken (`finished`: PlacementLedger.finished; no lower
+    than 0), or what this router placed there and has not seen finish, whichever is more."""
+    running = cols.running
+    if finished:
+        running = np.maximum(0.0, running - np.fromiter(
+            map(finished.get, cols.ids, repeat(0)), dtype=np.float64, count=len(cols.ids)))
     if not placed:
-        return cols.running
-    return np.maximum(cols.running, np.fromiter(
+        return running
+    return np.maximum(running, np.fromiter(
         map(placed.get, cols.ids, repeat(0)), dtype=np.float64, count=len(cols.ids)))
 
 
@@ -484,7 +493,8 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
                  pcached: Floats, placed: Mapping[str, int],
                  inflight_tokens: Mapping[str, float], target_s: float, model: CostModel,
                  tiebreak: int = 0, shares: Floats | None = None, ttft_weight: float = 1.0,
-                 beside: _Beside | None = None) -> CostChoice:
+                 beside: _Beside | None = None,
+                 finished: Mapping[str, float] = _NONE) -> CostChoice:
     """router.cost's formulas (`local_estimate`, `remote_estimate`, `decide_by_cost`'s rule) over
     every candidate at once: local on each decode worker, remote on each (prefill, decode)
     pair: the least cost, a predicted TTFT past `target_s` priced at `model.late_weight` per
@@ -496,7 +506,8 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
     apart); `ttft_weight`: the class's price of a second of TTFT (`Estimate.cost`);
     `beside`: which decode workers compete for each prefill worker's CPUs
     (`DecodeTable.beside`): a prefill worker whose every CPU a busy one wants computes at
-    its share of a CPU (router.cost.cpu_factor).
+    its share of a CPU (router.cost.cpu_factor); `finished`: as `_streams` counts a decode
+    worker's streams.
     In C where router/_score.c was built (the same floats, operation for operation)."""
     length = float(prompt_len)
     dp, pp = _prices(dcols, pcols, model)
@@ -504,7 +515,7 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
         pending = dcols.prompt_waiting if not inflight_tokens else np.maximum(
             dcols.prompt_waiting, _inflight(dcols, inflight_tokens))
         long_prompt = prompt_len >= LONG_STEP_TOKENS
-        busy = (_streams(dcols, placed) > 0) | (pending > 0)
+        busy = (_streams(dcols, placed, finished) > 0) | (pending > 0)
         factors = cpu_factors(beside, pcols, busy, long_prompt)
         idle = cpu_factors(beside, pcols, np.zeros_like(busy), long_prompt) \
             if busy.any() else factors
@@ -521,20 +532,21 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
             pp = _Priced(rate=pp.rate * factors, step=pp.step, transfer=pp.transfer,
                          queued=pp.queued)
     if _native_cost is not None and isinstance(placed, dict) \
-            and isinstance(inflight_tokens, dict):
+            and isinstance(inflight_tokens, dict) and isinstance(finished, dict):
         w, p, local, ttft, cost = _native_cost(
             length, dcached, dcols.running, dcols.prompt_waiting, dp.rate, dp.step, dcols.ids,
             pcached, pp.queued, pp.rate, pp.transfer, pcols.ids, placed, inflight_tokens,
             shares, float(model.absorbed_tokens), model.decode_row_fraction,
             model.stall_weight, model.tpot_weight, model.late_weight, model.remote_overhead_s,
-            model.max_local_prefill_s, target_s, ttft_weight, tiebreak)
+            model.max_local_prefill_s, target_s, ttft_weight, tiebreak, finished)
         route = Route.LOCAL if local else Route.REMOTE
         prefilled = dcached[w] if local else pcached[p]
         return CostChoice(w, p if p >= 0 else None, route, _cost_reason(route, p >= 0,
                                                                          ttft > target_s),
                           ttft, cost, int(max(0.0, length - prefilled)))
     return _best_by_cost_numpy(length, dcols, dcached, dp, pcols, pcached, pp, placed,
-                               inflight_tokens, target_s, model, tiebreak, shares, ttft_weight)
+                               inflight_tokens, target_s, model, tiebreak, shares, ttft_weight,
+                               finished)
 
 
 def _cost_reason(route: Route, any_prefill: bool, over: bool) -> str:
@@ -554,11 +566,12 @@ def _best_by_cost_numpy(length: float, dcols: _Columns, dcached: Floats, dp: _Pr
                         pcols: _Columns, pcached: Floats, pp: _Priced,
                         placed: Mapping[str, int], inflight_tokens: Mapping[str, float],
                         target_s: float, model: CostModel, tiebreak: int,
-                        shares: Floats | None, ttft_weight: float) -> CostChoice:
+                        shares: Floats | None, ttft_weight: float,
+                        finished: Mapping[str, float] = _NONE) -> CostChoice:
     n, m = len(dcols.ids), len(pcols.ids)
     # Decode side, per w.
     unc = np.maximum(0.0, length - dcached)
-    streams = _streams(dcols, placed)
+    streams = _streams(dcols, placed, finished)
     rate, step = dp.rate, dp.step
     pending = dcols.prompt_waiting if not inflight_tokens else np.maximum(
         dcols.prompt_waiting, _inflight(dcols, inflight_tokens))
@@ -625,7 +638,8 @@ def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerIn
           prefills: Sequence[WorkerInfo], index: KVIndex, placed: Mapping[str, int],
           policy: RouterPolicy, *, cost: CostModel | None = None, target_s: float = 30.0,
           inflight_tokens: Mapping[str, float] = _NONE, tiebreak: int = 0,
-          table: DecodeTable | None = None, listing: object = None) -> Placement:
+          table: DecodeTable | None = None, listing: object = None,
+          finished: Mapping[str, float] = _NONE) -> Placement:
     """`decoders` must not be empty. `placed`: requests this router placed per decode worker
     and not finished; heartbeats lag a burst by up to a second, so those count as running
     too, or a burst would all go to the worker that looked idlest at the last heartbeat.
@@ -637,8 +651,12 @@ def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerIn
     columns are built for this call, and cost placement's table in C is not); `listing`:
     the caller's name for this `decoders` and `prefills` (equal names only for the very
     same lists of the same records, e.g. the router's directory generation; None: the table
-    compares the workers themselves). The decision's `uncached_tokens` are the prompt tokens
-    the worker that prefills must compute (what the router's ledger charges it)."""
+    compares the workers themselves); `finished`: this router's requests that left each
+    decode worker since its heartbeat's running count was taken (PlacementLedger.finished:
+    a worker counts max(that count less these, placed) streams, so a worker whose requests
+    just ended does not look busy, and the next arrivals herd elsewhere, until its next
+    heartbeat). The decision's `uncached_tokens` are the prompt tokens the worker that
+    prefills must compute (what the router's ledger charges it)."""
     kept = table is not None  # kept across calls: worth cost placement's table in C
     table = table or DecodeTable()
     cols = table.columns(decoders, index, listing)
@@ -646,24 +664,26 @@ def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerIn
         pcols = table.prefill_columns(prefills, index, listing)
         model = cost or _DEFAULT_COST
         fast = table.fast_cost(cols, pcols, model) if kept else None
-        if fast is not None and isinstance(placed, dict) and isinstance(inflight_tokens, dict):
+        if fast is not None and isinstance(placed, dict) and isinstance(inflight_tokens, dict) \
+                and isinstance(finished, dict):
             geometry = fast.geometry
             pairs = [] if geometry is None else index.walk(ids, geometry[0], geometry[1])
             w, p, local, ttft, _, held, uncached = fast.table.choose(
                 pairs, 0.0 if geometry is None else float(geometry[0]), float(len(ids)),
-                placed, inflight_tokens, target_s, policy.ttft_weights[latency], tiebreak)
+                placed, inflight_tokens, target_s, policy.ttft_weights[latency], tiebreak,
+                finished)
             route, reason = _FAST_ROUTES[local, p >= 0, ttft > target_s]
             return Placement(decoders[w], None if p < 0 else prefills[p],
                              Decision(route, reason, uncached, ttft), held)
         cached, pcached = _cached(index, ids, cols, pcols)
         c = best_by_cost(len(ids), cols, cached, pcols, pcached, placed, inflight_tokens,
                          target_s, model, tiebreak, table.shares(cols, pcols),
-                         policy.ttft_weights[latency], table.beside(cols, pcols))
+                         policy.ttft_weights[latency], table.beside(cols, pcols), finished)
         return Placement(decoders[c.decode], None if c.prefill is None else prefills[c.prefill],
                          Decision(c.route, c.reason, c.uncached_tokens, c.ttft_s),
                          int(cached[c.decode]))
     (cached,) = _cached(index, ids, cols)
-    i = best_of(cols, cached, placed, len(ids), policy, tiebreak)
+    i = best_of(cols, cached, placed, len(ids), policy, tiebreak, finished)
     decode, best_cached = decoders[i], int(cached[i])
     prefill = least_backlog(prefills, inflight_tokens, tiebreak)
     backlog = None if prefill is None else prefill.load.queued_tokens

@@ -57,6 +57,9 @@ log = structlog.get_logger(__name__)
 
 # Failures of the decode worker, not of the request: the request moves to another worker.
 _WORKER_FAILURES = (CapacityError, WorkerTimeoutError, TimeoutError)
+# Beyond the directory's poll period: the most a load read from Redis can lag the worker's
+# count of what this router sent it (the heartbeat's write, the request's way there).
+LOAD_MARGIN_S = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +208,9 @@ class Router(AsyncResource):
         and the admission view. Otherwise the first request after each poll would pay for
         it, O(workers) in Python, on its way to a first token."""
         decoders, prefills = self._live_workers()
+        # The loads just read: a worker's `finished` count starts again with a new one.
+        self.ledger.saw_loads(((w.worker_id, w.load) for w in decoders),
+                              self.config.directory_poll_s + LOAD_MARGIN_S)
         if decoders:
             table = self._decode_table
             dcols = table.columns(decoders, self.kv_index, self._live_key)
@@ -249,7 +255,7 @@ class Router(AsyncResource):
                             target_s=self.config.ttft_target_s(req.latency_class),
                             inflight_tokens=self.ledger.inflight_tokens,
                             tiebreak=next(self._tiebreak), table=self._decode_table,
-                            listing=listing)
+                            listing=listing, finished=self.ledger.finished)
         return p, time.thread_time() - cpu
 
     def enter(self, req: GenerateRequest, p: placement.Placement, cpu_s: float) -> None:

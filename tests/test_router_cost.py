@@ -277,19 +277,20 @@ def test_the_c_cost_choice_equals_the_numpy_one_exactly() -> None:
         placed = {f"d{i}": int(rng.integers(1, 5)) for i in range(n) if rng.random() < 0.4}
         inflight = collections.Counter({w: int(rng.choice([100, 3000]))
                                         for w in [*dcols.ids, *pcols.ids] if rng.random() < 0.3})
+        finished = {f"d{i}": int(rng.integers(1, 4)) for i in range(n) if rng.random() < 0.3}
         shares = None if m == 0 or rng.random() < 0.5 else \
             rng.choice([0.0, 0.0, 1.0, 0.512], size=(m, n))
         model = dataclasses.replace(MODEL, remote_overhead_s=float(rng.choice([0.0, 0.02])))
         target, weight = float(rng.choice([0.3, 2.0, 30.0])), float(rng.choice([1.0, 0.1]))
         tiebreak = int(rng.integers(0, 100))
         got = best_by_cost(length, dcols, dcached, pcols, pcached, placed, inflight, target,
-                           model, tiebreak, shares, weight)
+                           model, tiebreak, shares, weight, finished=finished)
         peer = min(dcols.min_rate, pcols.min_rate)
         peer_rate = None if peer == np.inf else peer
         want = placement._best_by_cost_numpy(
             float(length), dcols, dcached, dcols.prices(model, peer_rate), pcols, pcached,
             pcols.prices(model, peer_rate), placed, inflight, target, model, tiebreak, shares,
-            weight)
+            weight, finished)
         assert got == want, case
 
 
@@ -321,8 +322,10 @@ def test_the_held_c_cost_table_chooses_as_the_numpy_path_does(
                   if rng.random() < float(rng.choice([0.3, 1.0]))}
         inflight = collections.Counter({w.worker_id: float(rng.choice([100, 3000]))
                                         for w in [*decoders, *prefills] if rng.random() < 0.3})
+        finished = {w.worker_id: int(rng.integers(1, 4)) for w in decoders
+                    if rng.random() < float(rng.choice([0.0, 0.3, 1.0]))}
         for i in range(int(rng.integers(0, 3))):  # workers gone from the lists since
-            placed[f"gone{i}"] = inflight[f"gone{i}"] = 2
+            placed[f"gone{i}"] = inflight[f"gone{i}"] = finished[f"gone{i}"] = 2
         model = dataclasses.replace(MODEL, remote_overhead_s=float(rng.choice([0.0, 0.02])))
         prompt = ids[:int(rng.choice([10, 300, 1600]))]
         for k in range(4):
@@ -331,14 +334,14 @@ def test_the_held_c_cost_table_chooses_as_the_numpy_path_does(
             table = DecodeTable()
             got = place(prompt, latency, decoders, prefills, index, placed, policy, cost=model,
                         target_s=target, inflight_tokens=inflight, tiebreak=tiebreak,
-                        table=table)
+                        table=table, finished=finished)
             took += table.fast_cost(table.columns(decoders, index),
                                     table.prefill_columns(prefills, index), model) is not None
             with monkeypatch.context() as mp:
                 mp.setattr(placement, "_NativeTable", None)
                 want = place(prompt, latency, decoders, prefills, index, placed, policy,
                              cost=model, target_s=target, inflight_tokens=inflight,
-                             tiebreak=tiebreak)
+                             tiebreak=tiebreak, finished=finished)
             assert got == want, (case, k)
     assert took == 600  # every case took the held table's path
 

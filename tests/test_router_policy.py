@@ -15,7 +15,8 @@ from pdserve.control.workers import WorkerInfo
 from pdserve.types import LatencyClass, PrefillReport, StageTimings
 from router import placement
 from router.kv_index import KVIndex
-from router.placement import DecodeTable, best_of, least_backlog
+from router.ledger import PlacementLedger
+from router.placement import DecodeTable, best_of, least_backlog, place
 from router.policy import (
     DecodeCandidate,
     Route,
@@ -61,6 +62,60 @@ def _cand(wid: str, cached: int, running: float, free: float = 100) -> DecodeCan
     return DecodeCandidate(wid, cached, running, 0, free, 100)
 
 
+def _decoder(wid: str, running: float) -> WorkerInfo:
+    return WorkerInfo(worker_id=wid, role="decode", grpc_address="127.0.0.1:1", model_id="m",
+                      epoch=1, started_at=0.0,
+                      load=WorkerLoad(running=running, free_blocks=100, total_blocks=100))
+
+
+@pytest.mark.parametrize("policy", ["threshold", "cost"])
+def test_requests_that_ended_since_a_heartbeat_do_not_make_their_worker_look_busy(
+        policy: str) -> None:
+    """Two closed-loop streams on two decode workers (docs/bench/placement_s79): both of
+    a's requests end together and their next two arrive before a's next heartbeat, which
+    still counts the two. Taken off it (`PlacementLedger.finished`), the two arrivals go one
+    to each worker; counted (the router before), both went to b, then both back to a."""
+    now = [0.0]
+    ledger = PlacementLedger(lambda: now[0])
+    a, b = _decoder("a", 2), _decoder("b", 0)
+    rp = RouterPolicy(placement=policy)  # type: ignore[arg-type]
+    ledger.place("r1", "a")
+    ledger.place("r2", "a")
+    now[0] = 1.0
+    ledger.saw_loads([("a", a.load), ("b", b.load)], 0.35)  # taken at 0.65 or later
+    now[0] = 1.5
+    ledger.release("r1")
+    ledger.release("r2")
+    assert ledger.finished == {"a": 2} and not ledger.placed
+
+    def choose(finished: dict[str, int]) -> str:
+        p = place(list(range(100)), LatencyClass.INTERACTIVE, [a, b], [], KVIndex(),
+                  ledger.placed, rp, tiebreak=1, finished=finished)
+        return p.decode.worker_id
+
+    first = choose(ledger.finished)
+    ledger.place("r3", first)
+    second = choose(ledger.finished)
+    assert {first, second} == {"a", "b"}
+    assert choose({}) == "b"  # without: b looks idler as long as a's heartbeat is stale
+
+    ledger.place("r4", second)
+    ledger.release("r3")  # placed after a's load was taken: that load never counted it
+    ledger.release("r4")
+    assert ledger.finished == {"a": 2}
+    ledger.saw_loads([("a", a.load), ("b", b.load)], 0.35)  # the same loads: nothing new
+    assert ledger.finished == {"a": 2}
+    ledger.saw_loads([("a", _decoder("a", 0).load), ("b", b.load)], 0.35)  # a's next one
+    assert not ledger.finished
+    ledger.place("r5", "b")
+    now[0] = 3.0
+    ledger.saw_loads([("b", _decoder("b", 1).load)], 0.35, complete=False)
+    ledger.release("r5")
+    assert ledger.finished == {"b": 1}
+    ledger.saw_loads([("a", a.load)], 0.35)  # b has left the directory: forgotten
+    assert not ledger.finished
+
+
 def test_choose_decode_prefers_less_load() -> None:
     best = choose_decode([_cand("a", 0, 10), _cand("b", 0, 1)], 500, POLICY)
     assert best.worker_id == "b"
@@ -76,13 +131,15 @@ def test_choose_decode_prefers_cache_affinity_over_small_load_gap() -> None:
                                st.integers(0, 8), st.sampled_from([0, 8]), st.integers(0, 8)),
                      min_size=1, max_size=40),
        prompt_len=st.integers(0, 4000), tiebreak=st.integers(0, 10**6),
-       affinity=st.sampled_from([0.0, 2.0, 7.5]))
+       affinity=st.sampled_from([0.0, 2.0, 7.5]),
+       gone=st.lists(st.integers(0, 7), min_size=0, max_size=40))
 def test_the_routers_array_scoring_equals_best_decode(
         rows: list[tuple[int, int, int, int, int, int]], prompt_len: int, tiebreak: int,
-        affinity: float) -> None:
+        affinity: float, gone: list[int]) -> None:
     """router.placement scores decode workers as arrays (the router's hot path); it must pick
     exactly what the reference `best_decode` picks, ties and the tie-break included, with the
-    router's own placed counts taken as running."""
+    router's own placed counts taken as running, and its requests that left a worker since
+    its heartbeat taken off that heartbeat's count (`finished`, no lower than 0)."""
     policy = RouterPolicy(affinity_weight=affinity)
     decoders = [WorkerInfo(worker_id=f"d{i}", role="decode", grpc_address="127.0.0.1:1",
                            model_id="m", epoch=1, started_at=0.0,
@@ -90,14 +147,16 @@ def test_the_routers_array_scoring_equals_best_decode(
                                            total_blocks=t))
                 for i, (_, r, q, f, t, _) in enumerate(rows)]
     placed = {f"d{i}": p for i, (*_, p) in enumerate(rows) if p}
+    finished = {f"d{i}": x for i, x in enumerate(gone[:len(rows)]) if x}
     cols = DecodeTable().columns(decoders, KVIndex())
     cached = np.array([float(c) for c, *_ in rows])
-    ref = [(c, max(r, placed.get(f"d{i}", 0)), w.load.backlog, min(f, t), t)
+    ref = [(c, max(r - finished.get(f"d{i}", 0), placed.get(f"d{i}", 0), 0), w.load.backlog,
+            min(f, t), t)
            for i, ((c, r, _, f, t, _), w) in enumerate(zip(rows, decoders, strict=True))]
     want = best_decode(ref, prompt_len, policy, tiebreak)
-    assert best_of(cols, cached, placed, prompt_len, policy, tiebreak) == want
+    assert best_of(cols, cached, placed, prompt_len, policy, tiebreak, finished) == want
     weight = affinity / max(prompt_len, 1)  # the numpy fallback too, where C is built
-    assert placement._best_of_numpy(cols, cached, placed, weight, tiebreak) == want
+    assert placement._best_of_numpy(cols, cached, placed, weight, tiebreak, finished) == want
 
 
 def _load(rng: np.random.Generator) -> WorkerLoad:

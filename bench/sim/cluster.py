@@ -257,7 +257,7 @@ class Simulation(Clock):
         self._event_seq = dict.fromkeys(self.by_id, 1)
         for worker_id in self.by_id:
             self.index.apply(worker_id, KVEventBatch(1, 1, c.block_size, (), snapshot=True))
-        self.ledger = PlacementLedger()  # the router's in-flight accounting
+        self.ledger = PlacementLedger(lambda: self.now)  # the router's in-flight accounting
         self.remote_overhead = (RemoteOverhead.of_window(c.remote_overhead_window)
                                 if c.policy == "cost" else None)
         self._cost = c.cost
@@ -292,7 +292,11 @@ class Simulation(Clock):
         return self._result(requests, slo)
 
     def _heartbeat(self, w: SimWorker) -> None:
-        self.infos[w.worker_id] = self.infos[w.worker_id].with_load(w.load())
+        load = w.load()
+        self.infos[w.worker_id] = self.infos[w.worker_id].with_load(load)
+        # Seen at once, and exact: what the router placed before the way to the worker.
+        self.ledger.saw_loads([(w.worker_id, load)], self.config.overheads.local_s,
+                              complete=False)
         self.at(self.now + self.config.heartbeat_s, functools.partial(self._heartbeat, w))
 
     def _publish(self, d: SimWorker) -> None:
@@ -319,7 +323,8 @@ class Simulation(Clock):
                                  self.placed, router_policy, cost=self._cost,
                                  target_s=router_policy.ttft_target_s(
                                      req.latency_class, c.admission.deadline_s(req.latency_class)),
-                                 inflight_tokens=self.inflight_tokens, tiebreak=tiebreak)
+                                 inflight_tokens=self.inflight_tokens, tiebreak=tiebreak,
+                                 finished=self.ledger.finished)
             decode_info, prefill_info, decision = pl.decode, pl.prefill, pl.decision
             if self.remote_overhead is not None and decision.route is Route.REMOTE:
                 p.priced_step_s = decode_info.load.decode_step_s
