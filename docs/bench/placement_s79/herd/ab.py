@@ -35,7 +35,7 @@ async def main(out: Path) -> None:
         if '"route_decision"' in line:
             d = json.loads(line)
             decisions.append((d["timestamp"], d["decode"], d["request_id"]))
-    out.write_text(json.dumps({"runs": result, "decisions": decisions}, indent=1))
+    out.write_text(json.dumps({"runs": result, "decisions": decisions}, indent=1))  # noqa: ASYNC240
 
 
 asyncio.run(main(Path(sys.argv[1])))
