@@ -32,7 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -291,9 +291,8 @@ def calibrate_corun(root: Path, overheads: Overheads, cost: StepCost, seed: int,
     squared log ratio). `overheads` carries the per-token cost already fitted on 1P1D."""
     runs = [trace_from_record(path, seed) for path in records.glob(root, "concurrency_*.json")]
     engine = record_engine(root)
-    points, best = [], (float("inf"), overheads)
-    for share in CORUN_SHARES:
-        o = replace(overheads, corun_share=share)
+
+    def judge(o: Overheads) -> tuple[list[float], dict[str, Any]]:
         by_c = {}
         for reqs, rec in runs:
             sim = simulate(layout_config("1p2d", engine, "threshold", o, seed, corun, model),
@@ -301,12 +300,29 @@ def calibrate_corun(root: Path, overheads: Overheads, cost: StepCost, seed: int,
             pred = sim.summary.overall.tpot_ms.p50 if sim.summary.overall.tpot_ms else 0.0
             by_c[int(rec["config"]["concurrency"])] = (
                 rec["summary"]["overall"]["tpot_ms"]["p50"], pred)
-        err = statistics.fmean(math.log(max(p, 1e-6) / m) ** 2 for m, p in by_c.values())
-        points.append({"corun_share": share, "mean_squared_log_ratio": round(err, 4),
-                       "tpot_p50_measured_vs_sim_ms": {
-                           c: [round(m, 1), round(p, 1)] for c, (m, p) in sorted(by_c.items())}})
+        return [p / m for m, p in by_c.values()], {
+            "corun_share": o.corun_share,
+            "tpot_p50_measured_vs_sim_ms": {
+                c: [round(m, 1), round(p, 1)] for c, (m, p) in sorted(by_c.items())}}
+
+    return _least_log_error((replace(overheads, corun_share=s) for s in CORUN_SHARES), judge)
+
+
+def _least_log_error(grid: Iterable[Overheads],
+                     judge: Callable[[Overheads], tuple[list[float], dict[str, Any]]]
+                     ) -> tuple[Overheads, list[dict[str, Any]]]:
+    """Of `grid`, the overheads whose ratios of simulated to measured (`judge`'s, with a
+    record of the point) have the least mean squared log (the first of equals), and every
+    point's record with that error (`mean_squared_log_ratio`): the calibrations' grid fit."""
+    points: list[dict[str, Any]] = []
+    best: tuple[float, Overheads | None] = (float("inf"), None)
+    for o in grid:
+        ratios, point = judge(o)
+        err = statistics.fmean(math.log(max(x, 1e-6)) ** 2 for x in ratios)
+        points.append({**point, "mean_squared_log_ratio": round(err, 4)})
         if err < best[0] - 1e-12:
             best = (err, o)
+    assert best[1] is not None, "an empty grid"
     return best[1], points
 
 
@@ -381,20 +397,17 @@ def fit_prefill_sharing(root: Path, layout: str, overheads: Overheads, cost: Ste
                                                                    strict=True)]
         return out
 
-    weights = PREFILL_WEIGHTS if layout == "1p2d" else (overheads.prefill_weight,)
-    points, best = [], (float("inf"), overheads)
-    for weight, beside in itertools.product(weights, BESIDE_DECODE):
-        o = replace(overheads, prefill_weight=weight, prefill_beside_decode=beside)
+    def judge(o: Overheads) -> tuple[list[float], dict[str, Any]]:
         r = ratios(o)
         xs = [x for v in r.values() for x in v]
-        err = statistics.fmean(math.log(max(x, 1e-6)) ** 2 for x in xs)
-        points.append({"prefill_weight": weight, "prefill_beside_decode": beside,
-                       "ttft_sim_over_measured_median": round(statistics.median(xs), 3),
-                       "mean_squared_log_ratio": round(err, 4),
-                       "by_concurrency": {c: [round(x, 3) for x in v] for c, v in r.items()}})
-        if err < best[0] - 1e-12:
-            best = (err, o)
-    return best[1], points
+        return xs, {"prefill_weight": o.prefill_weight,
+                    "prefill_beside_decode": o.prefill_beside_decode,
+                    "ttft_sim_over_measured_median": round(statistics.median(xs), 3),
+                    "by_concurrency": {c: [round(x, 3) for x in v] for c, v in r.items()}}
+
+    weights = PREFILL_WEIGHTS if layout == "1p2d" else (overheads.prefill_weight,)
+    return _least_log_error((replace(overheads, prefill_weight=w, prefill_beside_decode=b)
+                             for w, b in itertools.product(weights, BESIDE_DECODE)), judge)
 
 
 # --------------------------------------------------------------------------- validation
