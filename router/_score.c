@@ -72,6 +72,18 @@ static int get_columns(PyObject **objs, Column *cols, const char **names, int k,
     return 0;
 }
 
+/* A count as a double, -1 with an error set. The ledger's Counters hold ints: read
+ * directly, not through PyFloat_AsDouble (which makes and frees a float for each). */
+static inline int count_double(PyObject *v, double *out) {
+    if (PyFloat_CheckExact(v))
+        *out = PyFloat_AS_DOUBLE(v);
+    else if (PyLong_CheckExact(v))
+        *out = PyLong_AsDouble(v);
+    else
+        *out = PyFloat_AsDouble(v);
+    return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
 /* A dict's value as a double: 0 where `key` is absent, -1 with an error set. */
 static int dict_double(PyObject *d, PyObject *key, double *out) {
     PyObject *v = PyDict_GetItemWithError(d, key);
@@ -79,8 +91,7 @@ static int dict_double(PyObject *d, PyObject *key, double *out) {
         *out = 0.0;
         return PyErr_Occurred() ? -1 : 0;
     }
-    *out = PyFloat_AsDouble(v);
-    return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
+    return count_double(v, out);
 }
 
 /* max(col[i] - less[ids[i]], counts[ids[i]]) for every i, the first term no lower than 0
@@ -109,8 +120,8 @@ static int at_least(const double *col, PyObject *ids, PyObject *index_of, PyObje
                     continue;
                 }
                 Py_ssize_t i = PyLong_AsSsize_t(at);
-                double c = PyFloat_AsDouble(v);
-                if (c == -1.0 && PyErr_Occurred()) return -1;
+                double c;
+                if (count_double(v, &c) < 0) return -1;
                 if (pass == 0)
                     out[i] = out[i] - c > 0.0 ? out[i] - c : 0.0;
                 else if (c > out[i])

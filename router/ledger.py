@@ -12,25 +12,47 @@ docs/bench/placement_s79). So the ledger also counts, per worker, this router's 
 that left it since the load it last saw from it was taken and that this load counted
 (`finished`; placement takes those off its running count). The simulator (bench/sim) keeps
 its router's books with the same class.
+
+Router replicas: each router's own counts (`own_placed`, `own_finished`) go to the others
+through Redis a few times a second (pdserve.control.inflight; `merge` takes theirs in), and
+`placed` and `finished`, what placement reads, are this router's plus theirs. Another
+router's `finished` for a worker counts only while this router holds the same load of that
+worker (`load_tag`): both take departures off the same heartbeat's count.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import time
+import zlib
 from collections.abc import Callable, Iterable
 
+from pdserve.control.inflight import InflightCounts
 from pdserve.control.load import WorkerLoad
+
+
+def load_tag(load: WorkerLoad) -> int:
+    """The same number in every router for the same load record (CRC-32 of its canonical
+    JSON): whether two routers' `finished` counts are taken off the same heartbeat."""
+    return zlib.crc32(json.dumps(load.to_dict(), sort_keys=True).encode())
 
 
 class PlacementLedger:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.placed: collections.Counter[str] = collections.Counter()  # worker id -> requests
+        # worker id -> requests placed there and running: this router's, and with the other
+        # routers' (`merge`) what placement reads
+        self.own_placed: collections.Counter[str] = collections.Counter()
+        self.placed: collections.Counter[str] = collections.Counter()
         # worker id -> prompt tokens placed there for prefill and not done
         self.inflight_tokens: collections.Counter[str] = collections.Counter()
         # worker id -> requests that left it since its last seen load was taken, placed
-        # there before that (so that load counted them)
+        # there before that (so that load counted them): this router's, and with the other
+        # routers' that left since the same load
+        self.own_finished: collections.Counter[str] = collections.Counter()
         self.finished: collections.Counter[str] = collections.Counter()
+        self.peers = 0  # other routers whose counts are in `placed` and `finished`
+        self._tags: dict[str, int] = {}  # worker id -> load_tag of its load in `_loads`
         self._clock = clock
         self._placements: dict[str, tuple[str, float]] = {}  # request id -> (worker, when)
         self._charges: dict[str, tuple[str, int]] = {}  # request id -> (worker id, tokens)
@@ -42,14 +64,15 @@ class PlacementLedger:
         old = self._placements.pop(request_id, None)
         if old is not None:
             where, since = old
-            self.placed[where] -= 1
-            if not self.placed[where]:
-                del self.placed[where]
+            _down(self.own_placed, where)
+            _down(self.placed, where)
             seen = self._loads.get(where)
             if seen is not None and since < seen[1]:  # that load counted it: not any more
+                self.own_finished[where] += 1
                 self.finished[where] += 1
         if worker_id is not None:
             self._placements[request_id] = (worker_id, self._clock())
+            self.own_placed[worker_id] += 1
             self.placed[worker_id] += 1
 
     def saw_loads(self, loads: Iterable[tuple[str, WorkerLoad]], age_s: float, *,
@@ -71,11 +94,53 @@ class PlacementLedger:
                 fresh[worker_id] = seen
                 continue
             fresh[worker_id] = (load, taken_by)
-            self.finished.pop(worker_id, None)
+            self._forget(worker_id)
         if complete:
             for worker_id in known.keys() - fresh.keys():
-                self.finished.pop(worker_id, None)
+                self._forget(worker_id)
             self._loads = fresh
+
+    def _forget(self, worker_id: str) -> None:
+        """A worker's load is new (or it is gone): its `finished` counts start again."""
+        self.own_finished.pop(worker_id, None)
+        self.finished.pop(worker_id, None)
+        self._tags.pop(worker_id, None)
+
+    def _tag(self, worker_id: str) -> int | None:
+        tag = self._tags.get(worker_id)
+        if tag is None:
+            seen = self._loads.get(worker_id)
+            if seen is None:
+                return None
+            tag = self._tags[worker_id] = load_tag(seen[0])
+        return tag
+
+    def shared(self) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+        """This router's counts as the other routers take them (`merge`): `placed`, and
+        `finished` with the tag of the load each is taken off."""
+        finished = {}
+        for w, n in self.own_finished.items():
+            tag = self._tag(w)
+            if tag is not None:
+                finished[w] = (n, tag)
+        return dict(self.own_placed), finished
+
+    def merge(self, others: Iterable[InflightCounts]) -> None:
+        """The other routers' counts as just read (none: this router's own only); their
+        `finished` only where this router holds the load they were taken off."""
+        self.peers = 0
+        self.placed.clear()
+        self.placed.update(self.own_placed)
+        self.finished.clear()
+        self.finished.update(self.own_finished)
+        for other in others:
+            self.peers += 1
+            self.placed.update(other.placed)
+            for w, (n, tag) in other.finished.items():
+                if n and self._tag(w) == tag:
+                    self.finished[w] += n
+        for w in [w for w, n in self.placed.items() if n <= 0]:
+            del self.placed[w]
 
     def charge(self, request_id: str, worker_id: str | None, tokens: int) -> None:
         """Prompt tokens sent to `worker_id` to prefill (None, or 0 tokens: done)."""
@@ -100,3 +165,9 @@ class PlacementLedger:
         """The request left its worker (finished, failed or moving on)."""
         self.place(request_id, None)
         self.charge(request_id, None, 0)
+
+
+def _down(counts: collections.Counter[str], key: str) -> None:
+    counts[key] -= 1
+    if counts[key] <= 0:
+        del counts[key]

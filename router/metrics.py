@@ -74,7 +74,8 @@ class RouterMetrics:
         child.inc()
 
     def gauges(self, *, in_flight: Callable[[], float], predicted_wait_s: Callable[[], float],
-               directory_staleness_s: Callable[[], float]) -> None:
+               directory_staleness_s: Callable[[], float],
+               peer_routers: Callable[[], float]) -> None:
         Gauge("pdserve_router_in_flight", "Requests admitted and not finished",
               registry=self.registry).set_function(in_flight)
         Gauge("pdserve_router_predicted_wait_seconds",
@@ -84,3 +85,6 @@ class RouterMetrics:
               "Seconds since the worker directory last read Redis (grows while Redis is "
               "unreachable; routing stops past the directory's max_staleness_s)",
               registry=self.registry).set_function(directory_staleness_s)
+        Gauge("pdserve_router_peer_routers",
+              "Other routers on this Redis whose in-flight counts placement takes in "
+              "(router replicas)", registry=self.registry).set_function(peer_routers)

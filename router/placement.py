@@ -412,13 +412,20 @@ def best_of(cols: _Columns, cached: Floats, placed: Mapping[str, int], prompt_le
     counts running. In C where router/_score.c was built (the same floats, operation for
     operation)."""
     weight = policy.affinity_weight / max(prompt_len, 1)
-    if _native_best is not None and type(placed) in _DICTS and type(finished) in _DICTS:
+    if _native_best is not None and _c_counts(placed, finished):
         return _native_best(cols.running, cols.waiting, cols.memory, cached, cols.ids,
                             placed, weight, tiebreak, finished)
     return _best_of_numpy(cols, cached, placed, weight, tiebreak, finished)
 
 
 _DICTS = (dict, collections.Counter)  # what router/_score.c takes for a per-worker count
+
+
+def _c_counts(*counts: Mapping[str, float]) -> bool:
+    """router/_score.c can take these per-worker counts: plain dicts or Counters, which it
+    reads with the dict API (another Mapping, or a dict subclass that computes its items,
+    goes the numpy way)."""
+    return all(type(c) in _DICTS for c in counts)
 
 
 def _best_of_numpy(cols: _Columns, cached: Floats, placed: Mapping[str, int], weight: float,
@@ -531,8 +538,7 @@ def best_by_cost(prompt_len: int, dcols: _Columns, dcached: Floats, pcols: _Colu
         if (factors != 1.0).any():
             pp = _Priced(rate=pp.rate * factors, step=pp.step, transfer=pp.transfer,
                          queued=pp.queued)
-    if _native_cost is not None and isinstance(placed, dict) \
-            and isinstance(inflight_tokens, dict) and isinstance(finished, dict):
+    if _native_cost is not None and _c_counts(placed, inflight_tokens, finished):
         w, p, local, ttft, cost = _native_cost(
             length, dcached, dcols.running, dcols.prompt_waiting, dp.rate, dp.step, dcols.ids,
             pcached, pp.queued, pp.rate, pp.transfer, pcols.ids, placed, inflight_tokens,
@@ -664,8 +670,7 @@ def place(ids: Sequence[int], latency: LatencyClass, decoders: Sequence[WorkerIn
         pcols = table.prefill_columns(prefills, index, listing)
         model = cost or _DEFAULT_COST
         fast = table.fast_cost(cols, pcols, model) if kept else None
-        if fast is not None and isinstance(placed, dict) and isinstance(inflight_tokens, dict) \
-                and isinstance(finished, dict):
+        if fast is not None and _c_counts(placed, inflight_tokens, finished):
             geometry = fast.geometry
             pairs = [] if geometry is None else index.walk(ids, geometry[0], geometry[1])
             w, p, local, ttft, _, held, uncached = fast.table.choose(

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.aio import AsyncResource
 from pdserve.control.directory import WorkerDirectory
+from pdserve.control.inflight import InflightBoard, new_router_id
 from pdserve.control.kv_events import KVEventStreams
 from pdserve.control.registry import WorkerRegistry
 from pdserve.control.workers import WorkerInfo
@@ -93,6 +94,12 @@ class Router(AsyncResource):
             model_id=model_id, any_format=True)  # None: any model (emulated workers)
         self._channels = channels or WorkerChannels()  # the router closes it
         self.ledger = PlacementLedger()  # what this router placed where (in-flight accounting)
+        # ... shared with the other routers on this Redis (router replicas)
+        self.router_id = new_router_id()
+        share_s = self.config.share_inflight_s
+        self.inflight_board = InflightBoard(registry, self.router_id,
+                                            ttl_s=max(2.0, 10 * share_s)) if share_s else None
+        self._share: asyncio.Task[None] | None = None
         self._tiebreak = itertools.count()  # equal-score decode workers take turns
         self._decode_table = DecodeTable()  # placement's columns, kept between requests
         # The live (not lost) decode and prefill workers, rebuilt only when the directory or
@@ -126,7 +133,8 @@ class Router(AsyncResource):
         self._cost = self.config.cost  # with the learned remote overhead in it
         self.metrics.gauges(in_flight=lambda: self.admission.in_flight,
                             predicted_wait_s=self.admission.predicted_wait_s,
-                            directory_staleness_s=self.directory.staleness_s)
+                            directory_staleness_s=self.directory.staleness_s,
+                            peer_routers=lambda: self.ledger.peers)
         # Every worker's engine numbers, from the load records the directory already holds.
         self.metrics_registry.register(WorkerLoadCollector(
             lambda: [(w.worker_id, w.role, w.load) for w in self.directory.snapshot().values()]))
@@ -138,12 +146,19 @@ class Router(AsyncResource):
         await self.directory.start()
         await self.kv_follower.start()
         self._watch = asyncio.create_task(self._follow_workers())
+        if self.inflight_board is not None:
+            self._share = asyncio.create_task(self._share_inflight(self.inflight_board),
+                                              name="share-inflight")
 
     async def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+        for task in (self._watch, self._share):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self.inflight_board is not None:
+            with contextlib.suppress(PdserveError):  # else it lapses within its ttl
+                await self.inflight_board.leave()
         for task in list(self._background):
             task.cancel()
         if self._background:
@@ -162,6 +177,30 @@ class Router(AsyncResource):
                 log.info("worker_joined", worker_id=event.worker.worker_id,
                          role=event.worker.role)
                 self.liveness.joined(event.worker.worker_id)
+
+    async def _share_inflight(self, board: InflightBoard) -> None:
+        """Every `share_inflight_s`: this router's in-flight counts out, the other routers'
+        in (router.ledger). While Redis does not answer, the others' counts are kept for
+        the board's ttl (theirs lapse in Redis as fast), then dropped: this router places
+        on its own counts and the heartbeats, as one router alone does."""
+        period = self.config.share_inflight_s
+        ttl_s = board.ttl_ms / 1000
+        last_ok = time.monotonic()
+        while True:
+            await asyncio.sleep(period)
+            try:
+                others = await board.exchange(*self.ledger.shared())
+            except Exception as err:
+                if not isinstance(err, PdserveError):
+                    log.exception("inflight_share_failed")
+                if self.ledger.peers and time.monotonic() - last_ok > ttl_s:
+                    log.warning("inflight_share_lost", error=str(err), peers=self.ledger.peers)
+                    self.ledger.merge(())
+                continue
+            last_ok = time.monotonic()
+            if len(others) != self.ledger.peers:
+                log.info("router_peers", peers=len(others), router_id=self.router_id)
+            self.ledger.merge(others)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

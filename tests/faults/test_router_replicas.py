@@ -1,6 +1,7 @@
 """Two routers on one Redis serve the same cluster: each keeps its own prefix index from the
-same KV events, and a client naming both (pdserve.client.RouterClient with a list) loses no
-request that had not started streaming when one router is killed."""
+same KV events and takes in the other's in-flight counts, and a client naming both
+(pdserve.client.RouterClient with a list) loses no request that had not started streaming
+when one router is killed."""
 
 from __future__ import annotations
 
@@ -28,12 +29,26 @@ def replicas(cluster: LocalCluster) -> tuple[LocalCluster, str, str]:
     return cluster, f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"
 
 
-def _index_blocks(url: str) -> float:
+def _metric(url: str, name: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=5).text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "pdserve_router_kv_index_blocks")
+               if s.name == name)
+
+
+def _index_blocks(url: str) -> float:
+    return _metric(url, "pdserve_router_kv_index_blocks")
+
+
+async def _peers(url: str, want: float, timeout_s: float = 10.0) -> float:
+    """The router's count of other routers whose in-flight counts it takes in, once it is
+    `want` (or what it is after `timeout_s`)."""
+    for _ in range(int(timeout_s / 0.1)):
+        if (seen := _metric(url, "pdserve_router_peer_routers")) == want:
+            break
+        await asyncio.sleep(0.1)
+    return seen
 
 
 async def test_killing_one_router_loses_no_request_that_had_not_started(
@@ -51,6 +66,8 @@ async def test_killing_one_router_loses_no_request_that_had_not_started(
                     break
                 await asyncio.sleep(0.1)
             assert _index_blocks(url) > 0, url
+        # Each takes in the other's in-flight counts (pdserve.control.inflight).
+        assert await _peers(cluster.http_url, 1) == await _peers(second_http, 1) == 1
         cluster.procs["router"].send_signal(signal.SIGKILL)
         cluster.procs["router"].wait(10)
         # Every request sent from now on is served by the replica; none fails.
@@ -61,6 +78,7 @@ async def test_killing_one_router_loses_no_request_that_had_not_started(
     for a, b in zip(after, before * 2, strict=True):
         assert not isinstance(a, BaseException) and a.token_ids == b.token_ids
     cluster.procs.pop("router")
+    assert await _peers(second_http, 0) == 0  # the killed one's counts lapsed
 
 
 async def test_a_single_target_client_sees_the_router_go(replicas, prompt_ids) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,191 @@
+"""Router replicas' in-flight counts on the control plane's Redis.
+
+Each router keeps books of what it placed (router.ledger.PlacementLedger): per decode worker,
+the requests it placed there and has not seen finish, and those that left it since the load
+it last saw from it was taken. Another router's placements reach it only through heartbeats,
+up to a second late, so two routers each sending an arrival of the same instant both picked
+the worker that looked idler (docs/bench/placement_s80/herd2: 5 of 15 bursts went all to one
+worker with two routers, none of 20 with one). Here every router writes its own counts and
+reads the others' in one round trip, a few times a second.
+
+Keys, under the registry's ``pdserve:{namespace}:``:
+
+- ``inflight:{router_id}``  one router's counts (`InflightCounts` as JSON), a lease: written
+  with PX `ttl_s` by each exchange, so a router that stops (or cannot reach Redis) drops out
+  within `ttl_s`.
+- ``routers``               the set of router ids that wrote counts; a reader prunes ids whose
+  key lapsed.
+
+Nothing read here is trusted because it is in Redis: with a cluster secret each record is
+signed by its router (kind ``inflight``, with its signing time: pdserve.control.signing),
+and every record is parsed strictly and bounded (`MAX_WORKERS` entries, counts in
+0..`MAX_COUNT`, worker ids of at most `MAX_WORKER_ID` characters). A record that fails is dropped
+(logged, rate-limited): at worst a router places as if that peer did not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import secrets
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from pdserve.control.registry import WorkerRegistry
+from pdserve.control.signing import SignatureError
+from pdserve.ratelog import RateLimitedLog
+
+__all__ = ["InflightBoard", "InflightCounts", "InflightRecordError", "new_router_id"]
+
+log = structlog.get_logger(__name__)
+
+MAX_WORKERS = 4096  # entries per count in one record
+MAX_COUNT = 1 << 20  # requests on one worker
+MAX_WORKER_ID = 256  # characters (an id no worker has only never matches one)
+_ROUTER_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+# KEYS[1] this router's key, KEYS[2] the routers set. ARGV: record, ttl ms, router id, key
+# prefix of every router's counts. Writes ours, returns the others' live records and prunes
+# ids whose key lapsed.
+_EXCHANGE_LUA = """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('SADD', KEYS[2], ARGV[3])
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  if id ~= ARGV[3] then
+    local v = redis.call('GET', ARGV[4] .. id)
+    if v then
+      table.insert(out, v)
+    else
+      redis.call('SREM', KEYS[2], id)
+    end
+  end
+end
+return out
+"""
+
+# KEYS[1] this router's key, KEYS[2] the routers set; ARGV[1] router id.
+_LEAVE_LUA = """
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[2], ARGV[1])
+return 1
+"""
+
+
+class InflightRecordError(ValueError):
+    """A router's in-flight record is malformed."""
+
+
+def new_router_id() -> str:
+    """A router process's id: host, pid and a random suffix (a restarted router is another)."""
+    host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:64] or "host"
+    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+@dataclass(frozen=True)
+class InflightCounts:
+    """One router's books, per decode worker: `placed`, its requests running there;
+    `finished`, those that left it since the worker's load with tag `tag` was taken
+    (worker -> (count, tag); router.ledger.load_tag), which that load still counts."""
+
+    router_id: str
+    placed: Mapping[str, int] = field(default_factory=dict)
+    finished: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"router": self.router_id, "placed": dict(self.placed),
+                "finished": {w: [n, t] for w, (n, t) in self.finished.items()}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> InflightCounts:
+        router_id = data.get("router")
+        if not isinstance(router_id, str) or not _ROUTER_ID.fullmatch(router_id):
+            raise InflightRecordError("bad router id")
+        return cls(router_id, _entries(data.get("placed"), "placed"),
+                   _entries(data.get("finished"), "finished", pairs=True))
+
+
+def _count(v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:
+        raise InflightRecordError(f"count out of range: {v!r}")
+    return v
+
+
+def _entries(raw: object, what: str, *, pairs: bool = False) -> dict[str, Any]:
+    if not isinstance(raw, dict) or len(raw) > MAX_WORKERS:
+        raise InflightRecordError(f"{what}: not an object of at most {MAX_WORKERS} entries")
+    out: dict[str, Any] = {}
+    for w, v in raw.items():
+        if not 0 < len(w) <= MAX_WORKER_ID:
+            raise InflightRecordError(f"{what}: bad worker id")
+        if pairs:
+            if not isinstance(v, list) or len(v) != 2 or isinstance(v[1], bool) \
+                    or not isinstance(v[1], int) or not 0 <= v[1] < 1 << 32:
+                raise InflightRecordError(f"{what}: not [count, tag]")
+            out[w] = (_count(v[0]), v[1])
+        else:
+            out[w] = _count(v)
+    return out
+
+
+class InflightBoard:
+    """Every router's in-flight counts in one namespace, over a registry's Redis client and
+    its bounds (each exchange is one command bounded by the registry's `op_timeout_s`;
+    failures raise ControlPlaneError)."""
+
+    def __init__(self, registry: WorkerRegistry, router_id: str, *, ttl_s: float = 2.0) -> None:
+        if not _ROUTER_ID.fullmatch(router_id):
+            raise ValueError(f"router id must match {_ROUTER_ID.pattern}, got {router_id!r}")
+        if not (ttl_s > 0 and math.isfinite(ttl_s)):
+            raise ValueError("ttl_s must be > 0")
+        self.registry = registry
+        self.router_id = router_id
+        self.ttl_ms = max(1, round(ttl_s * 1000))
+        self._prefix = registry.key("inflight:")
+        self._key = self._prefix + router_id
+        self._set = registry.key("routers")
+        self._exchange = registry.redis.register_script(_EXCHANGE_LUA)
+        self._leave = registry.redis.register_script(_LEAVE_LUA)
+        self._rejected = RateLimitedLog(log, "inflight_record_refused")
+
+    def _encode(self, counts: InflightCounts) -> str:
+        signer = self.registry.signer
+        if signer is None:
+            return json.dumps(counts.to_dict(), separators=(",", ":"))
+        return signer.sign_json("inflight", counts.to_dict(), timestamp=True)
+
+    def _decode(self, raw: str | bytes) -> InflightCounts | None:
+        signer = self.registry.signer
+        try:
+            if signer is not None:
+                data = signer.verify_json("inflight", raw, timestamp=True)
+            else:
+                data = json.loads(raw)
+                if not isinstance(data, dict):
+                    raise InflightRecordError("not a JSON object")
+            counts = InflightCounts.from_dict(data)
+        except (SignatureError, InflightRecordError, ValueError) as err:
+            self._rejected("inflight", error=str(err))
+            return None
+        return None if counts.router_id == self.router_id else counts
+
+    async def exchange(self, placed: Mapping[str, int],
+                       finished: Mapping[str, tuple[int, int]]) -> list[InflightCounts]:
+        """Write this router's counts (renewing its lease) and read every other live
+        router's, in one round trip."""
+        record = self._encode(InflightCounts(self.router_id, placed, finished))
+        raws = await self.registry.call(self._exchange(
+            keys=[self._key, self._set],
+            args=[record, self.ttl_ms, self.router_id, self._prefix]))
+        return [c for c in map(self._decode, raws) if c is not None]
+
+    async def leave(self) -> None:
+        """Take this router's counts off at once (a clean stop), not after `ttl_s`."""
+        await self.registry.call(self._leave(keys=[self._key, self._set],
+                                             args=[self.router_id]))

@@ -1,0 +1,163 @@
+"""Router replicas' in-flight counts (pdserve.control.inflight) on a real redis-server: each
+router writes its own and reads the others' in one round trip; a router that stops drops out
+within its ttl; with a cluster secret an unsigned or foreign record is never taken in; a
+malformed one is dropped, never half-read. And what placement makes of them: two routers'
+ledgers (router.ledger) exchanging counts no longer send two arrivals to the same worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from pdserve.control import WorkerInfo, WorkerRegistry
+from pdserve.control.inflight import (
+    MAX_WORKERS,
+    InflightBoard,
+    InflightCounts,
+    InflightRecordError,
+    new_router_id,
+)
+from pdserve.control.load import WorkerLoad
+from pdserve.control.signing import signer_for
+from pdserve.rpc.auth import ClusterSecret
+from pdserve.types import LatencyClass
+from router.kv_index import KVIndex
+from router.ledger import PlacementLedger, load_tag
+from router.placement import place
+from router.policy import RouterPolicy
+
+SECRET = ClusterSecret(b"inflight-test-" + uuid.uuid4().hex.encode())
+OTHER = ClusterSecret(b"an-attackers-own-secret-" + uuid.uuid4().hex.encode())
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def registry(redis_server: str, namespace: str) -> AsyncIterator[WorkerRegistry]:
+    async with WorkerRegistry.from_url(redis_server, namespace=namespace) as reg:
+        yield reg
+
+
+async def test_routers_read_each_others_counts_and_a_stopped_one_drops_out(
+        registry: WorkerRegistry) -> None:
+    a = InflightBoard(registry, "router-a", ttl_s=0.3)
+    b = InflightBoard(registry, "router-b", ttl_s=5.0)
+    assert await a.exchange({"d0": 2}, {"d1": (1, 77)}) == []  # alone so far
+    (seen,) = await b.exchange({"d1": 1}, {})
+    assert seen == InflightCounts("router-a", {"d0": 2}, {"d1": (1, 77)})
+    (seen,) = await a.exchange({}, {})
+    assert seen == InflightCounts("router-b", {"d1": 1}, {})
+    await asyncio.sleep(0.5)  # a stops writing: its key lapses, b prunes it
+    assert await b.exchange({}, {}) == []
+    assert await registry.redis.smembers(registry.key("routers")) == {b"router-b"}
+    await b.leave()  # a clean stop takes it off at once
+    assert await a.exchange({}, {}) == []
+    assert await registry.redis.smembers(registry.key("routers")) == {b"router-a"}
+
+
+@pytest.mark.parametrize("record", [
+    "not json", "[1, 2]", json.dumps({"router": "x y", "placed": {}, "finished": {}}),
+    json.dumps({"router": "r", "placed": {"d0": -1}, "finished": {}}),
+    json.dumps({"router": "r", "placed": {"d0": True}, "finished": {}}),
+    json.dumps({"router": "r", "placed": {"d0": 1.5}, "finished": {}}),
+    json.dumps({"router": "r", "placed": {"d0": 1 << 40}, "finished": {}}),
+    json.dumps({"router": "r", "placed": {"": 1}, "finished": {}}),
+    json.dumps({"router": "r", "placed": {}, "finished": {"d0": 1}}),
+    json.dumps({"router": "r", "placed": {}, "finished": {"d0": [1, -1]}}),
+    json.dumps({"router": "r", "placed": {f"d{i}": 1 for i in range(MAX_WORKERS + 1)},
+                "finished": {}}),
+])
+async def test_a_malformed_record_is_dropped_whole(registry: WorkerRegistry,
+                                                   record: str) -> None:
+    await registry.redis.set(registry.key("inflight:r"), record, px=10_000)
+    await registry.redis.sadd(registry.key("routers"), "r")
+    assert await InflightBoard(registry, "router-a").exchange({}, {}) == []
+
+
+def test_records_round_trip_and_refuse_what_they_cannot_hold() -> None:
+    counts = InflightCounts("r-1", {"d0": 3}, {"d0": (2, 9)})
+    assert InflightCounts.from_dict(json.loads(json.dumps(counts.to_dict()))) == counts
+    with pytest.raises(InflightRecordError):
+        InflightCounts.from_dict({"router": "r", "placed": {"d0": 1}})  # no finished
+    assert len(new_router_id()) <= 128
+    with pytest.raises(ValueError, match="router id"):
+        InflightBoard(None, "a router")  # type: ignore[arg-type]
+
+
+async def test_with_a_secret_only_a_members_record_counts(redis_server: str,
+                                                          namespace: str) -> None:
+    async with WorkerRegistry.from_url(redis_server, namespace=namespace,
+                                       signer=signer_for(SECRET, namespace)) as member, \
+            WorkerRegistry.from_url(redis_server, namespace=namespace,
+                                    signer=signer_for(OTHER, namespace)) as outsider, \
+            WorkerRegistry.from_url(redis_server, namespace=namespace) as unsigned:
+        await InflightBoard(outsider, "forged").exchange({"d0": 100}, {})
+        await InflightBoard(unsigned, "plain").exchange({"d0": 100}, {})
+        await InflightBoard(member, "peer").exchange({"d1": 1}, {})
+        seen = await InflightBoard(member, "me").exchange({}, {})
+        assert seen == [InflightCounts("peer", {"d1": 1}, {})]
+
+
+def _decoder(wid: str, running: float) -> WorkerInfo:
+    return WorkerInfo(worker_id=wid, role="decode", grpc_address="127.0.0.1:1", model_id="m",
+                      epoch=1, started_at=0.0,
+                      load=WorkerLoad(running=running, free_blocks=100, total_blocks=100))
+
+
+@pytest.mark.parametrize("policy", ["threshold", "cost"])
+def test_two_routers_sharing_counts_do_not_herd(policy: str) -> None:
+    """Two routers, two idle decode workers: an arrival at each, one after the other, went
+    both to the same worker (each saw the other's only in the next heartbeat); with the
+    counts shared they go one to each. And a request of the other router that left a worker
+    since its heartbeat no longer makes it look busy, but only while both hold that load."""
+    now = [0.0]
+    rp = RouterPolicy(placement=policy)  # type: ignore[arg-type]
+    one, two = PlacementLedger(lambda: now[0]), PlacementLedger(lambda: now[0])
+    a, b = _decoder("a", 0), _decoder("b", 0)
+
+    def choose(ledger: PlacementLedger, decoders: list[WorkerInfo] = [a, b]) -> str:  # noqa: B006
+        return place(list(range(100)), LatencyClass.INTERACTIVE, decoders, [], KVIndex(),
+                     ledger.placed, rp, tiebreak=0, finished=ledger.finished).decode.worker_id
+
+    def exchange() -> None:
+        one.merge([InflightCounts("two", *two.shared())])
+        two.merge([InflightCounts("one", *one.shared())])
+
+    first = choose(one)
+    one.place("r1", first)
+    assert choose(two) == first  # not shared: the same worker
+    exchange()
+    assert two.peers == 1 and two.placed == {first: 1}
+    second = choose(two)
+    assert second != first
+    two.place("r2", second)
+    exchange()
+    assert one.placed == two.placed == {"a": 1, "b": 1}
+    assert one.own_placed == {first: 1}
+
+    # Both workers' heartbeats now count their request; then two's leaves.
+    a, b = _decoder("a", 1), _decoder("b", 1)
+    now[0] = 1.0
+    for ledger in (one, two):
+        ledger.saw_loads([("a", a.load), ("b", b.load)], 0.35)
+    now[0] = 1.5
+    two.release("r2")
+    assert two.finished == {second: 1}
+    exchange()
+    assert one.finished == {second: 1} and one.placed == {first: 1}
+    assert choose(one, [a, b]) == second  # it left: that worker is the idle one
+    # A router that took a newer load of that worker does not take two's count off it.
+    newer = WorkerLoad(running=1, free_blocks=99, total_blocks=100)
+    assert load_tag(newer) != load_tag(b.load) == load_tag(_decoder("b", 1).load)
+    one.saw_loads([(second, newer)], 0.35, complete=False)
+    exchange()
+    assert not one.finished
+    one.merge(())  # Redis away past the ttl: its own counts only
+    assert one.peers == 0 and one.placed == {first: 1}
