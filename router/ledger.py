@@ -52,6 +52,7 @@ class PlacementLedger:
         self.own_finished: collections.Counter[str] = collections.Counter()
         self.finished: collections.Counter[str] = collections.Counter()
         self.peers = 0  # other routers whose counts are in `placed` and `finished`
+        self.on_change: Callable[[], object] | None = None  # called, with peers, as `place`d
         self._tags: dict[str, int] = {}  # worker id -> load_tag of its load in `_loads`
         self._clock = clock
         self._placements: dict[str, tuple[str, float]] = {}  # request id -> (worker, when)
@@ -74,6 +75,8 @@ class PlacementLedger:
             self._placements[request_id] = (worker_id, self._clock())
             self.own_placed[worker_id] += 1
             self.placed[worker_id] += 1
+        if self.peers and self.on_change is not None:  # the other routers want to know
+            self.on_change()
 
     def saw_loads(self, loads: Iterable[tuple[str, WorkerLoad]], age_s: float, *,
                   complete: bool = True) -> None:
@@ -128,6 +131,9 @@ class PlacementLedger:
     def merge(self, others: Iterable[InflightCounts]) -> None:
         """The other routers' counts as just read (none: this router's own only); their
         `finished` only where this router holds the load they were taken off."""
+        others = list(others)
+        if not others and not self.peers:  # alone before and now: the views are its own
+            return
         self.peers = 0
         self.placed.clear()
         self.placed.update(self.own_placed)

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.aio import AsyncResource
 from pdserve.control.directory import WorkerDirectory
-from pdserve.control.inflight import InflightBoard, new_router_id
+from pdserve.control.inflight import InflightBoard, InflightCounts, new_router_id, newest
 from pdserve.control.kv_events import KVEventStreams
 from pdserve.control.registry import WorkerRegistry
 from pdserve.control.workers import WorkerInfo
@@ -61,6 +61,9 @@ _WORKER_FAILURES = (CapacityError, WorkerTimeoutError, TimeoutError)
 # Beyond the directory's poll period: the most a load read from Redis can lag the worker's
 # count of what this router sent it (the heartbeat's write, the request's way there).
 LOAD_MARGIN_S = 0.1
+# Pushes of this router's in-flight counts to its peers come at most this often (a burst's
+# placements go out together; at 10,000 decisions/s, one record per 200).
+PUSH_GAP_S = 0.005
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +103,10 @@ class Router(AsyncResource):
         self.inflight_board = InflightBoard(registry, self.router_id,
                                             ttl_s=max(2.0, 10 * share_s)) if share_s else None
         self._share: asyncio.Task[None] | None = None
+        self._follow: asyncio.Task[None] | None = None
+        self._peers: dict[str, InflightCounts] = {}  # router id -> its counts, as last read
+        self._inflight_changed = asyncio.Event()  # this router's counts moved: push them
+        self.ledger.on_change = self._inflight_changed.set
         self._tiebreak = itertools.count()  # equal-score decode workers take turns
         self._decode_table = DecodeTable()  # placement's columns, kept between requests
         # The live (not lost) decode and prefill workers, rebuilt only when the directory or
@@ -149,9 +156,11 @@ class Router(AsyncResource):
         if self.inflight_board is not None:
             self._share = asyncio.create_task(self._share_inflight(self.inflight_board),
                                               name="share-inflight")
+            self._follow = asyncio.create_task(self.inflight_board.follow(self._pushed),
+                                               name="follow-inflight")
 
     async def close(self) -> None:
-        for task in (self._watch, self._share):
+        for task in (self._watch, self._share, self._follow):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -180,27 +189,47 @@ class Router(AsyncResource):
 
     async def _share_inflight(self, board: InflightBoard) -> None:
         """Every `share_inflight_s`: this router's in-flight counts out, the other routers'
-        in (router.ledger). While Redis does not answer, the others' counts are kept for
-        the board's ttl (theirs lapse in Redis as fast), then dropped: this router places
-        on its own counts and the heartbeats, as one router alone does."""
+        in (router.ledger, pdserve.control.inflight); and while it has peers, its counts
+        pushed out as soon as they move (at most every PUSH_GAP_S). While Redis does not
+        answer, the others' counts are kept for the board's ttl (theirs lapse in Redis as
+        fast), then dropped: this router places on its own counts and the heartbeats, as
+        one router alone does."""
         period = self.config.share_inflight_s
         ttl_s = board.ttl_ms / 1000
-        last_ok = time.monotonic()
+        last_ok = due = time.monotonic()
         while True:
-            await asyncio.sleep(period)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, due - time.monotonic())):
+                    await self._inflight_changed.wait()
+            self._inflight_changed.clear()
+            full = time.monotonic() >= due
+            if full:
+                due = time.monotonic() + period
             try:
-                others = await board.exchange(*self.ledger.shared())
+                if not full:
+                    await board.push(*self.ledger.shared())
+                else:
+                    others = await board.exchange(*self.ledger.shared())
+                    last_ok = time.monotonic()
+                    if len(others) != len(self._peers):
+                        log.info("router_peers", peers=len(others), router_id=self.router_id)
+                    self._peers = newest(others, self._peers)
+                    self.ledger.merge(self._peers.values())
             except Exception as err:
                 if not isinstance(err, PdserveError):
                     log.exception("inflight_share_failed")
-                if self.ledger.peers and time.monotonic() - last_ok > ttl_s:
-                    log.warning("inflight_share_lost", error=str(err), peers=self.ledger.peers)
+                if self._peers and time.monotonic() - last_ok > ttl_s:
+                    log.warning("inflight_share_lost", error=str(err), peers=len(self._peers))
+                    self._peers = {}
                     self.ledger.merge(())
-                continue
-            last_ok = time.monotonic()
-            if len(others) != self.ledger.peers:
-                log.info("router_peers", peers=len(others), router_id=self.router_id)
-            self.ledger.merge(others)
+            await asyncio.sleep(min(period, PUSH_GAP_S))
+
+    def _pushed(self, counts: InflightCounts) -> None:
+        """Another router's counts as it pushed them (newer than what we hold, or new)."""
+        held = self._peers.get(counts.router_id)
+        if held is None or counts.seq > held.seq:
+            self._peers[counts.router_id] = counts
+            self.ledger.merge(self._peers.values())
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

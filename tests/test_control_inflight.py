@@ -7,6 +7,7 @@ ledgers (router.ledger) exchanging counts no longer send two arrivals to the sam
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from pdserve.control.inflight import (
     InflightCounts,
     InflightRecordError,
     new_router_id,
+    newest,
 )
 from pdserve.control.load import WorkerLoad
 from pdserve.control.signing import signer_for
@@ -51,9 +53,10 @@ async def test_routers_read_each_others_counts_and_a_stopped_one_drops_out(
     b = InflightBoard(registry, "router-b", ttl_s=5.0)
     assert await a.exchange({"d0": 2}, {"d1": (1, 77)}) == []  # alone so far
     (seen,) = await b.exchange({"d1": 1}, {})
-    assert seen == InflightCounts("router-a", {"d0": 2}, {"d1": (1, 77)})
+    assert (seen.router_id, seen.placed, seen.finished) == ("router-a", {"d0": 2},
+                                                             {"d1": (1, 77)})
     (seen,) = await a.exchange({}, {})
-    assert seen == InflightCounts("router-b", {"d1": 1}, {})
+    assert (seen.router_id, seen.placed, seen.finished) == ("router-b", {"d1": 1}, {})
     await asyncio.sleep(0.5)  # a stops writing: its key lapses, b prunes it
     assert await b.exchange({}, {}) == []
     assert await registry.redis.smembers(registry.key("routers")) == {b"router-b"}
@@ -62,27 +65,60 @@ async def test_routers_read_each_others_counts_and_a_stopped_one_drops_out(
     assert await registry.redis.smembers(registry.key("routers")) == {b"router-a"}
 
 
+async def test_a_push_reaches_the_followers_at_once(registry: WorkerRegistry) -> None:
+    """`push` publishes what it writes; `follow` hands each other router's record over as
+    it comes (its own too, if it follows itself, is dropped), even after an idle spell
+    longer than the client's socket timeout; of two records the later wins (`newest`)."""
+    a, b = InflightBoard(registry, "router-a"), InflightBoard(registry, "router-b")
+    got: asyncio.Queue[InflightCounts] = asyncio.Queue()
+    follower = asyncio.create_task(b.follow(got.put_nowait))
+    try:
+        for _ in range(100):  # subscribed once a push arrives
+            await a.push({"d0": 1}, {})
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.1):
+                    first = await got.get()
+                    break
+        await b.push({"d9": 9}, {})  # its own: not handed over
+        await asyncio.sleep(registry.op_timeout_s + 0.5)  # idle past the socket timeout
+        await a.push({"d0": 2}, {"d1": (1, 5)})
+        async with asyncio.timeout(5):
+            second = await got.get()
+        while not got.empty():
+            second = got.get_nowait()
+    finally:
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower
+    assert first.router_id == "router-a" and second.placed == {"d0": 2}
+    assert second.seq > first.seq and second.finished == {"d1": (1, 5)}
+    assert newest([first], {"router-a": second}) == {"router-a": second}
+    assert newest([second], {"router-a": first, "gone": first}) == {"router-a": second}
+
+
+def _record(**fields: object) -> str:
+    return json.dumps({"router": "r", "seq": 1, "placed": {}, "finished": {}, **fields})
+
+
 @pytest.mark.parametrize("record", [
-    "not json", "[1, 2]", json.dumps({"router": "x y", "placed": {}, "finished": {}}),
-    json.dumps({"router": "r", "placed": {"d0": -1}, "finished": {}}),
-    json.dumps({"router": "r", "placed": {"d0": True}, "finished": {}}),
-    json.dumps({"router": "r", "placed": {"d0": 1.5}, "finished": {}}),
-    json.dumps({"router": "r", "placed": {"d0": 1 << 40}, "finished": {}}),
-    json.dumps({"router": "r", "placed": {"": 1}, "finished": {}}),
-    json.dumps({"router": "r", "placed": {}, "finished": {"d0": 1}}),
-    json.dumps({"router": "r", "placed": {}, "finished": {"d0": [1, -1]}}),
-    json.dumps({"router": "r", "placed": {f"d{i}": 1 for i in range(MAX_WORKERS + 1)},
-                "finished": {}}),
+    "not json", "[1, 2]", _record(router="x y"), _record(seq=-1), _record(seq="1"),
+    _record(placed={"d0": -1}), _record(placed={"d0": True}), _record(placed={"d0": 1.5}),
+    _record(placed={"d0": 1 << 40}), _record(placed={"": 1}), _record(finished={"d0": 1}),
+    _record(finished={"d0": [1, -1]}), _record(placed=None),
+    _record(placed={f"d{i}": 1 for i in range(MAX_WORKERS + 1)}),
 ])
 async def test_a_malformed_record_is_dropped_whole(registry: WorkerRegistry,
                                                    record: str) -> None:
     await registry.redis.set(registry.key("inflight:r"), record, px=10_000)
     await registry.redis.sadd(registry.key("routers"), "r")
     assert await InflightBoard(registry, "router-a").exchange({}, {}) == []
+    await registry.redis.set(registry.key("inflight:r"), _record(placed={"d0": 1}), px=10_000)
+    (valid,) = await InflightBoard(registry, "router-a").exchange({}, {})
+    assert valid.placed == {"d0": 1}
 
 
 def test_records_round_trip_and_refuse_what_they_cannot_hold() -> None:
-    counts = InflightCounts("r-1", {"d0": 3}, {"d0": (2, 9)})
+    counts = InflightCounts("r-1", {"d0": 3}, {"d0": (2, 9)}, seq=4)
     assert InflightCounts.from_dict(json.loads(json.dumps(counts.to_dict()))) == counts
     with pytest.raises(InflightRecordError):
         InflightCounts.from_dict({"router": "r", "placed": {"d0": 1}})  # no finished
@@ -102,7 +138,7 @@ async def test_with_a_secret_only_a_members_record_counts(redis_server: str,
         await InflightBoard(unsigned, "plain").exchange({"d0": 100}, {})
         await InflightBoard(member, "peer").exchange({"d1": 1}, {})
         seen = await InflightBoard(member, "me").exchange({}, {})
-        assert seen == [InflightCounts("peer", {"d1": 1}, {})]
+        assert [(c.router_id, c.placed) for c in seen] == [("peer", {"d1": 1})]
 
 
 def _decoder(wid: str, running: float) -> WorkerInfo:
@@ -130,14 +166,20 @@ def test_two_routers_sharing_counts_do_not_herd(policy: str) -> None:
         one.merge([InflightCounts("two", *two.shared())])
         two.merge([InflightCounts("one", *one.shared())])
 
+    pushes: list[str] = []
+    one.on_change = lambda: pushes.append("one")
     first = choose(one)
     one.place("r1", first)
     assert choose(two) == first  # not shared: the same worker
+    assert not pushes  # alone so far: nobody to push to
     exchange()
     assert two.peers == 1 and two.placed == {first: 1}
     second = choose(two)
     assert second != first
     two.place("r2", second)
+    one.place("r9", first)
+    one.release("r9")
+    assert pushes == ["one", "one"]  # with a peer, each change is pushed
     exchange()
     assert one.placed == two.placed == {"a": 1, "b": 1}
     assert one.own_placed == {first: 1}

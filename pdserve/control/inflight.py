@@ -6,7 +6,13 @@ it last saw from it was taken. Another router's placements reach it only through
 up to a second late, so two routers each sending an arrival of the same instant both picked
 the worker that looked idler (docs/bench/placement_s80/herd2: 5 of 15 bursts went all to one
 worker with two routers, none of 20 with one). Here every router writes its own counts and
-reads the others' in one round trip, a few times a second.
+reads the others' in one round trip, a few times a second (`exchange`). That alone left a
+window of a period and more: two arrivals 40-100 ms apart at two routers still went to the
+same worker, turn after turn (docs/bench/placement_s81/share). So a router whose counts
+changed also pushes them at once (`push`: the same record, written and PUBLISHed on the
+namespace's channel), and every router follows the channel (`follow`): another router's
+placement reaches it within a round trip or two. The periodic exchange stays the truth for
+who is alive; a push that was lost (no subscriber connected) is made good by the next one.
 
 Keys, under the registry's ``pdserve:{namespace}:``:
 
@@ -15,6 +21,7 @@ Keys, under the registry's ``pdserve:{namespace}:``:
   within `ttl_s`.
 - ``routers``               the set of router ids that wrote counts; a reader prunes ids whose
   key lapsed.
+- ``inflight``              the pub/sub channel every write is published on.
 
 Nothing read here is trusted because it is in Redis: with a cluster secret each record is
 signed by its router (kind ``inflight``, with its signing time: pdserve.control.signing),
@@ -25,23 +32,28 @@ and every record is parsed strictly and bounded (`MAX_WORKERS` entries, counts i
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import json
 import math
 import os
 import re
 import secrets
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import structlog
+from redis.exceptions import RedisError
 
 from pdserve.control.registry import WorkerRegistry
 from pdserve.control.signing import SignatureError
 from pdserve.ratelog import RateLimitedLog
 
-__all__ = ["InflightBoard", "InflightCounts", "InflightRecordError", "new_router_id"]
+__all__ = ["InflightBoard", "InflightCounts", "InflightRecordError", "new_router_id", "newest"]
 
 log = structlog.get_logger(__name__)
 
@@ -51,12 +63,16 @@ MAX_WORKER_ID = 256  # characters (an id no worker has only never matches one)
 _ROUTER_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 # KEYS[1] this router's key, KEYS[2] the routers set. ARGV: record, ttl ms, router id, key
-# prefix of every router's counts. Writes ours, returns the others' live records and prunes
-# ids whose key lapsed.
+# prefix of every router's counts, channel, '1' to read the others. Writes ours and
+# publishes it; returns the others' live records (pruning ids whose key lapsed) if asked.
 _EXCHANGE_LUA = """
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[3])
+redis.call('PUBLISH', ARGV[5], ARGV[1])
 local out = {}
+if ARGV[6] ~= '1' then
+  return out
+end
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   if id ~= ARGV[3] then
     local v = redis.call('GET', ARGV[4] .. id)
@@ -92,23 +108,39 @@ def new_router_id() -> str:
 class InflightCounts:
     """One router's books, per decode worker: `placed`, its requests running there;
     `finished`, those that left it since the worker's load with tag `tag` was taken
-    (worker -> (count, tag); router.ledger.load_tag), which that load still counts."""
+    (worker -> (count, tag); router.ledger.load_tag), which that load still counts. `seq`
+    grows with each record a router writes: of two, the later wins (a push can overtake the
+    read of an exchange)."""
 
     router_id: str
     placed: Mapping[str, int] = field(default_factory=dict)
     finished: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    seq: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"router": self.router_id, "placed": dict(self.placed),
+        return {"router": self.router_id, "seq": self.seq, "placed": dict(self.placed),
                 "finished": {w: [n, t] for w, (n, t) in self.finished.items()}}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> InflightCounts:
-        router_id = data.get("router")
+        router_id, seq = data.get("router"), data.get("seq")
         if not isinstance(router_id, str) or not _ROUTER_ID.fullmatch(router_id):
             raise InflightRecordError("bad router id")
+        if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 1 << 63:
+            raise InflightRecordError("bad seq")
         return cls(router_id, _entries(data.get("placed"), "placed"),
-                   _entries(data.get("finished"), "finished", pairs=True))
+                   _entries(data.get("finished"), "finished", pairs=True), seq)
+
+
+def newest(counts: Iterable[InflightCounts],
+           known: Mapping[str, InflightCounts] = MappingProxyType({})) -> dict[str, InflightCounts]:
+    """Per router, the later of its record in `counts` and in `known` (`known`'s other
+    routers are left out: `counts` says who is alive)."""
+    out = {}
+    for c in counts:
+        old = known.get(c.router_id)
+        out[c.router_id] = old if old is not None and old.seq > c.seq else c
+    return out
 
 
 def _count(v: object) -> int:
@@ -150,9 +182,12 @@ class InflightBoard:
         self._prefix = registry.key("inflight:")
         self._key = self._prefix + router_id
         self._set = registry.key("routers")
+        self._channel = registry.key("inflight")
         self._exchange = registry.redis.register_script(_EXCHANGE_LUA)
         self._leave = registry.redis.register_script(_LEAVE_LUA)
         self._rejected = RateLimitedLog(log, "inflight_record_refused")
+        self._lost = RateLimitedLog(log, "inflight_follow_failed")
+        self._seq = itertools.count(1)
 
     def _encode(self, counts: InflightCounts) -> str:
         signer = self.registry.signer
@@ -177,13 +212,50 @@ class InflightBoard:
 
     async def exchange(self, placed: Mapping[str, int],
                        finished: Mapping[str, tuple[int, int]]) -> list[InflightCounts]:
-        """Write this router's counts (renewing its lease) and read every other live
-        router's, in one round trip."""
-        record = self._encode(InflightCounts(self.router_id, placed, finished))
-        raws = await self.registry.call(self._exchange(
-            keys=[self._key, self._set],
-            args=[record, self.ttl_ms, self.router_id, self._prefix]))
+        """Write this router's counts (renewing its lease; pushed to the followers too) and
+        read every other live router's, in one round trip."""
+        raws = await self._write(placed, finished, read=True)
         return [c for c in map(self._decode, raws) if c is not None]
+
+    async def push(self, placed: Mapping[str, int],
+                   finished: Mapping[str, tuple[int, int]]) -> None:
+        """Write this router's counts and publish them to the followers (`follow`)."""
+        await self._write(placed, finished, read=False)
+
+    async def _write(self, placed: Mapping[str, int], finished: Mapping[str, tuple[int, int]],
+                     *, read: bool) -> list[bytes]:
+        record = self._encode(InflightCounts(self.router_id, placed, finished, next(self._seq)))
+        raws: list[bytes] = await self.registry.call(self._exchange(
+            keys=[self._key, self._set],
+            args=[record, self.ttl_ms, self.router_id, self._prefix, self._channel,
+                  "1" if read else "0"]))
+        return raws
+
+    async def follow(self, on_counts: Callable[[InflightCounts], None], *,
+                     retry_s: float = 0.5) -> None:
+        """Until cancelled: each other router's counts as it writes them, to `on_counts`
+        (on the event loop). A lost subscription is made again after `retry_s` (meanwhile
+        the periodic exchanges still bring the counts)."""
+        while True:
+            pubsub = self.registry.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                async with asyncio.timeout(self.registry.op_timeout_s):
+                    await pubsub.subscribe(self._channel)
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True,
+                                                       timeout=1.0)
+                    if message is None or message.get("type") != "message":
+                        continue
+                    counts = self._decode(message["data"])
+                    if counts is not None:
+                        on_counts(counts)
+            except (RedisError, OSError, TimeoutError) as err:
+                self._lost("follow", error=str(err) or type(err).__name__)
+            finally:
+                with contextlib.suppress(RedisError, OSError, TimeoutError):
+                    async with asyncio.timeout(self.registry.op_timeout_s):
+                        await pubsub.aclose()
+            await asyncio.sleep(retry_s)
 
     async def leave(self) -> None:
         """Take this router's counts off at once (a clean stop), not after `ttl_s`."""
