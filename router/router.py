@@ -33,6 +33,7 @@ from pdserve.errors import (
     WorkerTimeoutError,
     code_of,
 )
+from pdserve.ratelog import RateLimitedLog
 from pdserve.types import FinishReason, GenerateRequest, StageTimings, TokenEvent
 from router import placement
 from router.admission import AdmissionController, Ticket, external_backlog
@@ -107,6 +108,7 @@ class Router(AsyncResource):
         self._peers: dict[str, InflightCounts] = {}  # router id -> its counts, as last read
         self._inflight_changed = asyncio.Event()  # this router's counts moved: push them
         self.ledger.on_change = self._inflight_changed.set
+        self._share_failed = RateLimitedLog(log, "inflight_share_failed", level="error")
         self._tiebreak = itertools.count()  # equal-score decode workers take turns
         self._decode_table = DecodeTable()  # placement's columns, kept between requests
         # The live (not lost) decode and prefill workers, rebuilt only when the directory or
@@ -211,25 +213,28 @@ class Router(AsyncResource):
                 else:
                     others = await board.exchange(*self.ledger.shared())
                     last_ok = time.monotonic()
-                    if len(others) != len(self._peers):
-                        log.info("router_peers", peers=len(others), router_id=self.router_id)
-                    self._peers = newest(others, self._peers)
-                    self.ledger.merge(self._peers.values())
+                    self._set_peers(newest(others, self._peers))
             except Exception as err:
-                if not isinstance(err, PdserveError):
-                    log.exception("inflight_share_failed")
+                if not isinstance(err, PdserveError):  # a bug: logged, placing goes on
+                    self._share_failed("bug", error=repr(err))
                 if self._peers and time.monotonic() - last_ok > ttl_s:
                     log.warning("inflight_share_lost", error=str(err), peers=len(self._peers))
-                    self._peers = {}
-                    self.ledger.merge(())
+                    self._set_peers({})
             await asyncio.sleep(min(period, PUSH_GAP_S))
 
     def _pushed(self, counts: InflightCounts) -> None:
         """Another router's counts as it pushed them (newer than what we hold, or new)."""
         held = self._peers.get(counts.router_id)
         if held is None or counts.seq > held.seq:
-            self._peers[counts.router_id] = counts
-            self.ledger.merge(self._peers.values())
+            self._set_peers({**self._peers, counts.router_id: counts})
+
+    def _set_peers(self, peers: dict[str, InflightCounts]) -> None:
+        """The other routers' counts as now known, into the ledger (logged when the set of
+        routers changes)."""
+        if peers.keys() != self._peers.keys():
+            log.info("router_peers", peers=sorted(peers), router_id=self.router_id)
+        self._peers = peers
+        self.ledger.merge(peers.values())
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ core_env.apply()
 # Before any test module imports ucxx: kvxfer loads the library that binds UCX listeners to
 # their configured host (kvxfer.listen), which only takes if it comes before libucxx.
 import kvxfer  # noqa: E402, F401
+from pdserve.control import WorkerRegistry  # noqa: E402
 from tests.helpers.redis_server import redis_server  # noqa: E402, F401
 
 # A module that starts processes (clusters, workers, redis-server, kubectl, compose's
@@ -140,3 +142,16 @@ def make_engine(loaded_model, tokenizer) -> Iterator:  # type: ignore[no-untyped
     yield make
     for eng in made:
         assert eng.block_manager.num_free_blocks == eng.layout.num_blocks, "KV blocks leaked"
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A control-plane namespace of this test's own on the shared test Redis."""
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def registry(redis_server: str,  # noqa: F811 - the fixture imported above
+                   namespace: str) -> AsyncIterator[WorkerRegistry]:
+    async with WorkerRegistry.from_url(redis_server, namespace=namespace) as reg:
+        yield reg

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -34,17 +33,6 @@ from router.policy import RouterPolicy
 
 SECRET = ClusterSecret(b"inflight-test-" + uuid.uuid4().hex.encode())
 OTHER = ClusterSecret(b"an-attackers-own-secret-" + uuid.uuid4().hex.encode())
-
-
-@pytest.fixture
-def namespace() -> str:
-    return f"t{uuid.uuid4().hex[:12]}"
-
-
-@pytest.fixture
-async def registry(redis_server: str, namespace: str) -> AsyncIterator[WorkerRegistry]:
-    async with WorkerRegistry.from_url(redis_server, namespace=namespace) as reg:
-        yield reg
 
 
 async def test_routers_read_each_others_counts_and_a_stopped_one_drops_out(

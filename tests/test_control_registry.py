@@ -8,8 +8,6 @@ import json
 import sys
 import textwrap
 import time
-import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -41,17 +39,6 @@ def worker(worker_id: str = "d0", role: str = "decode", epoch: int = 1, **kw: ob
         started_at=time.time(),
         **kw,  # type: ignore[arg-type]
     )
-
-
-@pytest.fixture
-def namespace() -> str:
-    return f"t{uuid.uuid4().hex[:12]}"
-
-
-@pytest.fixture
-async def registry(redis_server: str, namespace: str) -> AsyncIterator[WorkerRegistry]:
-    async with WorkerRegistry.from_url(redis_server, namespace=namespace) as reg:
-        yield reg
 
 
 async def wait_until(predicate, timeout_s: float, step_s: float = 0.05) -> float:  # type: ignore[no-untyped-def]

@@ -51,6 +51,7 @@ from redis.exceptions import RedisError
 
 from pdserve.control.registry import WorkerRegistry
 from pdserve.control.signing import SignatureError
+from pdserve.control.store import live_records_lua
 from pdserve.ratelog import RateLimitedLog
 
 __all__ = ["InflightBoard", "InflightCounts", "InflightRecordError", "new_router_id", "newest"]
@@ -73,18 +74,7 @@ local out = {}
 if ARGV[6] ~= '1' then
   return out
 end
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
-  if id ~= ARGV[3] then
-    local v = redis.call('GET', ARGV[4] .. id)
-    if v then
-      table.insert(out, v)
-    else
-      redis.call('SREM', KEYS[2], id)
-    end
-  end
-end
-return out
-"""
+""" + live_records_lua("KEYS[2]", "ARGV[4]", skip="ARGV[3]") + "return out"
 
 # KEYS[1] this router's key, KEYS[2] the routers set; ARGV[1] router id.
 _LEAVE_LUA = """

@@ -23,7 +23,7 @@ import structlog
 from pdserve.control.descriptors import KVDescriptor
 from pdserve.control.load import WorkerLoad
 from pdserve.control.signing import RecordSigner
-from pdserve.control.store import ControlStore
+from pdserve.control.store import ControlStore, live_records_lua
 from pdserve.control.workers import Role, WorkerInfo
 from pdserve.errors import ControlPlaneError, ErrorCode
 from pdserve.kv_layout import KVLayout
@@ -97,18 +97,7 @@ return 0
 LIST_YIELD_EVERY = 16
 
 # KEYS[1] workers set; ARGV[1] worker key prefix.  Returns live records, prunes dead ids.
-_LIST_LUA = """
-local out = {}
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local v = redis.call('GET', ARGV[1] .. id)
-  if v then
-    table.insert(out, v)
-  else
-    redis.call('SREM', KEYS[1], id)
-  end
-end
-return out
-"""
+_LIST_LUA = "local out = {}" + live_records_lua("KEYS[1]", "ARGV[1]") + "return out"
 
 
 class WorkerRegistry(ControlStore):

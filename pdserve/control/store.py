@@ -37,11 +37,31 @@ from pdserve.control.workers import WorkerInfo, WorkerInfoError
 from pdserve.errors import ControlPlaneError
 from pdserve.ratelog import RateLimitedLog
 
-__all__ = ["ControlStore"]
+__all__ = ["ControlStore", "live_records_lua"]
 
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
+
+
+def live_records_lua(set_key: str, key_prefix: str, skip: str | None = None) -> str:
+    """Lua that appends to the table `out` the value of each live member's key
+    (`key_prefix .. id`, for each id in the set `set_key`) and removes from the set the ids
+    whose key is gone (a lease that lapsed); `skip`, an id to leave out. The arguments are
+    Lua expressions (``KEYS[1]``, ``ARGV[2]``)."""
+    keep = f"if id ~= {skip} then" if skip else "do"
+    return f"""
+for _, id in ipairs(redis.call('SMEMBERS', {set_key})) do
+  {keep}
+    local v = redis.call('GET', {key_prefix} .. id)
+    if v then
+      table.insert(out, v)
+    else
+      redis.call('SREM', {set_key}, id)
+    end
+  end
+end
+"""
 
 
 class ControlStore(AsyncResource):
