@@ -63,8 +63,13 @@ _WORKER_FAILURES = (CapacityError, WorkerTimeoutError, TimeoutError)
 # count of what this router sent it (the heartbeat's write, the request's way there).
 LOAD_MARGIN_S = 0.1
 # Pushes of this router's in-flight counts to its peers come at most this often (a burst's
-# placements go out together; at 10,000 decisions/s, one record per 200).
+# placements go out together; at 10,000 decisions/s, one record per 200), and no more often
+# than every PUSH_COST_FACTOR x the time the last record took to make. With counts on 256
+# workers a signed record took 0.13-0.21 ms to make and 0.25-0.39 ms to read and merge on a
+# Zen 3 guest, so pushes come every 13-21 ms and cost the router ~1 % of its core, and each
+# peer that follows them ~2 % (docs/bench/placement_s81/inflight_cost.py).
 PUSH_GAP_S = 0.005
+PUSH_COST_FACTOR = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +197,7 @@ class Router(AsyncResource):
     async def _share_inflight(self, board: InflightBoard) -> None:
         """Every `share_inflight_s`: this router's in-flight counts out, the other routers'
         in (router.ledger, pdserve.control.inflight); and while it has peers, its counts
-        pushed out as soon as they move (at most every PUSH_GAP_S). While Redis does not
+        pushed out as soon as they move (PUSH_GAP_S, PUSH_COST_FACTOR). While Redis does not
         answer, the others' counts are kept for the board's ttl (theirs lapse in Redis as
         fast), then dropped: this router places on its own counts and the heartbeats, as
         one router alone does."""
@@ -220,7 +225,7 @@ class Router(AsyncResource):
                 if self._peers and time.monotonic() - last_ok > ttl_s:
                     log.warning("inflight_share_lost", error=str(err), peers=len(self._peers))
                     self._set_peers({})
-            await asyncio.sleep(min(period, PUSH_GAP_S))
+            await asyncio.sleep(max(min(period, PUSH_GAP_S), PUSH_COST_FACTOR * board.encode_s))
 
     def _pushed(self, counts: InflightCounts) -> None:
         """Another router's counts as it pushed them (newer than what we hold, or new)."""
