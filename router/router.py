@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Sequence
 from typing import Any
@@ -112,7 +113,9 @@ class Router(AsyncResource):
         self._follow: asyncio.Task[None] | None = None
         self._peers: dict[str, InflightCounts] = {}  # router id -> its counts, as last read
         self._inflight_changed = asyncio.Event()  # this router's counts moved: push them
-        self.ledger.on_change = self._inflight_changed.set
+        self.ledger.on_change = self._counts_moved
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
         self._share_failed = RateLimitedLog(log, "inflight_share_failed", level="error")
         self._tiebreak = itertools.count()  # equal-score decode workers take turns
         self._decode_table = DecodeTable()  # placement's columns, kept between requests
@@ -160,6 +163,7 @@ class Router(AsyncResource):
         await self.directory.start()
         await self.kv_follower.start()
         self._watch = asyncio.create_task(self._follow_workers())
+        self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
         if self.inflight_board is not None:
             self._share = asyncio.create_task(self._share_inflight(self.inflight_board),
                                               name="share-inflight")
@@ -226,6 +230,15 @@ class Router(AsyncResource):
                     log.warning("inflight_share_lost", error=str(err), peers=len(self._peers))
                     self._set_peers({})
             await asyncio.sleep(max(min(period, PUSH_GAP_S), PUSH_COST_FACTOR * board.encode_s))
+
+    def _counts_moved(self) -> None:
+        """The ledger's own counts moved (and it has peers): push them. The compiled data
+        plane places on grpc's thread while the loop is parked; from there the loop is
+        woken to push."""
+        if threading.get_ident() == self._loop_thread or self._loop is None:
+            self._inflight_changed.set()
+        else:
+            self._loop.call_soon_threadsafe(self._inflight_changed.set)
 
     def _pushed(self, counts: InflightCounts) -> None:
         """Another router's counts as it pushed them (newer than what we hold, or new)."""
