@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import math
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Sequence
@@ -71,6 +72,10 @@ LOAD_MARGIN_S = 0.1
 # peer that follows them ~2 % (docs/bench/placement_s81/inflight_cost.py).
 PUSH_GAP_S = 0.005
 PUSH_COST_FACTOR = 100
+# A router alone on its Redis renews its in-flight record this many times per lease, and does
+# nothing else: an exchange every `share_inflight_s` with no one to share with cost the router
+# harness's light phase up to half its decisions per CPU-second (docs/bench/placement_s81).
+LONE_RENEWALS_PER_TTL = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,23 +204,29 @@ class Router(AsyncResource):
                 self.liveness.joined(event.worker.worker_id)
 
     async def _share_inflight(self, board: InflightBoard) -> None:
-        """Every `share_inflight_s`: this router's in-flight counts out, the other routers'
-        in (router.ledger, pdserve.control.inflight); and while it has peers, its counts
-        pushed out as soon as they move (PUSH_GAP_S, PUSH_COST_FACTOR). While Redis does not
-        answer, the others' counts are kept for the board's ttl (theirs lapse in Redis as
-        fast), then dropped: this router places on its own counts and the heartbeats, as
-        one router alone does."""
+        """Every `share_inflight_s` while other routers share this Redis: this router's
+        in-flight counts out, theirs in (router.ledger, pdserve.control.inflight), and its
+        counts pushed out as soon as they move (PUSH_GAP_S, PUSH_COST_FACTOR). Alone, it
+        only renews its record, every third of the lease (LONE_RENEWALS_PER_TTL): a new
+        router's first exchange is published on the channel this router follows, so it
+        learns of it at once all the same. While Redis does not answer, the others' counts
+        are kept for the board's ttl (theirs lapse in Redis as fast), then dropped: this
+        router places on its own counts and the heartbeats, as one router alone does."""
         period = self.config.share_inflight_s
         ttl_s = board.ttl_ms / 1000
-        last_ok = due = time.monotonic()
+        lone_s = max(period, ttl_s / LONE_RENEWALS_PER_TTL)
+        last_ok = time.monotonic()
+        last_full = -math.inf
         while True:
+            due = last_full + (period if self._peers else lone_s)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, due - time.monotonic())):
                     await self._inflight_changed.wait()
             self._inflight_changed.clear()
-            full = time.monotonic() >= due
+            # a peer that came (or went) during the wait moves the due time
+            full = time.monotonic() >= last_full + (period if self._peers else lone_s)
             if full:
-                due = time.monotonic() + period
+                last_full = time.monotonic()
             try:
                 if not full:
                     await board.push(*self.ledger.shared())
@@ -251,6 +262,8 @@ class Router(AsyncResource):
         routers changes)."""
         if peers.keys() != self._peers.keys():
             log.info("router_peers", peers=sorted(peers), router_id=self.router_id)
+            if peers and not self._peers:  # no longer alone: exchange on the short period
+                self._inflight_changed.set()
         self._peers = peers
         self.ledger.merge(peers.values())
 

@@ -191,3 +191,51 @@ def test_two_routers_sharing_counts_do_not_herd(policy: str) -> None:
     assert not one.finished
     one.merge(())  # Redis away past the ttl: its own counts only
     assert one.peers == 0 and one.placed == {first: 1}
+
+
+async def test_a_lone_router_only_renews_and_a_new_one_is_seen_at_once(
+        registry: WorkerRegistry, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Two in-process routers (router.router) on one Redis, no workers. Alone, a router
+    renews its record a few times per lease, not every `share_inflight_s` (each exchange
+    with nobody cost the router harness's light phase its decisions per CPU-second); a
+    second router still counts as its peer at once, from the published first exchange, and
+    from then on they exchange on the short period."""
+    from router.config import RouterConfig
+    from router.router import LONE_RENEWALS_PER_TTL, Router
+
+    config = RouterConfig(share_inflight_s=0.02)  # lease: 2 s, renewed every 0.67 s alone
+    exchanges: dict[str, int] = {}
+
+    def counted(router: Router) -> None:
+        board = router.inflight_board
+        assert board is not None
+        real = board.exchange
+
+        async def exchange(*args, **kwargs):  # type: ignore[no-untyped-def]
+            exchanges[router.router_id] = exchanges.get(router.router_id, 0) + 1
+            return await real(*args, **kwargs)
+        board.exchange = exchange  # type: ignore[method-assign]
+
+    def make() -> Router:
+        router = Router(registry, tokenizer, model_name="m", max_model_len=2048,
+                        config=config, poll_s=0.1)
+        counted(router)
+        return router
+
+    async with make() as one:
+        lone_s = one.inflight_board.ttl_ms / 1000 / LONE_RENEWALS_PER_TTL  # type: ignore[union-attr]
+        await asyncio.sleep(1.0)
+        # the first at the start, then one renewal: not 1.0 / 0.02 = 50
+        assert 1 <= exchanges[one.router_id] <= 1 + 1.0 / lone_s
+        async with make() as two:
+            t0 = asyncio.get_running_loop().time()
+            while one.ledger.peers != 1 or two.ledger.peers != 1:
+                assert asyncio.get_running_loop().time() - t0 < 0.5, "the peer was not seen"
+                await asyncio.sleep(0.01)
+            before = exchanges[one.router_id]
+            await asyncio.sleep(0.5)
+            assert exchanges[one.router_id] - before >= 10  # on the short period again
+        t0 = asyncio.get_running_loop().time()
+        while one.ledger.peers:  # two left cleanly; one's next exchange no longer lists it
+            assert asyncio.get_running_loop().time() - t0 < 0.5
+            await asyncio.sleep(0.01)
