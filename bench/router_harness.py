@@ -157,6 +157,12 @@ class Config:
     verify_index: bool = True
     model: str = "default"
     autogroup_nice: int | None = None
+    # The router's --share-inflight (None: its default); 0 runs it with no in-flight sharing.
+    share_inflight_s: float | None = None
+    # Idle routers started beside the measured one, on the same Redis and the other CPUs:
+    # it shares its in-flight counts with them (pushes as it places, exchanges every
+    # --share-inflight), which is what sharing costs a router replica.
+    peer_routers: int = 0
 
 
 QUICK = Config(workers=(4,), index_blocks=20_000, warmup_s=1.0, idle_s=1.0, light_rate=20.0,
@@ -306,6 +312,7 @@ class Cluster:
         self.secret = secrets.token_urlsafe(32)
         self.redis: subprocess.Popen[bytes] | None = None
         self.router: subprocess.Popen[bytes] | None = None
+        self.peers: list[subprocess.Popen[bytes]] = []  # --peer-routers
         self.emu: subprocess.Popen[str] | None = None
         self.info: dict[str, Any] = {}
 
@@ -320,25 +327,38 @@ class Cluster:
             **os.environ, "PYTHONUNBUFFERED": "1", REDIS_URL_ENV: self.redis_url,
             CLUSTER_SECRET_ENV: self.secret, API_KEY_ENV: self.api_key}))
         self.grpc_port, self.http_port = free_port(), free_port()
-        argv = [sys.executable, "-m", "pdserve.cli", "router", "--port", str(self.grpc_port),
-                "--http-port", str(self.http_port), "--namespace", self.namespace,
-                "--host", "127.0.0.1", "--model", str(self.model_dir), "--no-admission",
-                "--placement", self.cfg.placement,
-                "--log-level", self.cfg.router_log_level,
-                *([] if self.cfg.worker_sessions else ["--no-worker-sessions"]),
-                "--data-plane", self.cfg.data_plane]
-        # A session of its own: with --autogroup-nice it gets the same priority as the
-        # harness's processes, but its own CPU share on its core. The log is the child's: our
-        # copy of its descriptor is closed once it is started.
-        with open(self.workdir / f"router-{self.n}.log", "wb") as log:
-            self.router = subprocess.Popen(guarded([*_taskset(self.router_cpus), *argv]),
-                                           stdout=log, stderr=subprocess.STDOUT,
-                                           env=self.env, cwd=ROOT, start_new_session=True)
+        self.router = self._router(self.grpc_port, self.http_port, self.router_cpus,
+                                   f"router-{self.n}.log")
         if self.cfg.autogroup_nice is not None:
             Path(f"/proc/{self.router.pid}/autogroup").write_text(str(self.cfg.autogroup_nice))
         wait_port(self.http_port, self.router, 120, "router")
         self.http = f"http://127.0.0.1:{self.http_port}"
         self.target = f"127.0.0.1:{self.grpc_port}"
+        for i in range(self.cfg.peer_routers):
+            port = free_port()
+            peer = self._router(free_port(), port, self.other_cpus,
+                                f"router-{self.n}-peer{i}.log")
+            self.peers.append(peer)
+            wait_port(port, peer, 120, "peer router")
+
+    def _router(self, grpc_port: int, http_port: int, cpus: Sequence[int],
+                log_name: str) -> subprocess.Popen[bytes]:
+        argv = [sys.executable, "-m", "pdserve.cli", "router", "--port", str(grpc_port),
+                "--http-port", str(http_port), "--namespace", self.namespace,
+                "--host", "127.0.0.1", "--model", str(self.model_dir), "--no-admission",
+                "--placement", self.cfg.placement,
+                "--log-level", self.cfg.router_log_level,
+                *([] if self.cfg.worker_sessions else ["--no-worker-sessions"]),
+                *([] if self.cfg.share_inflight_s is None
+                  else ["--share-inflight", str(self.cfg.share_inflight_s)]),
+                "--data-plane", self.cfg.data_plane]
+        # A session of its own: with --autogroup-nice it gets the same priority as the
+        # harness's processes, but its own CPU share on its core. The log is the child's: our
+        # copy of its descriptor is closed once it is started.
+        with open(self.workdir / log_name, "wb") as log:
+            return subprocess.Popen(guarded([*_taskset(cpus), *argv]),
+                                    stdout=log, stderr=subprocess.STDOUT,
+                                    env=self.env, cwd=ROOT, start_new_session=True)
 
     def start_workers(self) -> dict[str, Any]:
         argv = [sys.executable, "-m", "bench.emulated_workers", "--workers", str(self.n),
@@ -388,7 +408,8 @@ class Cluster:
                 if pipe is not None:
                     with contextlib.suppress(OSError):
                         pipe.close()
-        _stop(self.router)
+        for proc in (self.router, *self.peers):
+            _stop(proc)
         _stop(self.redis)
 
 
@@ -807,6 +828,8 @@ def summarize(samples: list[Sample], records: dict[str, list[Any]], wall_s: floa
         "decisions_per_s_from_route_ms": round(1e3 / route_mean, 1) if route_mean else None,
         "placement_cpu_us_per_decision": round(d_cpu / d_dec * 1e6, 2) if d_dec else None,
         "decisions_per_cpu_s": round(d_dec / d_cpu, 1) if d_cpu > 0 else None,
+        # the other routers whose in-flight counts it took in, at the phase's end
+        "peer_routers": metrics1.get("pdserve_router_peer_routers"),
         "added_latency_ms": dist(added), "inbound_ms": dist(inbound),
         "outbound_ms": dist(outbound), "worker_time_ms": dist(worker_ms),
         "router_side_added_ms": dist(router_side),
@@ -1141,6 +1164,10 @@ def main(argv: list[str] | None = None) -> int:
                    "request to a decode worker)")
     p.add_argument("--data-plane", choices=("python", "compiled"), default=None,
                    help="the router's --data-plane (default python)")
+    p.add_argument("--share-inflight", type=float, default=None, dest="share_inflight_s",
+                   help="the router's --share-inflight (default: the router's; 0: off)")
+    p.add_argument("--peer-routers", type=int, default=None,
+                   help="idle routers beside the measured one, on its Redis (default 0)")
     p.add_argument("--autogroup-nice", type=int, default=None,
                    help="on a machine other sessions share (Linux autogroups: each session "
                    "gets an equal CPU share whatever its processes' nice), set this "
@@ -1152,7 +1179,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = QUICK if args.quick else Config()
     over = {k: getattr(args, k) for k in ("index_blocks", "time_scale", "light_rate",
                                           "light_s", "saturate_s", "concurrency", "paired",
-                                          "router_log_level", "placement", "data_plane")
+                                          "router_log_level", "placement", "data_plane",
+                                          "share_inflight_s", "peer_routers")
             if getattr(args, k) is not None}
     if args.workers:
         over["workers"] = tuple(args.workers)
