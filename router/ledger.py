@@ -14,10 +14,11 @@ that left it since the load it last saw from it was taken and that this load cou
 its router's books with the same class.
 
 Router replicas: each router's own counts (`own_placed`, `own_finished`) go to the others
-through Redis a few times a second (pdserve.control.inflight; `merge` takes theirs in), and
-`placed` and `finished`, what placement reads, are this router's plus theirs. Another
-router's `finished` for a worker counts only while this router holds the same load of that
-worker (`load_tag`): both take departures off the same heartbeat's count.
+through Redis (pdserve.control.inflight): `merge` takes in all of theirs as an exchange read
+them, `take` one router's as it pushed them, and `placed` and `finished`, what placement
+reads, are this router's plus theirs. Another router's `finished` for a worker counts only
+while this router holds the same load of that worker (`load_tag`): both take departures off
+the same heartbeat's count.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import collections
 import json
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from pdserve.control.inflight import InflightCounts
 from pdserve.control.load import WorkerLoad
@@ -51,7 +52,10 @@ class PlacementLedger:
         # routers' that left since the same load
         self.own_finished: collections.Counter[str] = collections.Counter()
         self.finished: collections.Counter[str] = collections.Counter()
-        self.peers = 0  # other routers whose counts are in `placed` and `finished`
+        # router id -> the other router's counts, as in `placed` and `finished`; and the
+        # `finished` of each that counts here (its tag is that of the load held here)
+        self._peers: dict[str, InflightCounts] = {}
+        self._peer_finished: dict[str, dict[str, int]] = {}
         self.on_change: Callable[[], object] | None = None  # called, with peers, as `place`d
         self._tags: dict[str, int] = {}  # worker id -> load_tag of its load in `_loads`
         self._clock = clock
@@ -75,7 +79,7 @@ class PlacementLedger:
             self._placements[request_id] = (worker_id, self._clock())
             self.own_placed[worker_id] += 1
             self.placed[worker_id] += 1
-        if self.peers and self.on_change is not None:  # the other routers want to know
+        if self._peers and self.on_change is not None:  # the other routers want to know
             self.on_change()
 
     def saw_loads(self, loads: Iterable[tuple[str, WorkerLoad]], age_s: float, *,
@@ -91,6 +95,7 @@ class PlacementLedger:
         taken_by = self._clock() - age_s
         known = self._loads
         fresh: dict[str, tuple[WorkerLoad, float]] = {} if complete else known
+        renewed = []
         for worker_id, load in loads:
             seen = known.get(worker_id)
             if seen is not None and seen[0] == load:
@@ -98,16 +103,27 @@ class PlacementLedger:
                 continue
             fresh[worker_id] = (load, taken_by)
             self._forget(worker_id)
+            renewed.append(worker_id)
         if complete:
             for worker_id in known.keys() - fresh.keys():
                 self._forget(worker_id)
             self._loads = fresh
+        if self._peers:  # the others' departures off the load now held count from now on
+            for worker_id in renewed:
+                tag = self._tag(worker_id)
+                for router_id, counts in self._peers.items():
+                    n, their = counts.finished.get(worker_id, (0, None))
+                    if n > 0 and their == tag:
+                        self._peer_finished[router_id][worker_id] = n
+                        self.finished[worker_id] += n
 
     def _forget(self, worker_id: str) -> None:
         """A worker's load is new (or it is gone): its `finished` counts start again."""
         self.own_finished.pop(worker_id, None)
         self.finished.pop(worker_id, None)
         self._tags.pop(worker_id, None)
+        for counted in self._peer_finished.values():
+            counted.pop(worker_id, None)
 
     def _tag(self, worker_id: str) -> int | None:
         tag = self._tags.get(worker_id)
@@ -128,25 +144,43 @@ class PlacementLedger:
                 finished[w] = (n, tag)
         return dict(self.own_placed), finished
 
+    @property
+    def peers(self) -> Mapping[str, InflightCounts]:
+        """The other routers' counts in `placed` and `finished`, by router id."""
+        return self._peers
+
     def merge(self, others: Iterable[InflightCounts]) -> None:
-        """The other routers' counts as just read (none: this router's own only); their
-        `finished` only where this router holds the load they were taken off."""
-        others = list(others)
-        if not others and not self.peers:  # alone before and now: the views are its own
+        """Every other router's counts as an exchange just read them (none: this router's
+        own only); a router not among them is dropped."""
+        fresh = {o.router_id: o for o in others}
+        for router_id in self._peers.keys() - fresh.keys():
+            self._drop(router_id)
+        for counts in fresh.values():
+            if self._peers.get(counts.router_id) is not counts:
+                self.take(counts)
+
+    def take(self, counts: InflightCounts) -> None:
+        """One other router's counts, in place of those held from it (its push, or its
+        record as read): O(its entries), the others' untouched. Its `finished` only where
+        this router holds the load they were taken off."""
+        self._drop(counts.router_id)
+        self._peers[counts.router_id] = counts
+        self.placed.update({w: n for w, n in counts.placed.items() if n > 0})
+        counted = self._peer_finished[counts.router_id] = {}
+        for w, (n, tag) in counts.finished.items():
+            if n > 0 and self._tag(w) == tag:
+                counted[w] = n
+                self.finished[w] += n
+
+    def _drop(self, router_id: str) -> None:
+        held = self._peers.pop(router_id, None)
+        if held is None:
             return
-        self.peers = 0
-        self.placed.clear()
-        self.placed.update(self.own_placed)
-        self.finished.clear()
-        self.finished.update(self.own_finished)
-        for other in others:
-            self.peers += 1
-            self.placed.update(other.placed)
-            for w, (n, tag) in other.finished.items():
-                if n and self._tag(w) == tag:
-                    self.finished[w] += n
-        for w in [w for w, n in self.placed.items() if n <= 0]:
-            del self.placed[w]
+        for w, n in held.placed.items():
+            if n > 0:
+                _down(self.placed, w, n)
+        for w, n in self._peer_finished.pop(router_id).items():
+            _down(self.finished, w, n)
 
     def charge(self, request_id: str, worker_id: str | None, tokens: int) -> None:
         """Prompt tokens sent to `worker_id` to prefill (None, or 0 tokens: done)."""
@@ -173,7 +207,7 @@ class PlacementLedger:
         self.charge(request_id, None, 0)
 
 
-def _down(counts: collections.Counter[str], key: str) -> None:
-    counts[key] -= 1
+def _down(counts: collections.Counter[str], key: str, n: int = 1) -> None:
+    counts[key] -= n
     if counts[key] <= 0:
         del counts[key]

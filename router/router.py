@@ -11,7 +11,7 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -116,7 +116,6 @@ class Router(AsyncResource):
                                             ttl_s=max(2.0, 10 * share_s)) if share_s else None
         self._share: asyncio.Task[None] | None = None
         self._follow: asyncio.Task[None] | None = None
-        self._peers: dict[str, InflightCounts] = {}  # router id -> its counts, as last read
         self._inflight_changed = asyncio.Event()  # this router's counts moved: push them
         self.ledger.on_change = self._counts_moved
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -156,7 +155,7 @@ class Router(AsyncResource):
         self.metrics.gauges(in_flight=lambda: self.admission.in_flight,
                             predicted_wait_s=self.admission.predicted_wait_s,
                             directory_staleness_s=self.directory.staleness_s,
-                            peer_routers=lambda: self.ledger.peers)
+                            peer_routers=lambda: len(self.ledger.peers))
         # Every worker's engine numbers, from the load records the directory already holds.
         self.metrics_registry.register(WorkerLoadCollector(
             lambda: [(w.worker_id, w.role, w.load) for w in self.directory.snapshot().values()]))
@@ -218,13 +217,13 @@ class Router(AsyncResource):
         last_ok = time.monotonic()
         last_full = -math.inf
         while True:
-            due = last_full + (period if self._peers else lone_s)
+            due = last_full + (period if self.ledger.peers else lone_s)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, due - time.monotonic())):
                     await self._inflight_changed.wait()
             self._inflight_changed.clear()
             # a peer that came (or went) during the wait moves the due time
-            full = time.monotonic() >= last_full + (period if self._peers else lone_s)
+            full = time.monotonic() >= last_full + (period if self.ledger.peers else lone_s)
             if full:
                 last_full = time.monotonic()
             try:
@@ -233,12 +232,13 @@ class Router(AsyncResource):
                 else:
                     others = await board.exchange(*self.ledger.shared())
                     last_ok = time.monotonic()
-                    self._set_peers(newest(others, self._peers))
+                    self._set_peers(newest(others, self.ledger.peers))
             except Exception as err:
                 if not isinstance(err, PdserveError):  # a bug: logged, placing goes on
                     self._share_failed("bug", error=repr(err))
-                if self._peers and time.monotonic() - last_ok > ttl_s:
-                    log.warning("inflight_share_lost", error=str(err), peers=len(self._peers))
+                if self.ledger.peers and time.monotonic() - last_ok > ttl_s:
+                    log.warning("inflight_share_lost", error=str(err),
+                                peers=len(self.ledger.peers))
                     self._set_peers({})
             await asyncio.sleep(max(min(period, PUSH_GAP_S), PUSH_COST_FACTOR * board.encode_s))
 
@@ -252,19 +252,21 @@ class Router(AsyncResource):
             self._loop.call_soon_threadsafe(self._inflight_changed.set)
 
     def _pushed(self, counts: InflightCounts) -> None:
-        """Another router's counts as it pushed them (newer than what we hold, or new)."""
-        held = self._peers.get(counts.router_id)
-        if held is None or counts.seq > held.seq:
-            self._set_peers({**self._peers, counts.router_id: counts})
+        """Another router's counts as it pushed them, if newer than those held (or new):
+        only its own are taken in again."""
+        held = self.ledger.peers.get(counts.router_id)
+        if held is None:
+            self._set_peers({**self.ledger.peers, counts.router_id: counts})
+        elif counts.seq > held.seq:
+            self.ledger.take(counts)
 
-    def _set_peers(self, peers: dict[str, InflightCounts]) -> None:
+    def _set_peers(self, peers: Mapping[str, InflightCounts]) -> None:
         """The other routers' counts as now known, into the ledger (logged when the set of
-        routers changes)."""
-        if peers.keys() != self._peers.keys():
+        routers changes; a first peer: exchange on the short period from now on)."""
+        if peers.keys() != self.ledger.peers.keys():
             log.info("router_peers", peers=sorted(peers), router_id=self.router_id)
-            if peers and not self._peers:  # no longer alone: exchange on the short period
+            if peers and not self.ledger.peers:
                 self._inflight_changed.set()
-        self._peers = peers
         self.ledger.merge(peers.values())
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:

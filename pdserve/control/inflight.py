@@ -61,6 +61,7 @@ log = structlog.get_logger(__name__)
 
 MAX_WORKERS = 4096  # entries per count in one record
 MAX_COUNT = 1 << 20  # requests on one worker
+WRITTEN_KEPT = 64  # this router's last records, kept to drop them as they come back
 MAX_WORKER_ID = 256  # characters (an id no worker has only never matches one)
 _ROUTER_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
@@ -125,12 +126,13 @@ class InflightCounts:
 
 def newest(counts: Iterable[InflightCounts],
            known: Mapping[str, InflightCounts] = MappingProxyType({})) -> dict[str, InflightCounts]:
-    """Per router, the later of its record in `counts` and in `known` (`known`'s other
-    routers are left out: `counts` says who is alive)."""
+    """Per router, the later of its record in `counts` and in `known`, the one held in
+    `known` where both are the same record (same `seq`); `known`'s other routers are left
+    out: `counts` says who is alive."""
     out = {}
     for c in counts:
         old = known.get(c.router_id)
-        out[c.router_id] = old if old is not None and old.seq > c.seq else c
+        out[c.router_id] = old if old is not None and old.seq >= c.seq else c
     return out
 
 
@@ -180,6 +182,9 @@ class InflightBoard:
         self._lost = RateLimitedLog(log, "inflight_follow_failed")
         self._seq = itertools.count(1)
         self.encode_s = 0.0  # the event loop's time to make the last record (its CPU)
+        # This router's last records as written: the channel brings them back to it too
+        # (`follow`), and one of them is dropped as it is, not parsed and verified first.
+        self._written: dict[bytes, None] = {}
 
     def _encode(self, counts: InflightCounts) -> str:
         signer = self.registry.signer
@@ -219,6 +224,9 @@ class InflightBoard:
         start = time.perf_counter()
         record = self._encode(InflightCounts(self.router_id, placed, finished, next(self._seq)))
         self.encode_s = time.perf_counter() - start
+        self._written[record.encode()] = None
+        if len(self._written) > WRITTEN_KEPT:  # not followed back (yet): the oldest goes
+            del self._written[next(iter(self._written))]
         raws: list[bytes] = await self.registry.call(self._exchange(
             keys=[self._key, self._set],
             args=[record, self.ttl_ms, self.router_id, self._prefix, self._channel,
@@ -240,6 +248,8 @@ class InflightBoard:
                                                        timeout=1.0)
                     if message is None or message.get("type") != "message":
                         continue
+                    if self._written.pop(message["data"], False) is None:
+                        continue  # this router's own, back
                     counts = self._decode(message["data"])
                     if counts is not None:
                         on_counts(counts)
