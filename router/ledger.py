@@ -161,26 +161,24 @@ class PlacementLedger:
 
     def take(self, counts: InflightCounts) -> None:
         """One other router's counts, in place of those held from it (its push, or its
-        record as read): O(its entries), the others' untouched. Its `finished` only where
-        this router holds the load they were taken off."""
-        self._drop(counts.router_id)
+        record as read): only what moved since is written, the other routers' untouched.
+        Its `finished` only where this router holds the load they were taken off."""
+        held = self._peers.get(counts.router_id)
         self._peers[counts.router_id] = counts
-        self.placed.update({w: n for w, n in counts.placed.items() if n > 0})
-        counted = self._peer_finished[counts.router_id] = {}
+        _move(self.placed, {} if held is None else held.placed, counts.placed)
+        tags = self._tags
+        counted = {}
         for w, (n, tag) in counts.finished.items():
-            if n > 0 and self._tag(w) == tag:
+            if n > 0 and (tags[w] if w in tags else self._tag(w)) == tag:
                 counted[w] = n
-                self.finished[w] += n
+        _move(self.finished, self._peer_finished.get(counts.router_id, {}), counted)
+        self._peer_finished[counts.router_id] = counted
 
     def _drop(self, router_id: str) -> None:
         held = self._peers.pop(router_id, None)
-        if held is None:
-            return
-        for w, n in held.placed.items():
-            if n > 0:
-                _down(self.placed, w, n)
-        for w, n in self._peer_finished.pop(router_id).items():
-            _down(self.finished, w, n)
+        if held is not None:
+            _move(self.placed, held.placed, {})
+            _move(self.finished, self._peer_finished.pop(router_id), {})
 
     def charge(self, request_id: str, worker_id: str | None, tokens: int) -> None:
         """Prompt tokens sent to `worker_id` to prefill (None, or 0 tokens: done)."""
@@ -211,3 +209,18 @@ def _down(counts: collections.Counter[str], key: str, n: int = 1) -> None:
     counts[key] -= n
     if counts[key] <= 0:
         del counts[key]
+
+
+def _move(counts: collections.Counter[str], old: Mapping[str, int],
+          new: Mapping[str, int]) -> None:
+    """`counts` held `old` among its terms: `new` now (entries at 0 or below go)."""
+    if old == new:
+        return
+    for key, n in new.items():
+        d = n - old.get(key, 0)
+        if d:
+            counts[key] += d
+            if counts[key] <= 0:
+                del counts[key]
+    for key in old.keys() - new.keys():
+        _down(counts, key, old[key])

@@ -1,11 +1,12 @@
 """What a router pays to take in one peer's pushed in-flight counts (router.ledger), with
-256 decode workers and 1, 3 or 7 peers (2, 4, 8 routers), each peer's record holding 4
-requests on every worker and a departure on each. Up to stop 81 a push rebuilt the views
-from every peer's counts (`merge` of all of them: O(peers x workers)); from stop 82 the
-router takes in only the pusher's (`take`: O(workers)). Run it at each tree, PYTHONPATH
-at it: it measures `take` where the ledger has it, else the old `merge`. No Redis, no
-parsing (inflight_cost.py in ../placement_s81 measures reading a record). Prints the CPU
-model and flags and the commit first.
+256 decode workers and 1, 3 or 7 peers (2, 4, 8 routers). Each peer's record holds 4
+requests on every worker and a departure on each; each push has one more request on one
+worker than the one before, or one fewer (as a placement or an end moves them).
+Up to stop 81 a push rebuilt the views from every peer's counts (`merge` of all of them:
+O(peers x workers)); from stop 82 the router takes in only the pusher's (`take`: what moved
+in its counts). Run it at each tree, PYTHONPATH at it: it measures `take` where the ledger
+has it, else the old `merge`. No Redis, no parsing (../placement_s81/inflight_cost.py
+measures reading a record). Prints the CPU model and flags and the commit first.
 usage: PYTHONPATH=TREE python docs/bench/placement_s82/push_cost.py"""
 import platform
 import re
@@ -34,7 +35,9 @@ tag = load_tag(load)
 
 
 def counts(router: str, seq: int) -> InflightCounts:
-    return InflightCounts(router, {w: 4 for w in workers}, {w: (1, tag) for w in workers}, seq)
+    placed = {w: 4 for w in workers}
+    placed[workers[seq // 2 % WORKERS]] += seq % 2
+    return InflightCounts(router, placed, {w: (1, tag) for w in workers}, seq)
 
 
 for peers in (1, 3, 7):
