@@ -65,11 +65,12 @@ _WORKER_FAILURES = (CapacityError, WorkerTimeoutError, TimeoutError)
 # count of what this router sent it (the heartbeat's write, the request's way there).
 LOAD_MARGIN_S = 0.1
 # Pushes of this router's in-flight counts to its peers come at most this often (a burst's
-# placements go out together; at 10,000 decisions/s, one record per 200), and no more often
-# than every PUSH_COST_FACTOR x the time the last record took to make. With counts on 256
-# workers a signed record took 0.13-0.21 ms to make and 0.25-0.39 ms to read and merge on a
-# Zen 3 guest, so pushes come every 13-21 ms and cost the router ~1 % of its core, and each
-# peer that follows them ~2 % (docs/bench/placement_s81/inflight_cost.py).
+# placements go out together), and no more often than every PUSH_COST_FACTOR x the time the
+# last one took, making the record and the Redis round trip (which is what costs: with 64
+# workers, 0.05 ms to make a record and 0.2-0.3 ms of redis-py's CPU to send it, on a Zen 4
+# guest), nor less often than every `share_inflight_s`. A router that bounded its pushes by
+# the record's making alone spent 35-40 % more CPU per request with a peer than alone in the
+# router harness (docs/bench/placement_s82).
 PUSH_GAP_S = 0.005
 PUSH_COST_FACTOR = 100
 # A router alone on its Redis renews its in-flight record this many times per lease, and does
@@ -226,6 +227,7 @@ class Router(AsyncResource):
             full = time.monotonic() >= last_full + (period if self.ledger.peers else lone_s)
             if full:
                 last_full = time.monotonic()
+            start = time.perf_counter()
             try:
                 if not full:
                     await board.push(*self.ledger.shared())
@@ -240,7 +242,8 @@ class Router(AsyncResource):
                     log.warning("inflight_share_lost", error=str(err),
                                 peers=len(self.ledger.peers))
                     self._set_peers({})
-            await asyncio.sleep(max(min(period, PUSH_GAP_S), PUSH_COST_FACTOR * board.encode_s))
+            spent = time.perf_counter() - start  # wall time: at least the loop's CPU for it
+            await asyncio.sleep(min(period, max(PUSH_GAP_S, PUSH_COST_FACTOR * spent)))
 
     def _counts_moved(self) -> None:
         """The ledger's own counts moved (and it has peers): push them. The compiled data

@@ -41,7 +41,6 @@ import os
 import re
 import secrets
 import socket
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -181,7 +180,6 @@ class InflightBoard:
         self._rejected = RateLimitedLog(log, "inflight_record_refused")
         self._lost = RateLimitedLog(log, "inflight_follow_failed")
         self._seq = itertools.count(1)
-        self.encode_s = 0.0  # the event loop's time to make the last record (its CPU)
         # This router's last records as written: the channel brings them back to it too
         # (`follow`), and one of them is dropped as it is, not parsed and verified first.
         self._written: dict[bytes, None] = {}
@@ -221,9 +219,7 @@ class InflightBoard:
 
     async def _write(self, placed: Mapping[str, int], finished: Mapping[str, tuple[int, int]],
                      *, read: bool) -> list[bytes]:
-        start = time.perf_counter()
         record = self._encode(InflightCounts(self.router_id, placed, finished, next(self._seq)))
-        self.encode_s = time.perf_counter() - start
         self._written[record.encode()] = None
         if len(self._written) > WRITTEN_KEPT:  # not followed back (yet): the oldest goes
             del self._written[next(iter(self._written))]
