@@ -241,11 +241,13 @@ class RouterConfig:
         0.25, "seconds between two reads of the worker directory from Redis", gt=0,
         group=LIVENESS)
     # Router replicas on one Redis: each writes what it placed where and reads the others'
-    # this often (pdserve.control.inflight), so that two do not send the same instant's
-    # arrivals to the same worker; a router that stops writing drops out after 10 periods
-    # (at least 2 s), and a router that cannot reach Redis goes on with its own counts.
+    # this often (pdserve.control.inflight), and pushes its counts to them as they move, so
+    # that two do not send the same instant's arrivals to the same worker (the pushes do
+    # that; the exchange renews the router's lease and brings what a push lost); a router
+    # that stops writing drops out after 10 periods (at least 2 s), and a router that
+    # cannot reach Redis goes on with its own counts.
     share_inflight_s: float = setting(
-        0.05, "seconds between two exchanges of this router's in-flight counts with the "
+        0.2, "seconds between two exchanges of this router's in-flight counts with the "
         "other routers on the same Redis (0: none; each sees the others' requests only "
         "through the workers' heartbeats)", ge=0, group=ROUTING)
     # Cost placement's fixed cost of a remote prefill, corrected by the median miss of the

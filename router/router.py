@@ -68,11 +68,13 @@ LOAD_MARGIN_S = 0.1
 # placements go out together), and no more often than every PUSH_COST_FACTOR x the time the
 # last one took, making the record and the Redis round trip (which is what costs: with 64
 # workers, 0.05 ms to make a record and 0.2-0.3 ms of redis-py's CPU to send it, on a Zen 4
-# guest), nor less often than every `share_inflight_s`. A router that bounded its pushes by
-# the record's making alone spent 35-40 % more CPU per request with a peer than alone in the
-# router harness (docs/bench/placement_s82).
+# guest), nor less often than every PUSH_GAP_MAX_S (or `share_inflight_s`, if shorter)
+# while they move. A router that bounded its pushes by the record's making alone spent
+# 35-40 % more CPU per request with a peer than alone in the router harness
+# (docs/bench/placement_s82).
 PUSH_GAP_S = 0.005
 PUSH_COST_FACTOR = 100
+PUSH_GAP_MAX_S = 0.05
 # A router alone on its Redis renews its in-flight record this many times per lease, and does
 # nothing else: an exchange every `share_inflight_s` with no one to share with cost the router
 # harness's light phase up to half its decisions per CPU-second (docs/bench/placement_s81).
@@ -243,7 +245,8 @@ class Router(AsyncResource):
                                 peers=len(self.ledger.peers))
                     self._set_peers({})
             spent = time.perf_counter() - start  # wall time: at least the loop's CPU for it
-            await asyncio.sleep(min(period, max(PUSH_GAP_S, PUSH_COST_FACTOR * spent)))
+            await asyncio.sleep(min(period, PUSH_GAP_MAX_S,
+                                    max(PUSH_GAP_S, PUSH_COST_FACTOR * spent)))
 
     def _counts_moved(self) -> None:
         """The ledger's own counts moved (and it has peers): push them. The compiled data
