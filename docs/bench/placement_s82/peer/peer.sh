@@ -5,12 +5,13 @@
 # with one idle peer router on its Redis (--peer-routers 1), at PREV (a worktree at the
 # commit before) and at this checkout, alternated A B C B A, with `off` (--share-inflight 0)
 # at this checkout in the middle.
-# usage: PREV=/path/to/worktree peer.sh   (the worktree with .venv and the built extensions)
+# usage: PREV=/path/to/worktree [RUNS="TREE:MODE:N ..."] peer.sh   (the worktree with .venv and
+# the built extensions; RUNS: another sequence, e.g. "this:peer:1 prev:peer:3 this:peer:2")
 set -u
 cd "$(dirname "$0")/../../../.."
 HERE=$(pwd)
 O=$HERE/docs/bench/placement_s82/peer
-for RUN in prev:peer:1 this:peer:1 this:off:1 this:peer:2 prev:peer:2; do
+for RUN in ${RUNS:-prev:peer:1 this:peer:1 this:off:1 this:peer:2 prev:peer:2}; do
   T=${RUN%%:*}; R=${RUN##*:}; M=${RUN#*:}; M=${M%%:*}
   if [ $T = prev ]; then TREE=$PREV; else TREE=$HERE; fi
   C=$(git -C $TREE rev-parse --short HEAD)
