@@ -215,7 +215,8 @@ class LocalCluster:
         self.ports: dict[str, int] = {}  # worker name -> gRPC port
         self.metrics_ports: dict[str, int] = {}  # worker name -> Prometheus HTTP port
         self.namespace = namespace or f"cluster{uuid.uuid4().hex[:8]}"
-        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="pdserve-cluster-"))
+        # absolute: processes started with it as their working directory are handed paths in it
+        self.log_dir = (log_dir or Path(tempfile.mkdtemp(prefix="pdserve-cluster-"))).absolute()
         self.tls_dir: Path | None = None
         if tls:
             self.tls_dir = self.log_dir / "tls"

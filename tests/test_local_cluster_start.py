@@ -26,6 +26,21 @@ def test_free_port_never_hands_out_a_port_twice() -> None:
     assert len(set(ports)) == len(ports)
 
 
+def test_a_relative_log_dir_starts_redis(tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis runs in the log directory and is handed its config file there: a log directory
+    given relative to the caller's working directory was looked up again inside itself, and
+    redis-server exited while starting."""
+    monkeypatch.chdir(tmp_path)
+    c = LocalCluster(prefill=0, decode=0, log_dir=Path("logs"))
+    (tmp_path / "logs").mkdir()
+    try:
+        c.start_redis()
+        assert c.redis_url is not None and (tmp_path / "logs" / "redis.conf").exists()
+    finally:
+        c.close()
+
+
 def test_a_worker_that_cannot_bind_is_reported_with_its_log(model_dir: Path,
                                                             monkeypatch: pytest.MonkeyPatch
                                                             ) -> None:
