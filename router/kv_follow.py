@@ -11,13 +11,13 @@ knew, and the batches it missed show up as a gap later.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Iterable
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from pdserve.aio import stop_task
 from pdserve.control.kv_events import KVEventStreams
 from pdserve.errors import ControlPlaneError
 from router.kv_index import Applied, KVIndex
@@ -71,11 +71,8 @@ class KVIndexFollower:
         self._task = asyncio.create_task(self._run(), name="kv-index-follower")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await stop_task(task)
 
     def _follow(self) -> None:
         current = set(self._worker_ids())

@@ -17,7 +17,7 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry
 
-from pdserve.aio import AsyncResource
+from pdserve.aio import AsyncResource, stop_task
 from pdserve.control.directory import WorkerDirectory
 from pdserve.control.inflight import InflightBoard, InflightCounts, new_router_id, newest
 from pdserve.control.kv_events import KVEventStreams
@@ -179,10 +179,7 @@ class Router(AsyncResource):
 
     async def close(self) -> None:
         for task in (self._watch, self._share, self._follow):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await stop_task(task)
         if self.inflight_board is not None:
             with contextlib.suppress(PdserveError):  # else it lapses within its ttl
                 await self.inflight_board.leave()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -20,6 +21,7 @@ core_env.apply()
 # their configured host (kvxfer.listen), which only takes if it comes before libucxx.
 import kvxfer  # noqa: E402, F401
 from pdserve.control import WorkerRegistry  # noqa: E402
+from tests.helpers.hang_report import pytest_runtest_call, watch_loop  # noqa: E402, F401
 from tests.helpers.redis_server import redis_server  # noqa: E402, F401
 
 # A module that starts processes (clusters, workers, redis-server, kubectl, compose's
@@ -55,6 +57,12 @@ _SLOW_IN_PROCESS = (
     "test_kvxfer_bounds.py::test_authenticated_connections_idle_for_a_bounded_time",
     "test_kvxfer_bounds.py::test_unauthenticated_connections_must_keep_talking",
 )
+
+
+@pytest.fixture(scope="session", autouse=True)
+async def _session_loop() -> None:
+    """The session's event loop, for tests.helpers.hang_report."""
+    watch_loop(asyncio.get_running_loop())
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ from typing import Literal
 
 import structlog
 
-from pdserve.aio import AsyncResource
+from pdserve.aio import AsyncResource, stop_task
 from pdserve.control.registry import WorkerRegistry
 from pdserve.control.workers import Role, WorkerInfo
 from pdserve.errors import ControlPlaneError
@@ -102,10 +101,7 @@ class WorkerDirectory(AsyncResource):
 
     async def close(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
         for queue in self._subscribers:
             queue.put_nowait(None)
 

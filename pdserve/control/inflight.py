@@ -33,7 +33,6 @@ and every record is parsed strictly and bounded (`MAX_WORKERS` entries, counts i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import math
@@ -47,6 +46,7 @@ from types import MappingProxyType
 from typing import Any
 
 import structlog
+from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from pdserve.control.registry import WorkerRegistry
@@ -183,6 +183,7 @@ class InflightBoard:
         # This router's last records as written: the channel brings them back to it too
         # (`follow`), and one of them is dropped as it is, not parsed and verified first.
         self._written: dict[bytes, None] = {}
+        self._closing: set[asyncio.Future[None]] = set()  # subscriptions being closed
 
     def _encode(self, counts: InflightCounts) -> str:
         signer = self.registry.signer
@@ -252,10 +253,23 @@ class InflightBoard:
             except (RedisError, OSError, TimeoutError) as err:
                 self._lost("follow", error=str(err) or type(err).__name__)
             finally:
-                with contextlib.suppress(RedisError, OSError, TimeoutError):
-                    async with asyncio.timeout(self.registry.op_timeout_s):
-                        await pubsub.aclose()
+                await self._close_subscription(pubsub)
             await asyncio.sleep(retry_s)
+
+    async def _close_subscription(self, pubsub: PubSub) -> None:
+        """Close `pubsub` within the registry's `op_timeout_s`. redis-py's `PubSub.aclose`
+        waits for its teardown however often it is cancelled, and that teardown can stall
+        (redis/redis-py#3941): it runs as a task of its own, waited for within the bound,
+        else left to end by itself, so that `follow` always ends when it is cancelled."""
+        closing = asyncio.ensure_future(pubsub.aclose())
+        self._closing.add(closing)
+        closing.add_done_callback(self._closed)
+        await asyncio.wait({closing}, timeout=self.registry.op_timeout_s)
+
+    def _closed(self, closing: asyncio.Future[None]) -> None:
+        self._closing.discard(closing)
+        if not closing.cancelled() and (err := closing.exception()) is not None:
+            self._lost("close", error=str(err) or type(err).__name__)
 
     async def leave(self) -> None:
         """Take this router's counts off at once (a clean stop), not after `ttl_s`."""

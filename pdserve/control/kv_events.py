@@ -17,14 +17,13 @@ treats an unsigned or mis-signed entry as malformed (a gap: it asks for a snapsh
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import structlog
 
-from pdserve.aio import AsyncResource
+from pdserve.aio import AsyncResource, stop_task
 from pdserve.control.registry import WorkerRegistry
 from pdserve.control.signing import SignatureError
 from pdserve.errors import ControlPlaneError
@@ -165,11 +164,8 @@ class KVEventPublisher(AsyncResource):
         self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.worker_id}")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await stop_task(task)
 
 
     async def _publish(self, ops: list[tuple[KVOp, bytes]], *, snapshot: bool) -> None:

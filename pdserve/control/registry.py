@@ -13,13 +13,13 @@ The Lua scripts build keys from a prefix, so they assume a single (non-cluster) 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
 
 import redis.asyncio as aioredis
 import structlog
 
+from pdserve.aio import stop_task
 from pdserve.control.descriptors import KVDescriptor
 from pdserve.control.load import WorkerLoad
 from pdserve.control.signing import RecordSigner
@@ -254,10 +254,7 @@ class WorkerRegistry(ControlStore):
 
     async def _stop_heartbeat(self) -> None:
         task, self._heartbeat_task = self._heartbeat_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
 
     # ------------------------------------------------------------------ queries
 
