@@ -216,14 +216,17 @@ class Router(AsyncResource):
         lone_s = max(period, ttl_s / LONE_RENEWALS_PER_TTL)
         last_ok = time.monotonic()
         last_full = -math.inf
+
+        def full_due() -> float:  # the next exchange: soon with peers, rarely alone
+            return last_full + (period if self.ledger.peers else lone_s)
         while True:
-            due = last_full + (period if self.ledger.peers else lone_s)
+            due = full_due()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, due - time.monotonic())):
                     await self._inflight_changed.wait()
             self._inflight_changed.clear()
             # a peer that came (or went) during the wait moves the due time
-            full = time.monotonic() >= last_full + (period if self.ledger.peers else lone_s)
+            full = time.monotonic() >= full_due()
             if full:
                 last_full = time.monotonic()
             start = time.perf_counter()
